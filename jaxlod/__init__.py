@@ -1,0 +1,13 @@
+"""jaxlod: padding-free variable-length sequences for JAX and Flax.
+
+`LoDTensor` packs the rows of variable-length sequences with multi-level
+offsets on static capacities chosen by a `Buckets` policy; `jaxlod.ops` holds
+the rank table and the ops built on it.
+"""
+
+from jaxlod._buckets import Buckets
+from jaxlod._lod import Capacity, LoDTensor
+
+__version__ = "0.1.0"
+
+__all__ = ["Buckets", "Capacity", "LoDTensor", "__version__"]

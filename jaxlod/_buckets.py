@@ -1,0 +1,242 @@
+"""Capacity policies: map real sizes to static, bucketed capacities.
+
+Under `jax.jit` every shape is static, so a batch whose number of rows,
+sequences or longest length changes would recompile on every call. A
+`Buckets` policy rounds each real size up to one of a small set of
+*capacities*; the array shapes follow the capacities, so a jitted function
+compiles once per distinct capacity (and exactly once under
+`Buckets.fixed`).
+
+Three sizes are bucketed, each named by a *kind*:
+
+* ``"tokens"``: rows of ``values`` (the last level's total length);
+* ``"sequences"``: sequences at one LoD level (the count capacity);
+* ``"time"``: the longest sequence at one LoD level (the time capacity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+KINDS = ("tokens", "sequences", "time")
+
+
+def _check_kind(kind: str) -> None:
+  if kind not in KINDS:
+    raise ValueError(f"Expected `kind` to be one of {KINDS}, got {kind!r}.")
+
+
+def _as_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"Expected `{name}` to be an int, got {value!r}.")
+  return value
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  """A policy that maps real sizes to static capacities.
+
+  Build one with a constructor: `Buckets.exact`, `Buckets.pow2`,
+  `Buckets.geometric`, `Buckets.explicit` or `Buckets.fixed`. Instances are
+  hashable and compare by value, so they can be static arguments of `jit`.
+
+  Example:
+    >>> from jaxlod import Buckets
+    >>> Buckets.pow2(minimum=8).capacity(20)
+    32
+    >>> Buckets.geometric(ratio=1.25, multiple=8).capacity(20)
+    24
+    >>> Buckets.explicit([16, 64, 256]).capacity(20)
+    64
+    >>> Buckets.fixed(tokens=512, sequences=32, time=64).capacity(20, "time")
+    64
+  """
+
+  policy: str
+  params: tuple = ()
+
+  # -- constructors -------------------------------------------------------
+
+  @classmethod
+  def exact(cls) -> Buckets:
+    """Capacities equal to the real sizes (recompiles for every new size)."""
+    return cls("exact")
+
+  @classmethod
+  def pow2(cls, minimum: int = 8) -> Buckets:
+    """The next power of two, at least `minimum`."""
+    minimum = _as_int("minimum", minimum)
+    if minimum < 1:
+      raise ValueError(f"Expected `minimum` >= 1, got {minimum}.")
+    return cls("pow2", (minimum,))
+
+  @classmethod
+  def geometric(cls, ratio: float = 1.25, multiple: int = 8) -> Buckets:
+    """Capacities ``multiple, ~multiple*ratio, ...``, each a multiple of `multiple`.
+
+    Consecutive capacities grow by at least `ratio` (after rounding up to a
+    multiple of `multiple`), so padding waste is at most about ``ratio - 1``
+    of the real size plus the rounding.
+    """
+    multiple = _as_int("multiple", multiple)
+    if multiple < 1:
+      raise ValueError(f"Expected `multiple` >= 1, got {multiple}.")
+    if not float(ratio) > 1.0:
+      raise ValueError(f"Expected `ratio` > 1, got {ratio}.")
+    return cls("geometric", (float(ratio), multiple))
+
+  @classmethod
+  def explicit(cls, boundaries: Sequence[int] | Mapping[str, Sequence[int]]) -> Buckets:
+    """The smallest boundary that holds the size.
+
+    Args:
+      boundaries: ascending capacities, shared by every kind, or a mapping
+        from kind (``"tokens"``, ``"sequences"``, ``"time"``) to its own
+        ascending capacities. A size above the largest boundary is an error.
+    """
+    if isinstance(boundaries, Mapping):
+      table = {}
+      for kind, values in boundaries.items():
+        _check_kind(kind)
+        table[kind] = cls._check_boundaries(f"boundaries[{kind!r}]", values)
+      return cls("explicit", tuple(sorted(table.items())))
+    values = cls._check_boundaries("boundaries", boundaries)
+    return cls("explicit", tuple((kind, values) for kind in KINDS))
+
+  @classmethod
+  def fixed(
+    cls,
+    *,
+    tokens: int,
+    sequences: int | Sequence[int],
+    time: int | Sequence[int],
+  ) -> Buckets:
+    """One capacity per kind, so a jitted function compiles exactly once.
+
+    Args:
+      tokens: rows of ``values``.
+      sequences: sequences per level: one int for every level, or one per
+        level (level 0 first).
+      time: longest sequence per level: one int or one per level.
+
+    A batch larger than a fixed capacity raises `ValueError`; it is never
+    truncated.
+    """
+    tokens = _as_int("tokens", tokens)
+    per_level = {}
+    for name, value in (("sequences", sequences), ("time", time)):
+      if isinstance(value, int) and not isinstance(value, bool):
+        per_level[name] = (value,)
+      else:
+        per_level[name] = tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(value))
+        if not per_level[name]:
+          raise ValueError(f"Expected `{name}` to name at least one level.")
+    for name, values in (("tokens", (tokens,)), *per_level.items()):
+      for v in values:
+        if v < 0:
+          raise ValueError(f"Expected `{name}` >= 0, got {v}.")
+    return cls("fixed", (tokens, per_level["sequences"], per_level["time"]))
+
+  @staticmethod
+  def _check_boundaries(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    values = tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(values))
+    if not values:
+      raise ValueError(f"Expected `{name}` to be non-empty.")
+    for i in range(1, len(values)):
+      if values[i] <= values[i - 1]:
+        raise ValueError(
+          f"Expected `{name}` to be strictly ascending, got {values[i - 1]} "
+          f"at index {i - 1} and {values[i]} at index {i}."
+        )
+    if values[0] < 0:
+      raise ValueError(f"Expected `{name}` >= 0, got {values[0]}.")
+    return values
+
+  # -- mapping ------------------------------------------------------------
+
+  def capacity(self, size: int, kind: str = "tokens", level: int = 0) -> int:
+    """The static capacity for a real `size` of the given `kind`.
+
+    Args:
+      size: the real size (>= 0).
+      kind: ``"tokens"``, ``"sequences"`` or ``"time"``.
+      level: the LoD level, for ``"sequences"`` and ``"time"`` under
+        `Buckets.fixed` with one capacity per level.
+
+    Returns:
+      An int >= `size`.
+
+    Raises:
+      ValueError: if no capacity of the policy holds `size`.
+    """
+    _check_kind(kind)
+    size = int(size)
+    if size < 0:
+      raise ValueError(f"Expected a size >= 0, got {size}.")
+    fn = getattr(self, f"_capacity_{self.policy}")
+    return fn(size, kind, level)
+
+  def _capacity_exact(self, size, kind, level):
+    del kind, level
+    return size
+
+  def _capacity_pow2(self, size, kind, level):
+    del kind, level
+    (minimum,) = self.params
+    return max(minimum, 1 << max(size - 1, 0).bit_length())
+
+  def _capacity_geometric(self, size, kind, level):
+    del kind, level
+    ratio, multiple = self.params
+    capacity = multiple
+    while capacity < size:
+      capacity = max(
+        capacity + multiple, _round_up(math.ceil(capacity * ratio), multiple)
+      )
+    return capacity
+
+  def _capacity_explicit(self, size, kind, level):
+    del level
+    table = dict(self.params)
+    if kind not in table:
+      raise ValueError(f"Explicit buckets name no boundaries for {kind!r}.")
+    for boundary in table[kind]:
+      if boundary >= size:
+        return boundary
+    raise ValueError(
+      f"{kind} size {size} exceeds the largest explicit boundary {table[kind][-1]}."
+    )
+
+  def _capacity_fixed(self, size, kind, level):
+    tokens, sequences, time = self.params
+    if kind == "tokens":
+      capacity, where = tokens, ""
+    else:
+      values = sequences if kind == "sequences" else time
+      if len(values) > 1 and level >= len(values):
+        raise ValueError(
+          f"Fixed {kind} capacities name {len(values)} levels, got level {level}."
+        )
+      capacity = values[min(level, len(values) - 1)]
+      where = f" at level {level}"
+    if size > capacity:
+      raise ValueError(
+        f"Batch {kind} size{where} is {size}, more than the fixed capacity "
+        f"{capacity}; data is never truncated."
+      )
+    return capacity
+
+
+def resolve(buckets: Buckets | None) -> Buckets:
+  """`None` means `Buckets.exact()`."""
+  if buckets is None:
+    return Buckets.exact()
+  if not isinstance(buckets, Buckets):
+    raise TypeError(f"Expected `buckets` to be a Buckets or None, got {buckets!r}.")
+  return buckets

@@ -1,0 +1,553 @@
+"""LoDTensor: packed rows plus multi-level offsets, on static capacities."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jaxlod import _buckets
+from jaxlod._buckets import Buckets
+
+
+class Capacity(NamedTuple):
+  """The static sizes of a LoDTensor.
+
+  Attributes:
+    tokens: rows of ``values`` (token capacity).
+    sequences: per level, the number of sequence slots (count capacity).
+    time: per level, the longest sequence the tensor may hold (time capacity).
+  """
+
+  tokens: int
+  sequences: tuple[int, ...]
+  time: tuple[int, ...]
+
+
+def is_concrete(*arrays: Any) -> bool:
+  """True when no array is a tracer, so its values can be read on the host."""
+  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+# -- host-side validation ----------------------------------------------------
+
+
+def _integer_level(name: str, level: int, values: Any) -> np.ndarray:
+  """One LoD level as a 1-D int64 array; rejects non-integer input."""
+  array = np.asarray(values)
+  if array.ndim != 1:
+    raise ValueError(
+      f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}."
+    )
+  if array.dtype == np.bool_ or not (
+    np.issubdtype(array.dtype, np.integer) or array.size == 0
+  ):
+    bad = 0
+    if np.issubdtype(array.dtype, np.floating):
+      bad = int(np.flatnonzero(array != np.round(array))[:1].tolist() or [0])
+    raise ValueError(
+      f"Expected integer {name} at LoD level {level}, got dtype {array.dtype} "
+      f"(index {bad}: {array[bad]!r})."
+    )
+  return array.astype(np.int64)
+
+
+def _lengths_to_offsets(recursive_lengths: Sequence[Any]) -> list[np.ndarray]:
+  offsets = []
+  for level, lengths in enumerate(recursive_lengths):
+    lengths = _integer_level("lengths", level, lengths)
+    negative = np.flatnonzero(lengths < 0)
+    if negative.size:
+      i = int(negative[0])
+      raise ValueError(
+        f"LoD level {level}, index {i}: length {lengths[i]} is negative."
+      )
+    offsets.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+  return offsets
+
+
+def _check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
+  """Paddle's CheckLoD, with messages naming the level, index and values."""
+  if len(offsets) == 0:
+    raise ValueError("Expected at least one LoD level, got none.")
+  checked = [_integer_level("offsets", level, o) for level, o in enumerate(offsets)]
+  for level, o in enumerate(checked):
+    if o.size == 0:
+      raise ValueError(f"LoD level {level} has no offsets; expected at least [0].")
+    if o[0] != 0:
+      raise ValueError(
+        f"LoD level {level}, index 0: offsets must start at 0, got {o[0]}."
+      )
+    drops = np.flatnonzero(np.diff(o) < 0)
+    if drops.size:
+      i = int(drops[0])
+      raise ValueError(
+        f"LoD level {level}, index {i + 1}: offsets must be non-decreasing, "
+        f"got {o[i]} at index {i} then {o[i + 1]}."
+      )
+  for level in range(len(checked) - 1):
+    last, count = checked[level][-1], checked[level + 1].size - 1
+    if last != count:
+      raise ValueError(
+        f"LoD level {level}: last offset {last} must equal the number of "
+        f"sequences at level {level + 1}, which is {count}."
+      )
+  if checked[-1][-1] != num_rows:
+    raise ValueError(
+      f"LoD level {len(checked) - 1} (last): last offset {checked[-1][-1]} must "
+      f"equal the number of rows of `values`, which is {num_rows}."
+    )
+  return checked
+
+
+def _as_values(values: Any, dtype: Any = None) -> np.ndarray:
+  array = np.asarray(values, dtype=dtype)
+  if array.ndim == 0:
+    raise ValueError(
+      "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar "
+      f"of dtype {array.dtype}."
+    )
+  return array
+
+
+def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
+  pad = np.zeros((rows - array.shape[0], *array.shape[1:]), array.dtype)
+  return np.concatenate([array, pad], axis=0)
+
+
+# -- the pytree ----------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class LoDTensor:
+  """Packed rows of variable-length sequences with multi-level offsets.
+
+  A LoDTensor is Paddle's LoDTensor on static capacities. The rows of all
+  sequences are packed one after another in ``values``; ``offsets`` holds one
+  offsets array per LoD level, level 0 outermost. Each level's offsets index
+  into the next level's sequences; the last level's offsets index rows.
+  Sizes that vary from batch to batch are rounded up to *capacities* (see
+  `Buckets`): padding sequences past the real count are empty (their offsets
+  repeat the last value) and padding rows past the last offset are zeros, so
+  every op handles them for free and a jitted function never recompiles for a
+  batch of the same capacities.
+
+  It is a pytree. Dynamic leaves: ``values`` ``[token_capacity, *features]``,
+  ``offsets`` (a tuple of int32 ``[count_capacity + 1]`` arrays, one per
+  level) and ``num_outer`` (int32 scalar: the real number of level-0
+  sequences; deeper counts are the last offset of the level above). Static
+  auxiliary data: the time capacity of each level. Token and count
+  capacities are read from the shapes.
+
+  Build one on the host with `from_lengths`, `from_offsets`, `from_sequences`
+  or `from_padded`; they validate the LoD and never truncate data.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod import LoDTensor, Buckets
+    >>> x = LoDTensor.from_lengths(np.arange(9.0), [[2, 1], [3, 2, 4]])
+    >>> x.recursive_lengths()
+    [[2, 1], [3, 2, 4]]
+    >>> [o.tolist() for o in x.offsets]
+    [[0, 2, 3], [0, 3, 5, 9]]
+    >>> y = LoDTensor.from_sequences([np.ones(3), np.ones(5)], buckets=Buckets.pow2())
+    >>> y.capacity
+    Capacity(tokens=8, sequences=(8,), time=(8,))
+  """
+
+  def __init__(
+    self,
+    values: jax.Array,
+    offsets: Sequence[jax.Array],
+    num_outer: jax.Array,
+    time_capacity: Sequence[int],
+  ):
+    """Low-level constructor: no value checks. Prefer the ``from_*`` builders.
+
+    Args:
+      values: ``[token_capacity, *features]`` packed rows, zeros past the last
+        offset.
+      offsets: one int32 ``[count_capacity_l + 1]`` array per level.
+      num_outer: int32 scalar, the real number of level-0 sequences.
+      time_capacity: per level, a static bound on the longest sequence.
+    """
+    offsets = tuple(offsets)
+    time_capacity = tuple(int(t) for t in time_capacity)
+    if len(offsets) == 0:
+      raise ValueError("Expected at least one LoD level, got none.")
+    if len(time_capacity) != len(offsets):
+      raise ValueError(
+        f"Expected one time capacity per level ({len(offsets)}), got {time_capacity}."
+      )
+    if jnp.ndim(values) == 0:
+      raise ValueError(
+        "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar."
+      )
+    for level, o in enumerate(offsets):
+      if jnp.ndim(o) != 1 or jnp.shape(o)[0] < 1:
+        raise ValueError(
+          f"Expected offsets of level {level} to have shape [count_capacity + 1], "
+          f"got {jnp.shape(o)}."
+        )
+    self.values = values
+    self.offsets = offsets
+    self.num_outer = num_outer
+    self.time_capacity = time_capacity
+
+  # -- pytree protocol --------------------------------------------------------
+
+  def tree_flatten_with_keys(self):
+    keys = jax.tree_util.GetAttrKey
+    children = (
+      (keys("values"), self.values),
+      (keys("offsets"), self.offsets),
+      (keys("num_outer"), self.num_outer),
+    )
+    return children, self.time_capacity
+
+  @classmethod
+  def tree_unflatten(cls, time_capacity, children):
+    # Transformations put arbitrary objects in the leaves: no checks here.
+    obj = object.__new__(cls)
+    obj.values, obj.offsets, obj.num_outer = children
+    obj.time_capacity = time_capacity
+    return obj
+
+  # -- host builders ----------------------------------------------------------
+
+  @classmethod
+  def from_offsets(
+    cls, values: Any, offsets: Sequence[Any], *, buckets: Buckets | None = None
+  ) -> LoDTensor:
+    """Builds a LoDTensor from Paddle's offset-based LoD.
+
+    Args:
+      values: ``[rows, *features]`` packed rows.
+      offsets: one sequence of ints per level, level 0 outermost, e.g.
+        ``[[0, 2, 3], [0, 3, 5, 9]]``.
+      buckets: capacity policy; `None` means exact sizes.
+
+    Returns:
+      A LoDTensor padded to the capacities of `buckets`.
+
+    Raises:
+      ValueError: if the LoD is malformed (the message names the level, the
+        index and the values) or the batch exceeds a fixed capacity.
+    """
+    values = _as_values(values)
+    checked = _check_offsets(offsets, values.shape[0])
+    return cls._build(values, checked, _buckets.resolve(buckets))
+
+  @classmethod
+  def from_lengths(
+    cls,
+    values: Any,
+    recursive_lengths: Sequence[Sequence[int]],
+    *,
+    buckets: Buckets | None = None,
+  ) -> LoDTensor:
+    """Builds a LoDTensor from Paddle's length-based LoD.
+
+    Args:
+      values: ``[rows, *features]`` packed rows.
+      recursive_lengths: one list of lengths per level, level 0 outermost,
+        e.g. ``[[2, 1], [3, 2, 4]]``: two outer sequences holding 2 and 1
+        sub-sequences of 3, 2 and 4 rows.
+      buckets: capacity policy; `None` means exact sizes.
+
+    Raises:
+      ValueError: for negative or non-integer lengths, levels whose sums
+        disagree with the next level, or a batch over a fixed capacity.
+    """
+    values = _as_values(values)
+    if len(recursive_lengths) == 0:
+      raise ValueError("Expected at least one LoD level, got none.")
+    offsets = _lengths_to_offsets(recursive_lengths)
+    checked = _check_offsets(offsets, values.shape[0])
+    return cls._build(values, checked, _buckets.resolve(buckets))
+
+  @classmethod
+  def from_sequences(
+    cls, seqs: Sequence[Any], *, buckets: Buckets | None = None, dtype: Any = None
+  ) -> LoDTensor:
+    """Builds a LoDTensor from Python lists of sequences.
+
+    Args:
+      seqs: a list of arrays ``[length_i, *features]`` (one level), or a list
+        of lists of such arrays (two levels). A list of numbers counts as one
+        1-D sequence.
+      buckets: capacity policy; `None` means exact sizes.
+      dtype: dtype of ``values``; inferred from the data when `None`.
+
+    Raises:
+      ValueError: if the sequences disagree in feature shape.
+    """
+    if isinstance(seqs, np.ndarray | jax.Array):
+      raise TypeError(
+        "Expected `seqs` to be a list of sequences, got an array; use "
+        "`from_padded` or `from_lengths` for arrays."
+      )
+    two_levels = any(_is_nested(s) for s in seqs)
+    if two_levels:
+      for i, group in enumerate(seqs):
+        if not isinstance(group, list | tuple):
+          raise ValueError(
+            f"Expected item {i} of a two-level `seqs` to be a list of sequences, "
+            f"got {type(group).__name__}."
+          )
+    inner = [list(s) for s in seqs] if two_levels else [list(seqs)]
+    flat = [np.asarray(x) for group in inner for x in group]
+    for i, x in enumerate(flat):
+      if x.ndim == 0:
+        raise ValueError(
+          f"Expected sequence {i} to have rank >= 1 ([length, *features]), got a "
+          "scalar."
+        )
+    features = {x.shape[1:] for x in flat if x.shape[0] > 0} or {
+      x.shape[1:] for x in flat
+    }
+    if len(features) > 1:
+      raise ValueError(
+        "Expected every sequence to have the same feature shape, got "
+        f"{sorted(features)}."
+      )
+    feature_shape = features.pop() if features else ()
+    if dtype is None:
+      dtype = (
+        np.result_type(*[x.dtype for x in flat if x.size])
+        if any(x.size for x in flat)
+        else np.float32
+      )
+    rows = [x.reshape((x.shape[0], *feature_shape)) for x in flat]
+    values = (
+      np.concatenate(rows, axis=0).astype(dtype)
+      if rows
+      else np.zeros((0, *feature_shape), dtype)
+    )
+    lengths = [[x.shape[0] for x in flat]]
+    if two_levels:
+      lengths.insert(0, [len(group) for group in inner])
+    return cls.from_lengths(values, lengths, buckets=buckets)
+
+  @classmethod
+  def from_padded(
+    cls, padded: Any, lengths: Any, *, buckets: Buckets | None = None
+  ) -> LoDTensor:
+    """Builds a one-level LoDTensor from a padded batch.
+
+    Args:
+      padded: ``[count, time, *features]``; row ``t`` of sequence ``i`` is
+        ``padded[i, t]`` for ``t < lengths[i]``.
+      lengths: ``[count]`` integer lengths, ``0 <= lengths[i] <= time``.
+      buckets: capacity policy; `None` means exact sizes.
+
+    Raises:
+      ValueError: for a `padded` of rank < 2, a `lengths` of the wrong shape,
+        or a length outside ``[0, time]``.
+    """
+    padded = np.asarray(padded)
+    if padded.ndim < 2:
+      raise ValueError(
+        f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "
+        f"shape {padded.shape}."
+      )
+    lengths = _integer_level("lengths", 0, lengths)
+    if lengths.shape[0] != padded.shape[0]:
+      raise ValueError(
+        f"Expected `lengths` to have shape ({padded.shape[0]},) (one per "
+        f"sequence of `padded`), got {lengths.shape}."
+      )
+    bad = np.flatnonzero((lengths < 0) | (lengths > padded.shape[1]))
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+        f"LoD level 0, index {i}: length {lengths[i]} is outside [0, "
+        f"{padded.shape[1]}] (the time dimension of `padded`)."
+      )
+    mask = np.arange(padded.shape[1])[None, :] < lengths[:, None]
+    return cls.from_lengths(padded[mask], [lengths], buckets=buckets)
+
+  @classmethod
+  def _build(
+    cls, values: np.ndarray, offsets: list[np.ndarray], buckets: Buckets
+  ) -> LoDTensor:
+    tokens = buckets.capacity(values.shape[0], "tokens")
+    padded_offsets, time = [], []
+    for level, o in enumerate(offsets):
+      count = buckets.capacity(o.size - 1, "sequences", level)
+      longest = int(np.max(np.diff(o), initial=0))
+      time.append(buckets.capacity(longest, "time", level))
+      padded_offsets.append(
+        jnp.asarray(np.pad(o, (0, count + 1 - o.size), mode="edge"), jnp.int32)
+      )
+    return cls(
+      jnp.asarray(_pad_rows(values, tokens)),
+      padded_offsets,
+      jnp.asarray(offsets[0].size - 1, jnp.int32),
+      time,
+    )
+
+  # -- shape information (static) ---------------------------------------------
+
+  @property
+  def num_levels(self) -> int:
+    """Number of LoD levels."""
+    return len(self.offsets)
+
+  @property
+  def capacity(self) -> Capacity:
+    """The static capacities: tokens, sequences per level, time per level."""
+    return Capacity(
+      tokens=int(jnp.shape(self.values)[0]),
+      sequences=tuple(int(jnp.shape(o)[0]) - 1 for o in self.offsets),
+      time=self.time_capacity,
+    )
+
+  @property
+  def feature_shape(self) -> tuple[int, ...]:
+    """Trailing shape of each row of ``values``."""
+    return tuple(jnp.shape(self.values)[1:])
+
+  def _level(self, level: int) -> int:
+    if not -self.num_levels <= level < self.num_levels:
+      raise ValueError(
+        f"Expected `level` in [{-self.num_levels}, {self.num_levels}), got {level}."
+      )
+    return level % self.num_levels
+
+  # -- jittable accessors ---------------------------------------------------------
+
+  def lengths(self, level: int = -1) -> jax.Array:
+    """Lengths of the sequences at `level`: int32 ``[count_capacity]``.
+
+    Padding sequences have length 0. Jittable.
+    """
+    return jnp.diff(self.offsets[self._level(level)])
+
+  def num_sequences(self, level: int = 0) -> jax.Array:
+    """Real number of sequences at `level` (int32 scalar). Jittable."""
+    level = self._level(level)
+    if level == 0:
+      return jnp.asarray(self.num_outer)
+    return self.offsets[level - 1][-1]
+
+  @property
+  def num_rows(self) -> jax.Array:
+    """Real number of rows of ``values`` (int32 scalar). Jittable."""
+    return self.offsets[-1][-1]
+
+  def with_values(self, values: jax.Array) -> LoDTensor:
+    """The same LoD over new rows ``[token_capacity, *new_features]``."""
+    if jnp.ndim(values) == 0 or jnp.shape(values)[0] != self.capacity.tokens:
+      raise ValueError(
+        f"Expected `values` to have leading dimension {self.capacity.tokens} "
+        f"(token capacity), got shape {jnp.shape(values)}."
+      )
+    return LoDTensor(values, self.offsets, self.num_outer, self.time_capacity)
+
+  def to_padded(
+    self, pad_value: Any = 0, time_capacity: int | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """The last level as a padded batch. Jittable.
+
+    Args:
+      pad_value: value of cells past each sequence's end.
+      time_capacity: static length of the time axis; defaults to the last
+        level's time capacity. A smaller value is checked against the data:
+        eagerly with `ValueError`, under `jit` through
+        `jax.experimental.checkify` (wrap the caller in `checkify.checkify`
+        to see the error).
+
+    Returns:
+      ``(padded [count_capacity, time, *features], lengths [count_capacity])``.
+    """
+    time = self.time_capacity[-1] if time_capacity is None else int(time_capacity)
+    lengths = self.lengths()
+    if time < self.time_capacity[-1]:
+      _check_fits(lengths, time, "to_padded(time_capacity=...)")
+    starts = self.offsets[-1][:-1]
+    steps = jnp.arange(time, dtype=jnp.int32)
+    index = starts[:, None] + steps[None, :]
+    mask = steps[None, :] < lengths[:, None]
+    tokens = self.capacity.tokens
+    pad = jnp.asarray(pad_value, self.values.dtype)
+    if tokens == 0:
+      shape = (lengths.shape[0], time, *self.feature_shape)
+      return jnp.full(shape, pad), lengths
+    rows = self.values[jnp.clip(index, 0, tokens - 1)]
+    mask = mask.reshape(mask.shape + (1,) * len(self.feature_shape))
+    return jnp.where(mask, rows, pad), lengths
+
+  # -- host-only views ----------------------------------------------------------------
+
+  def _host_offsets(self) -> list[np.ndarray]:
+    if not is_concrete(*self.offsets, self.num_outer):
+      raise ValueError("This method reads data on the host; it cannot run under jit.")
+    real = [np.asarray(self.offsets[0])[: int(self.num_outer) + 1]]
+    for o in self.offsets[1:]:
+      real.append(np.asarray(o)[: int(real[-1][-1]) + 1])
+    return real
+
+  def recursive_lengths(self) -> list[list[int]]:
+    """Paddle's length-based LoD of the real sequences (host only).
+
+    Returns:
+      One list of ints per level, level 0 first, without padding sequences.
+    """
+    return [np.diff(o).tolist() for o in self._host_offsets()]
+
+  def to_list(self) -> list:
+    """The real sequences as NumPy arrays (host only).
+
+    Returns:
+      A list of ``[length, *features]`` arrays for one level; a list of lists
+      for two levels (and so on): the inverse of `from_sequences`.
+    """
+    offsets = self._host_offsets()
+    values = np.asarray(self.values)
+
+    def split(level: int, start: int, stop: int) -> list:
+      o = offsets[level]
+      if level == len(offsets) - 1:
+        return [values[o[i] : o[i + 1]] for i in range(start, stop)]
+      return [split(level + 1, o[i], o[i + 1]) for i in range(start, stop)]
+
+    return split(0, 0, offsets[0].size - 1)
+
+  def __repr__(self) -> str:
+    values = self.values
+    shape = getattr(values, "shape", None)
+    dtype = getattr(values, "dtype", None)
+    head = f"LoDTensor(values={dtype}{list(shape) if shape is not None else ''}"
+    try:
+      lod = f", lod={self.recursive_lengths()}"
+    except (ValueError, TypeError, AttributeError):
+      lod = ""
+    return f"{head}{lod}, capacity={self.capacity})"
+
+
+def _is_nested(seq: Any) -> bool:
+  """True for a list whose items are sequences (arrays or lists), not numbers."""
+  if isinstance(seq, np.ndarray | jax.Array) or not isinstance(seq, list | tuple):
+    return False
+  return any(isinstance(item, list | tuple | np.ndarray | jax.Array) for item in seq)
+
+
+def _check_fits(lengths: jax.Array, time: int, where: str) -> None:
+  """Raises (eagerly) or checkify-checks (under jit) that lengths <= time."""
+  if is_concrete(lengths):
+    longest = int(np.max(np.asarray(lengths), initial=0))
+    if longest > time:
+      raise ValueError(
+        f"{where}: the longest sequence has {longest} rows, more than the "
+        f"requested time capacity {time}; data is never truncated."
+      )
+  else:
+    checkify.debug_check(
+      jnp.max(lengths, initial=0) <= time,
+      f"{where}: a sequence is longer than the requested time capacity {time}.",
+    )

@@ -1,0 +1,1 @@
+"""Runnable programs: ``python -m jaxlod.examples.NAME``."""

@@ -1,0 +1,85 @@
+"""A tour of a LoD batch: lengths, rank table and the shrinking schedule.
+
+Run with ``python -m jaxlod`` (or ``python -m jaxlod.examples.tour``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from jaxlod import Buckets, LoDTensor
+from jaxlod.examples._text import PARAGRAPHS
+from jaxlod.ops import default_ladder, rank_table
+
+
+def tokenize(paragraphs):
+  """Sentences as int32 word-id arrays, grouped by paragraph, and the vocab."""
+  vocab: dict[str, int] = {}
+  grouped = []
+  for paragraph in paragraphs:
+    sentences = []
+    for sentence in paragraph:
+      words = re.findall(r"[a-z']+", sentence.lower())
+      ids = [vocab.setdefault(w, len(vocab)) for w in words]
+      sentences.append(np.asarray(ids, np.int32))
+    grouped.append(sentences)
+  return grouped, vocab
+
+
+def schedule_report(x: LoDTensor) -> dict[str, int]:
+  """Token-steps of the real work, the sorted schedule and two padded loops."""
+  table = rank_table(x)
+  fine = rank_table(
+    x, ladder=default_ladder(table.count_capacity, minimum=1, multiple=1)
+  )
+  lengths = np.asarray(table.lengths)
+  count, longest = int(table.count), int(table.max_length)
+  return {
+    "real token-steps (sum of lengths)": int(lengths.sum()),
+    "sorted, shrinking batches (sum of batch_sizes)": int(
+      np.asarray(table.batch_sizes).sum()
+    ),
+    f"phased loop, default ladder {table.ladder}": int(table.schedule_steps()),
+    f"phased loop, fine ladder {fine.ladder}": int(fine.schedule_steps()),
+    f"padding {count} sequences to the longest ({longest})": count * longest,
+    f"padding to the capacities ({table.count_capacity} x {table.time_capacity})": (
+      table.count_capacity * table.time_capacity
+    ),
+  }
+
+
+def main() -> None:
+  grouped, vocab = tokenize(PARAGRAPHS)
+  sentences = [s for paragraph in grouped for s in paragraph]
+  print(f"{len(sentences)} sentences, {len(vocab)} distinct words\n")
+
+  x = LoDTensor.from_sequences(sentences, buckets=Buckets.pow2(minimum=8))
+  print("One-level batch (sentence -> words):", x)
+  print("recursive lengths:", x.recursive_lengths())
+  table = rank_table(x)
+  print("\nRank table (original index, length), longest first:")
+  print("  ", table.items())
+  sizes = np.asarray(table.batch_sizes)[: int(table.max_length)]
+  print("per-step batch sizes:", sizes.tolist())
+  print("phases (ladder size: steps):", end=" ")
+  starts, ends = np.asarray(table.phase_starts), np.asarray(table.phase_ends)
+  print(
+    ", ".join(
+      f"{b}: [{s}, {e})" for b, s, e in zip(table.ladder, starts, ends, strict=True)
+    )
+  )
+  print("\nToken-steps for one pass over the batch:")
+  for name, steps in schedule_report(x).items():
+    print(f"  {steps:6d}  {name}")
+
+  nested = LoDTensor.from_sequences(grouped)
+  print("\nTwo-level batch (paragraph -> sentences -> words):")
+  print("recursive lengths:", nested.recursive_lengths())
+  print("paragraphs ranked by sentence count:", rank_table(nested, 0).items())
+  print("sentences ranked by word count:", rank_table(nested, 1).items())
+
+
+if __name__ == "__main__":
+  main()

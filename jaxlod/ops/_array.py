@@ -1,0 +1,346 @@
+"""Array ops between packed rows and the time-major stacked buffer.
+
+Fluid's lod_tensor_to_array / array_to_lod_tensor / reorder_lod_tensor_by_rank
+/ shrink_rnn_memory. Each moves valid cells without combining them, so each
+backward pass is the inverse gather (never a scatter-add).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod.ops._rank import RankTable
+
+# -- the one primitive: a gather whose transpose is a known gather -------------
+
+
+def _masked_take(src: jax.Array, index: jax.Array, valid: jax.Array | None):
+  """``src[index]`` along axis 0, zeros where not `valid`."""
+  out_shape = (index.shape[0], *src.shape[1:])
+  if src.shape[0] == 0 or index.shape[0] == 0:
+    return jnp.zeros(out_shape, src.dtype)
+  out = jnp.take(src, index, axis=0, mode="clip", unique_indices=valid is None)
+  if valid is None:
+    return out
+  mask = valid.reshape(valid.shape + (1,) * (src.ndim - 1))
+  return jnp.where(mask, out, jnp.zeros((), src.dtype))
+
+
+@jax.custom_vjp
+def _gather(src, index, valid, inverse_index, inverse_valid):
+  return _masked_take(src, index, valid)
+
+
+def _gather_fwd(src, index, valid, inverse_index, inverse_valid):
+  out = _masked_take(src, index, valid)
+  return out, (inverse_index, inverse_valid)
+
+
+def _gather_bwd(residuals, g):
+  inverse_index, inverse_valid = residuals
+  return _masked_take(g, inverse_index, inverse_valid), None, None, None, None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _permutation_gather(src: jax.Array, perm: jax.Array, inverse: jax.Array):
+  """``src[perm]`` for a permutation `perm` of all rows; VJP ``g[inverse]``."""
+  return _gather(src, perm, None, inverse, None)
+
+
+# -- index maps between rows and cells -------------------------------------------
+
+
+def _check_pair(x: LoDTensor, table: RankTable, name: str) -> None:
+  if not isinstance(x, LoDTensor):
+    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  if not isinstance(table, RankTable):
+    raise TypeError(f"Expected `table` to be a RankTable, got {type(table).__name__}.")
+  count = x.capacity.sequences[-1]
+  if count != table.count_capacity:
+    raise ValueError(
+      f"Expected the rank table's count capacity {table.count_capacity} to equal "
+      f"the count capacity of `{name}`'s last level, got {count}."
+    )
+  if x.time_capacity[-1] > table.time_capacity:
+    raise ValueError(
+      f"Expected the rank table's time capacity {table.time_capacity} to be at "
+      f"least the time capacity of `{name}`'s last level, got "
+      f"{x.time_capacity[-1]}."
+    )
+  lengths = x.lengths()
+  if is_concrete(lengths, table.order, table.lengths):
+    expected = np.asarray(lengths)[np.asarray(table.order)]
+    if not np.array_equal(expected, np.asarray(table.lengths)):
+      bad = int(np.flatnonzero(expected != np.asarray(table.lengths))[0])
+      raise ValueError(
+        f"The rank table does not describe `{name}`'s last level: at rank {bad} "
+        f"it has length {int(np.asarray(table.lengths)[bad])}, `{name}` has "
+        f"{int(expected[bad])}."
+      )
+
+
+def _cell_rows(x: LoDTensor, table: RankTable, reverse: bool = False):
+  """For each cell ``(t, r)`` of the buffer, flattened: its row and validity.
+
+  With `reverse`, step ``t`` of a sequence of length ``n`` is its row
+  ``n - 1 - t``: each sequence runs from its own last row.
+  """
+  steps = jnp.arange(table.time_capacity, dtype=jnp.int32)[:, None]
+  lengths = jnp.asarray(table.lengths)[None, :]
+  starts = x.offsets[-1][:-1][table.order][None, :]
+  position = lengths - 1 - steps if reverse else steps
+  return (starts + position).reshape(-1), (steps < lengths).reshape(-1)
+
+
+def _row_cells(x: LoDTensor, table: RankTable, reverse: bool = False):
+  """For each row of ``values``: its flattened cell ``t * count + rank``."""
+  offsets = x.offsets[-1]
+  rows = jnp.arange(x.capacity.tokens, dtype=jnp.int32)
+  count = table.count_capacity
+  seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
+  seq = jnp.clip(seq, 0, max(count - 1, 0))
+  step = rows - offsets[seq]
+  if reverse:
+    step = offsets[seq + 1] - 1 - rows
+  cell = step * count + jnp.asarray(table.ranks)[seq]
+  return cell, rows < offsets[-1]
+
+
+def to_array(x: LoDTensor, table: RankTable, reverse: bool = False) -> jax.Array:
+  """`lod_to_array` without checks, optionally with each sequence reversed."""
+  index, valid = _cell_rows(x, table, reverse)
+  inverse_index, inverse_valid = _row_cells(x, table, reverse)
+  flat = _gather(x.values, index, valid, inverse_index, inverse_valid)
+  return flat.reshape(table.time_capacity, table.count_capacity, *x.feature_shape)
+
+
+def from_array(
+  array: jax.Array, table: RankTable, like: LoDTensor, reverse: bool = False
+) -> LoDTensor:
+  """`array_to_lod` without checks, optionally with each sequence reversed."""
+  index, valid = _row_cells(like, table, reverse)
+  inverse_index, inverse_valid = _cell_rows(like, table, reverse)
+  flat = array.reshape(-1, *array.shape[2:])
+  return like.with_values(_gather(flat, index, valid, inverse_index, inverse_valid))
+
+
+# -- public ops ------------------------------------------------------------------------
+
+
+def lod_to_array(x: LoDTensor, table: RankTable) -> jax.Array:
+  """Gathers packed rows into a time-major buffer in rank order.
+
+  Fluid's ``lod_tensor_to_array``: the TensorArray of per-step batches, as one
+  stacked array. Cell ``[t, r]`` holds row ``t`` of the sequence at rank
+  ``r``; cells past a sequence's end are zeros, so the batch active at step
+  ``t`` is the prefix ``[:table.batch_sizes[t]]``.
+
+  Args:
+    x: a LoDTensor, ``values [token_capacity, *features]``.
+    table: the rank table of `x`'s last level (for a nested LoD, a table of
+      the same sequences built from another tensor works too).
+
+  Returns:
+    ``[time_capacity, count_capacity, *features]``. Differentiable in
+    ``x.values``; the backward pass is the inverse gather.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.ops import rank_table, lod_to_array
+    >>> x = LoDTensor.from_lengths(np.arange(1.0, 6.0), [[2, 3]])
+    >>> lod_to_array(x, rank_table(x))[:, :, ].tolist()
+    [[3.0, 1.0], [4.0, 2.0], [5.0, 0.0]]
+  """
+  _check_pair(x, table, "x")
+  return to_array(x, table)
+
+
+def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDTensor:
+  """Scatters a time-major rank-ordered buffer back to packed rows.
+
+  Fluid's ``array_to_lod_tensor``, the inverse of `lod_to_array`: row ``t``
+  of the sequence at rank ``r`` is ``array[t, r]``. Cells past each
+  sequence's end are ignored (they get zero gradient).
+
+  Args:
+    array: ``[time_capacity, count_capacity, *features]``; the features may
+      differ from those of `like`.
+    table: the rank table used to build the buffer.
+    like: the LoDTensor whose LoD (and original order) the result takes.
+
+  Returns:
+    A LoDTensor with `like`'s LoD and ``values [token_capacity, *features]``,
+    zeros in padding rows.
+  """
+  _check_pair(like, table, "like")
+  array = jnp.asarray(array)
+  expected = (table.time_capacity, table.count_capacity)
+  if array.ndim < 2 or array.shape[:2] != expected:
+    raise ValueError(
+      f"Expected `array` to have shape [{expected[0]}, {expected[1]}, *features] "
+      f"(time capacity, count capacity), got {array.shape}."
+    )
+  return from_array(array, table, like)
+
+
+def _inverse_permutation(perm: jax.Array) -> jax.Array:
+  n = perm.shape[0]
+  return jnp.zeros((n,), jnp.int32).at[perm].set(jnp.arange(n, dtype=jnp.int32))
+
+
+def _reorder_lod(x: LoDTensor, table: RankTable) -> LoDTensor:
+  """Permutes the level-0 sequences of `x` (with all their nested levels)."""
+  perm = jnp.asarray(table.order, jnp.int32)
+  new_offsets = []
+  for level, old in enumerate(x.offsets):
+    lengths = jnp.diff(old)[perm]
+    new = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)])
+    new = new.astype(jnp.int32)
+    new_offsets.append(new)
+    size = (
+      x.capacity.tokens
+      if level == x.num_levels - 1
+      else x.capacity.sequences[level + 1]
+    )
+    items = jnp.arange(size, dtype=jnp.int32)
+    count = new.shape[0] - 1
+    seq = jnp.clip(jnp.searchsorted(new, items, side="right") - 1, 0, max(count - 1, 0))
+    moved = old[jnp.clip(perm[seq], 0, count)] + items - new[seq]
+    # Items past the real total are padding; they map to themselves.
+    perm = jnp.where(items < new[-1], moved, items).astype(jnp.int32)
+  values = _permutation_gather(x.values, perm, _inverse_permutation(perm))
+  return LoDTensor(values, new_offsets, x.num_outer, x.time_capacity)
+
+
+def reorder_by_rank(x: Any, table: RankTable) -> Any:
+  """Puts rows, or whole sequences, into the rank order of `table`.
+
+  Fluid's ``reorder_lod_tensor_by_rank``.
+
+  Args:
+    x: a LoDTensor, whose level-0 sequences are permuted with everything
+      nested in them (its level-0 count capacity must equal the table's); or
+      an array, or a pytree of arrays, ``[count_capacity, ...]``, whose rows
+      are permuted: ``out[r] = x[table.order[r]]``.
+    table: a rank table.
+
+  Returns:
+    The same structure in rank order. Differentiable; the backward pass is the
+    inverse permutation.
+  """
+  if not isinstance(table, RankTable):
+    raise TypeError(f"Expected `table` to be a RankTable, got {type(table).__name__}.")
+  if isinstance(x, LoDTensor):
+    if x.capacity.sequences[0] != table.count_capacity:
+      raise ValueError(
+        f"Expected `x` to have level-0 count capacity {table.count_capacity} "
+        f"(the rank table's), got {x.capacity.sequences[0]}."
+      )
+    return _reorder_lod(x, table)
+  return permute_rows(x, table.order, table.ranks, "x")
+
+
+def permute_rows(x: Any, perm: jax.Array, inverse: jax.Array, name: str) -> Any:
+  """``leaf[perm]`` for every leaf ``[count_capacity, ...]`` of the pytree `x`.
+
+  `inverse` is the inverse permutation; it makes the backward pass a gather.
+  Integer leaves are permuted too (they have no gradient).
+  """
+  perm, inverse = jnp.asarray(perm), jnp.asarray(inverse)
+  count = perm.shape[0]
+
+  def reorder(path, leaf):
+    leaf = jnp.asarray(leaf)
+    if leaf.ndim == 0 or leaf.shape[0] != count:
+      raise ValueError(
+        f"Expected `{name}` leaf {jax.tree_util.keystr(path) or '(root)'} to have "
+        f"leading dimension {count} (count capacity), got shape {leaf.shape}."
+      )
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      return jnp.take(leaf, perm, axis=0)
+    return _permutation_gather(leaf, perm, inverse)
+
+  return jax.tree_util.tree_map_with_path(reorder, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _prefix(memory: jax.Array, size: int) -> jax.Array:
+  return memory[:size]
+
+
+def _prefix_fwd(memory, size):
+  return memory[:size], memory.shape[0]
+
+
+def _prefix_bwd(size, full, g):
+  del size
+  pad = [(0, full - g.shape[0])] + [(0, 0)] * (g.ndim - 1)
+  return (jnp.pad(g, pad),)
+
+
+_prefix.defvjp(_prefix_fwd, _prefix_bwd)
+
+
+def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
+  """The static prefix ``[:size]`` of rank-ordered memory.
+
+  Fluid's ``shrink_rnn_memory``: the rows of sequences still active at
+  `step` are a prefix of the ranked batch, so a phase that runs at static
+  batch size `size` keeps only the first `size` rows.
+
+  Args:
+    memory: an array or pytree of arrays ``[count_capacity, ...]`` in rank
+      order.
+    table: the rank table.
+    step: the time step (int or int32 scalar).
+    size: static batch size, at least ``table.batch_sizes[step]`` (checked
+      eagerly with `ValueError`; under `jit` via `jax.experimental.checkify`).
+
+  Returns:
+    The same structure with leaves ``[size, ...]``. Differentiable; the
+    backward pass pads with zeros.
+  """
+  if isinstance(size, bool) or not isinstance(size, int | np.integer):
+    raise TypeError(f"Expected `size` to be a static int, got {size!r}.")
+  size = int(size)
+  if not 0 <= size <= table.count_capacity:
+    raise ValueError(
+      f"Expected `size` in [0, {table.count_capacity}] (count capacity), got {size}."
+    )
+  active = jnp.asarray(table.batch_sizes)[jnp.clip(step, 0, table.time_capacity - 1)]
+  if is_concrete(active, step):
+    if not 0 <= int(step) < table.time_capacity:
+      raise ValueError(
+        f"Expected `step` in [0, {table.time_capacity}) (time capacity), got {step}."
+      )
+    if int(active) > size:
+      raise ValueError(
+        f"shrink_memory: {int(active)} sequences are active at step {int(step)}, "
+        f"more than `size` {size}; data is never dropped."
+      )
+  else:
+    checkify.debug_check(
+      active <= size,
+      "shrink_memory: more sequences are active at the step than `size`.",
+    )
+
+  def shrink(path, leaf):
+    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != table.count_capacity:
+      raise ValueError(
+        f"Expected `memory` leaf {jax.tree_util.keystr(path) or '(root)'} to have "
+        f"leading dimension {table.count_capacity} (count capacity), got shape "
+        f"{jnp.shape(leaf)}."
+      )
+    return _prefix(jnp.asarray(leaf), size)
+
+  return jax.tree_util.tree_map_with_path(shrink, memory)

@@ -1,0 +1,224 @@
+"""The rank table: sequences sorted by length, per-step batch sizes, phases."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlod._lod import LoDTensor, is_concrete
+
+
+def default_ladder(
+  count_capacity: int, *, ratio: float = 1.5, minimum: int = 8, multiple: int = 8
+) -> tuple[int, ...]:
+  """A geometric ladder of static batch sizes from `count_capacity` down.
+
+  Each size is about the previous one divided by `ratio`, rounded up to a
+  multiple of `multiple`, and no smaller than `minimum`.
+
+  Args:
+    count_capacity: the largest size (the batch's count capacity).
+    ratio: the step between sizes, > 1.
+    minimum: the smallest size (when `count_capacity` is larger).
+    multiple: sizes below the top are multiples of this.
+
+  Returns:
+    Strictly descending sizes, the first equal to `count_capacity`.
+
+  Example:
+    >>> default_ladder(64)
+    (64, 48, 32, 24, 16, 8)
+  """
+  if not ratio > 1:
+    raise ValueError(f"Expected `ratio` > 1, got {ratio}.")
+  sizes = [int(count_capacity)]
+  while sizes[-1] > minimum:
+    size = -(-math.ceil(sizes[-1] / ratio) // multiple) * multiple
+    if size >= sizes[-1]:
+      size = sizes[-1] - multiple
+    sizes.append(max(size, minimum))
+  return tuple(sizes)
+
+
+def normalize_ladder(
+  count_capacity: int, ladder: Sequence[int] | None
+) -> tuple[int, ...]:
+  """Checks a user ladder and puts it in the canonical form.
+
+  The result is strictly descending, starts at `count_capacity` (added if
+  missing) and holds only sizes in ``[1, count_capacity]``.
+
+  Raises:
+    ValueError: for a size that is not a positive int or exceeds the count
+      capacity.
+  """
+  if ladder is None:
+    return default_ladder(count_capacity)
+  sizes = set()
+  for i, size in enumerate(ladder):
+    if isinstance(size, bool) or not isinstance(size, int | np.integer):
+      raise ValueError(f"Expected `ladder[{i}]` to be an int, got {size!r}.")
+    if not 1 <= size <= count_capacity:
+      raise ValueError(
+        f"Expected `ladder[{i}]` in [1, {count_capacity}] (the count capacity), "
+        f"got {size}."
+      )
+    sizes.add(int(size))
+  sizes.add(int(count_capacity))
+  return tuple(sorted(sizes, reverse=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTable:
+  """Sequences of one LoD level ranked by length (Paddle's LoDRankTable).
+
+  A pytree. Ranks run from the longest sequence to the shortest; ties keep
+  their original order (a stable sort, as Paddle's ``std::stable_sort``), and
+  padding sequences (length 0) come last. Since the active sequences at step
+  ``t`` are those with ``length > t``, they are always a prefix of the ranked
+  batch, of size ``batch_sizes[t]``.
+
+  The *phase plan* covers the steps with a ladder of static batch sizes
+  ``ladder[0] = count_capacity > ladder[1] > ...``: phase ``k`` runs steps
+  ``phase_starts[k] <= t < phase_ends[k]`` at batch size ``ladder[k]``, exactly
+  the steps where ``ladder[k + 1] < batch_sizes[t] <= ladder[k]``. Phases may
+  be empty (``phase_starts[k] == phase_ends[k]``).
+
+  Attributes:
+    order: int32 ``[count_capacity]``, the original index at each rank.
+    ranks: int32 ``[count_capacity]``, the rank of each original index (the
+      inverse permutation of `order`).
+    lengths: int32 ``[count_capacity]``, lengths in rank order (descending).
+    batch_sizes: int32 ``[time_capacity]``, ``#{lengths > t}``.
+    max_length: int32 scalar, the longest length.
+    count: int32 scalar, the real number of sequences at the level.
+    phase_starts: int32 ``[len(ladder)]``, first step of each phase.
+    phase_ends: int32 ``[len(ladder)]``, one past the last step of each phase.
+    ladder: static, the descending batch sizes of the phases.
+    level: static, the (non-negative) LoD level that was ranked.
+  """
+
+  order: jax.Array
+  ranks: jax.Array
+  lengths: jax.Array
+  batch_sizes: jax.Array
+  max_length: jax.Array
+  count: jax.Array
+  phase_starts: jax.Array
+  phase_ends: jax.Array
+  ladder: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  level: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def count_capacity(self) -> int:
+    return int(self.order.shape[0])
+
+  @property
+  def time_capacity(self) -> int:
+    return int(self.batch_sizes.shape[0])
+
+  def items(self) -> list[tuple[int, int]]:
+    """Paddle's rank-table items ``(original index, length)`` (host only)."""
+    if not is_concrete(self.order, self.lengths, self.count):
+      raise ValueError("RankTable.items() reads data on the host; not under jit.")
+    n = int(self.count)
+    order, lengths = np.asarray(self.order), np.asarray(self.lengths)
+    return [(int(order[i]), int(lengths[i])) for i in range(n)]
+
+  def schedule_steps(self) -> jax.Array:
+    """Token-steps the phase plan runs: ``sum_k ladder[k] * (end_k - start_k)``.
+
+    This is the work of the phased loop, against ``sum(lengths)`` real
+    token-steps and ``count_capacity * max_length`` for a padded loop.
+    """
+    sizes = jnp.asarray(self.ladder, jnp.int32)
+    return jnp.sum(sizes * (self.phase_ends - self.phase_starts))
+
+
+jax.tree_util.register_dataclass(
+  RankTable,
+  data_fields=[
+    "order",
+    "ranks",
+    "lengths",
+    "batch_sizes",
+    "max_length",
+    "count",
+    "phase_starts",
+    "phase_ends",
+  ],
+  meta_fields=["ladder", "level"],
+)
+
+
+def _table_arrays(xp, lengths, time_capacity: int, ladder: tuple[int, ...]):
+  """The rank table's arrays, with `xp` either `numpy` or `jax.numpy`."""
+  i32 = xp.int32
+  order = xp.argsort(-lengths, stable=True).astype(i32)
+  ranks = xp.argsort(order, stable=True).astype(i32)
+  sorted_lengths = lengths[order].astype(i32)
+  steps = xp.arange(time_capacity, dtype=i32)
+  batch_sizes = xp.sum(sorted_lengths[None, :] > steps[:, None], axis=1).astype(i32)
+  extended = xp.concatenate([sorted_lengths, xp.zeros((1,), i32)])
+  phase_starts = extended[xp.asarray(ladder, dtype=i32)]
+  phase_ends = extended[xp.asarray((*ladder[1:], 0), dtype=i32)]
+  return dict(
+    order=order,
+    ranks=ranks,
+    lengths=sorted_lengths,
+    batch_sizes=batch_sizes,
+    max_length=extended[0],
+    phase_starts=phase_starts,
+    phase_ends=phase_ends,
+  )
+
+
+def rank_table(
+  x: LoDTensor, level: int = 0, *, ladder: Sequence[int] | None = None
+) -> RankTable:
+  """Ranks the sequences of one LoD level of `x` by length.
+
+  Computed with NumPy on the host when `x` is concrete (the data pipeline
+  builds tables beside its batches) and with `jax.numpy` under `jit`; both
+  give equal tables.
+
+  On a 2-level LoD, level 0 ranks the outer sequences by their number of
+  sub-sequences and level 1 ranks the sub-sequences by their number of rows
+  (Paddle's semantics).
+
+  Args:
+    x: a LoDTensor.
+    level: the LoD level to rank (negative counts from the last).
+    ladder: static batch sizes of the phases; the count capacity is always
+      included. Default: `default_ladder` of the level's count capacity.
+
+  Returns:
+    A `RankTable` with ``time_capacity = x.time_capacity[level]``.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.ops import rank_table
+    >>> x = LoDTensor.from_lengths(np.zeros(7), [[1, 2], [5, 1, 1]])
+    >>> rank_table(x, level=1).items()
+    [(0, 5), (1, 1), (2, 1)]
+  """
+  if not isinstance(x, LoDTensor):
+    raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
+  level = x._level(level)
+  offsets = x.offsets[level]
+  count_capacity = x.capacity.sequences[level]
+  ladder = normalize_ladder(count_capacity, ladder)
+  time_capacity = x.time_capacity[level]
+  count = x.num_sequences(level)
+  if is_concrete(offsets, count):
+    arrays = _table_arrays(np, np.diff(np.asarray(offsets)), time_capacity, ladder)
+    count = np.asarray(count, np.int32)
+  else:
+    arrays = _table_arrays(jnp, jnp.diff(offsets), time_capacity, ladder)
+  return RankTable(**arrays, count=count, ladder=ladder, level=level)

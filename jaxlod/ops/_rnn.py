@@ -1,0 +1,305 @@
+"""dynamic_rnn: Fluid's DynamicRNN over a LoDTensor, as a phased loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod.ops import _loop
+from jaxlod.ops._array import _check_pair, from_array, permute_rows, to_array
+from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
+
+
+def _is_lod(x: Any) -> bool:
+  return isinstance(x, LoDTensor)
+
+
+def _shape_str(x: Any) -> str:
+  return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _leaf_name(path) -> str:
+  return jax.tree_util.keystr(path) or "(root)"
+
+
+def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any]:
+  leaves, tree = jax.tree.flatten(inputs, is_leaf=_is_lod)
+  if not leaves or not all(_is_lod(x) for x in leaves):
+    raise TypeError(
+      "Expected `inputs` to be a LoDTensor or a pytree of LoDTensors, got "
+      f"{type(inputs).__name__}."
+    )
+  first = leaves[0]
+  for i, x in enumerate(leaves[1:], 1):
+    if x.capacity != first.capacity:
+      raise ValueError(
+        f"Expected every input to have the same LoD; input 0 has capacity "
+        f"{first.capacity}, input {i} has {x.capacity}."
+      )
+    for level, (a, b) in enumerate(zip(first.offsets, x.offsets, strict=True)):
+      if is_concrete(a, b):
+        if not np.array_equal(np.asarray(a), np.asarray(b)):
+          raise ValueError(
+            f"Expected every input to have the same LoD; input {i} differs from "
+            f"input 0 at level {level}: {np.asarray(b).tolist()} vs "
+            f"{np.asarray(a).tolist()}."
+          )
+      else:
+        checkify.debug_check(
+          jnp.array_equal(a, b), f"dynamic_rnn: input {i} has a different LoD."
+        )
+  return leaves, tree
+
+
+def _resolve_table(
+  x: LoDTensor, table: RankTable | None, ladder: Sequence[int] | None
+) -> RankTable:
+  if table is None:
+    return rank_table(x, level=-1, ladder=ladder)
+  _check_pair(x, table, "inputs")
+  if ladder is not None:
+    wanted = normalize_ladder(table.count_capacity, ladder)
+    if wanted != table.ladder:
+      raise ValueError(
+        f"Got both `table` (ladder {table.ladder}) and `ladder` {wanted}; pass "
+        "the ladder to `rank_table` instead."
+      )
+  return table
+
+
+def _check_rows(tree: Any, count: int, name: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != count:
+      raise ValueError(
+        f"Expected `{name}` leaf {_leaf_name(path)} to have leading dimension "
+        f"{count} (count capacity), got shape {jnp.shape(leaf)}."
+      )
+
+
+def _prepare_statics(static_inputs: Any, count: int) -> Any:
+  """LoDTensors become ``(padded [count, source, ...], lengths [count])``."""
+
+  def convert(x):
+    if not _is_lod(x):
+      return jnp.asarray(x)
+    if x.capacity.sequences[-1] != count:
+      raise ValueError(
+        f"Expected a LoDTensor in `static_inputs` to hold one sequence per input "
+        f"sequence: count capacity {count}, got {x.capacity.sequences[-1]}."
+      )
+    return x.to_padded()
+
+  statics = jax.tree.map(convert, static_inputs, is_leaf=_is_lod)
+  _check_rows(statics, count, "static_inputs")
+  return statics
+
+
+def _check_step_out(out, carry, b: int) -> tuple[Any, Any]:
+  if not (isinstance(out, tuple | list) and len(out) == 2):
+    raise TypeError(
+      f"Expected `step_fn` to return a pair (new_carry, output), got {out!r}."
+    )
+  new_carry, y = out
+  if jax.tree.structure(new_carry) != jax.tree.structure(carry):
+    raise ValueError(
+      "Expected `step_fn` to return a carry with the structure of `init_carry`: "
+      f"{jax.tree.structure(carry)}, got {jax.tree.structure(new_carry)}."
+    )
+  pairs = zip(
+    jax.tree_util.tree_leaves_with_path(carry), jax.tree.leaves(new_carry), strict=True
+  )
+  for (path, old), new in pairs:
+    if old.shape != new.shape or old.dtype != new.dtype:
+      raise ValueError(
+        f"Expected `step_fn` to keep carry leaf {_leaf_name(path)} as "
+        f"{_shape_str(old)}, got {_shape_str(new)}."
+      )
+  for path, leaf in jax.tree_util.tree_leaves_with_path(y):
+    if leaf.ndim == 0 or leaf.shape[0] != b:
+      raise ValueError(
+        f"Expected `step_fn` output leaf {_leaf_name(path)} to have leading "
+        f"dimension {b} (the phase's batch size), got {_shape_str(leaf)}."
+      )
+  return new_carry, y
+
+
+def _convert_phases(step_fn, carry, x_tree, xs, statics, ladder):
+  """Closure-converts `step_fn` at each phase size; checks its outputs."""
+  carry_tree = jax.tree.structure(carry)
+  static_leaves, static_tree = jax.tree.flatten(statics)
+  phases, consts, y_tails, y_tree = [], [], None, None
+  for b in ladder:
+    c = jax.tree.map(lambda a, b=b: a[:b], carry)
+    x = jax.tree.unflatten(x_tree, [buf[0, :b] for buf in xs])
+    s = jax.tree.map(lambda a, b=b: a[:b], statics)
+    converted, phase_consts = jax.closure_convert(
+      lambda c, x, s: step_fn(c, x, s), c, x, s
+    )
+    out = jax.eval_shape(converted, c, x, s, *phase_consts)
+    _, y = _check_step_out(out, c, b)
+    tails = tuple((leaf.shape[1:], leaf.dtype) for leaf in jax.tree.leaves(y))
+    if y_tails is None:
+      y_tails, y_tree = tails, jax.tree.structure(y)
+    elif tails != y_tails or jax.tree.structure(y) != y_tree:
+      raise ValueError(
+        f"Expected `step_fn` outputs of the same shape at every batch size; got "
+        f"{[(t, jnp.dtype(d).name) for t, d in y_tails]} at {ladder[0]} and "
+        f"{[(t, jnp.dtype(d).name) for t, d in tails]} at {b}."
+      )
+
+    def flat(c_leaves, x_leaves, inv, converted=converted):
+      n = len(static_leaves)
+      out = converted(
+        jax.tree.unflatten(carry_tree, c_leaves),
+        jax.tree.unflatten(x_tree, x_leaves),
+        jax.tree.unflatten(static_tree, inv[:n]),
+        *inv[n:],
+      )
+      return jax.tree.leaves(out[0]), jax.tree.leaves(out[1])
+
+    span = slice(len(consts), len(consts) + len(phase_consts))
+    phases.append(_loop.Phase(size=b, fn=flat, consts=span))
+    consts.extend(phase_consts)
+  return phases, consts, y_tails, y_tree
+
+
+def _float_flags(leaves: list) -> tuple[bool, ...]:
+  return tuple(_loop.is_float(a) for a in leaves)
+
+
+def dynamic_rnn(
+  step_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+  inputs: Any,
+  *,
+  init_carry: Any,
+  static_inputs: Any = None,
+  reverse: bool = False,
+  level: int = -1,
+  table: RankTable | None = None,
+  ladder: Sequence[int] | None = None,
+  return_sequences: bool = True,
+  remat: bool = False,
+) -> Any:
+  """Runs a recurrent step over every sequence of a LoDTensor, padding-free.
+
+  Fluid's DynamicRNN (``while`` + ``while_grad``). Sequences are ranked by
+  length; the loop runs in phases, each a `lax.while_loop` at a static batch
+  size from the ladder, over exactly the steps whose active batch fits it.
+  The work is close to ``sum(lengths)`` rather than ``batch x longest``, and
+  a jitted caller compiles once per capacity whatever the lengths.
+
+  The step sees rank-ordered batches: row ``i`` of every argument belongs to
+  the same sequence, and rows past the active batch hold finished (or
+  padding) sequences whose results are discarded. `step_fn` must treat rows
+  independently.
+
+  Args:
+    step_fn: ``step_fn(carry, x_t, static) -> (new_carry, y_t)``. Every leaf
+      has leading dimension ``b``, the phase's static batch size. Arrays it
+      closes over (model parameters) receive gradients.
+    inputs: a LoDTensor ``values [token_capacity, *features]``, or a pytree of
+      LoDTensors with the same LoD; ``x_t`` has the same structure with
+      leaves ``[b, *features]``.
+    init_carry: pytree of ``[count_capacity, ...]`` leaves in the caller's
+      (original) order (Fluid's ``memory(init=..., need_reorder=True)``).
+    static_inputs: pytree of arrays ``[count_capacity, ...]``, or of
+      LoDTensors holding one sequence per input sequence (an encoder's
+      outputs); a LoDTensor reaches the step as ``(padded [b, source_capacity,
+      ...], lengths [b])``. Default `None`.
+    reverse: run each sequence from its own last row to its first.
+    level: the LoD level to run over; must be the last level (run nested
+      RNNs level by level, pooling between them).
+    table: a precomputed `rank_table` of the inputs' last level (the data
+      pipeline builds it on the host); built here when `None`.
+    ladder: static batch sizes of the phases (see `rank_table`).
+    return_sequences: when `False`, return only the final carry and skip
+      writing outputs.
+    remat: save only the carries for the backward pass and recompute each
+      step (less memory for long sequences); by default the step's VJP
+      residuals are saved.
+
+  Returns:
+    ``(outputs, final_carry)``: `outputs` has the structure of ``y_t`` with
+    LoDTensor leaves (the inputs' LoD, original order, ``values
+    [token_capacity, *y_features]``); `final_carry` has the structure of
+    `init_carry`, each sequence's state after its own last step, original
+    order (an empty sequence keeps its `init_carry`). Only `final_carry` when
+    `return_sequences` is `False`.
+
+  Raises:
+    ValueError: at trace time, for inputs with different LoDs, an
+      `init_carry` or static input with the wrong leading dimension, a step
+      that changes a carry leaf's shape or dtype, or outputs whose shape
+      changes with the batch size.
+
+  Differentiable in reverse mode (`jax.grad`, `jax.vjp`) through a custom
+  VJP; forward mode (`jax.jvp`) is not supported.
+
+  Example:
+    >>> import numpy as np, jax.numpy as jnp
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.ops import dynamic_rnn
+    >>> x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))])
+    >>> def step(h, x_t, _):
+    ...   h = h + x_t.sum(-1)
+    ...   return h, h
+    >>> ys, h = dynamic_rnn(step, x, init_carry=jnp.zeros(2))
+    >>> h.tolist(), ys.to_list()[0].tolist()
+    ([6.0, 2.0], [2.0, 4.0, 6.0])
+  """
+  lods, x_tree = _flatten_inputs(inputs)
+  x0 = lods[0]
+  if x0._level(level) != x0.num_levels - 1:
+    raise ValueError(
+      f"dynamic_rnn runs over the last LoD level ({x0.num_levels - 1}), got level "
+      f"{level}; run a nested RNN level by level, pooling the inner sequences "
+      "(e.g. with their last step) into the rows of the outer one."
+    )
+  table = _resolve_table(x0, table, ladder)
+  count = table.count_capacity
+  _check_rows(init_carry, count, "init_carry")
+  statics = _prepare_statics(static_inputs, count)
+  carry_leaves, carry_tree = jax.tree.flatten(init_carry)
+  carry_leaves = [jnp.asarray(c) for c in carry_leaves]
+  carry = permute_rows(carry_leaves, table.order, table.ranks, "init_carry")
+  statics = permute_rows(statics, table.order, table.ranks, "static_inputs")
+  xs = [to_array(x, table, reverse) for x in lods]
+
+  phases, consts, y_tails, y_tree = _convert_phases(
+    step_fn, jax.tree.unflatten(carry_tree, carry), x_tree, xs, statics, table.ladder
+  )
+  static_leaves = jax.tree.leaves(statics)
+  spec = _loop.LoopSpec(
+    phases=tuple(phases),
+    count=count,
+    time=table.time_capacity,
+    carry_float=_float_flags(carry),
+    x_float=_float_flags(xs),
+    static_float=_float_flags(static_leaves),
+    const_float=_float_flags(consts),
+    y_float=tuple(bool(jnp.issubdtype(d, jnp.inexact)) for _, d in y_tails),
+    y_tails=y_tails,
+    return_sequences=return_sequences,
+    remat=remat,
+  )
+  ys, final = _loop.make_loop(spec)(
+    carry,
+    xs,
+    static_leaves,
+    consts,
+    jnp.asarray(table.lengths),
+    jnp.asarray(table.phase_starts),
+    jnp.asarray(table.phase_ends),
+  )
+  final = permute_rows(final, table.ranks, table.order, "final_carry")
+  final_carry = jax.tree.unflatten(carry_tree, final)
+  if not return_sequences:
+    return final_carry
+  outputs = [from_array(y, table, x0, reverse) for y in ys]
+  return jax.tree.unflatten(y_tree, outputs), final_carry
