@@ -64,6 +64,17 @@ def _write(buffer: jax.Array, t: jax.Array, value: jax.Array) -> jax.Array:
   return lax.dynamic_update_slice(buffer, value[None].astype(buffer.dtype), start)
 
 
+def _uninitialized(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  """A buffer whose cells are all written before they are read.
+
+  Stacked buffers are read only at cells a phase wrote (and every read of
+  cells past a sequence's end is masked with a select), so they need no
+  zero fill; `lax.empty` skips it where the backend allows.
+  """
+  empty = getattr(lax, "empty", None)
+  return jnp.zeros(shape, dtype) if empty is None else empty(shape, dtype)
+
+
 def _set_prefix(full: jax.Array, part: jax.Array) -> jax.Array:
   return lax.dynamic_update_slice(full, part.astype(full.dtype), (0,) * full.ndim)
 
@@ -76,12 +87,14 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def step_dependent(fn: Callable, num_step_args: int, *args) -> list[bool]:
+def step_slots(fn: Callable, num_step_args: int, *args) -> tuple[int, ...]:
   """Which output leaves of ``fn(*args)`` depend on its first args.
 
   A dependency walk over the jaxpr of `fn`: inputs are the leaves of the
   first `num_step_args` arguments; an equation's outputs depend on all its
-  inputs (conservative).
+  inputs (conservative). Returns, per output leaf, -1 when it depends on
+  none of them, else a slot number shared by outputs that are the same
+  value (so each is stored once).
   """
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   num_leaves = len(jax.tree.leaves(args[:num_step_args]))
@@ -89,7 +102,13 @@ def step_dependent(fn: Callable, num_step_args: int, *args) -> list[bool]:
   for eqn in jaxpr.eqns:
     if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
       dependent.update(eqn.outvars)
-  return [isinstance(v, jex_core.Var) and v in dependent for v in jaxpr.outvars]
+  slots, seen = [], {}
+  for v in jaxpr.outvars:
+    if isinstance(v, jex_core.Var) and v in dependent:
+      slots.append(seen.setdefault(v, len(seen)))
+    else:
+      slots.append(-1)
+  return tuple(slots)
 
 
 # -- static description --------------------------------------------------------------
@@ -158,9 +177,26 @@ class SavePlan:
   its prefix ``[:size_k]``).
   """
 
-  per_step: tuple[bool, ...] | None  # residual mode: stacked leaves
+  slots: tuple[int, ...] | None  # residual mode: per leaf, its buffer or -1
   tree: Any  # residual mode: tree structure of the VJP function
-  shapes: tuple[tuple[tuple[int, ...], Any], ...]  # stacked leaves
+  shapes: tuple[tuple[tuple[int, ...], Any], ...]  # per buffer
+
+  @property
+  def per_step(self) -> tuple[bool, ...] | None:
+    return None if self.slots is None else tuple(s >= 0 for s in self.slots)
+
+  def stacked(self, leaves: list) -> list:
+    """The leaves to store, one per buffer."""
+    first = {}
+    for leaf, slot in zip(leaves, self.slots, strict=True):
+      if slot >= 0:
+        first.setdefault(slot, leaf)
+    return [first[i] for i in range(len(self.shapes))]
+
+  def residuals(self, stacked: list, invariants: list) -> list:
+    """All residual leaves from the stored ones and the invariant ones."""
+    invariants = iter(invariants)
+    return [stacked[s] if s >= 0 else next(invariants) for s in self.slots]
 
 
 def _residual_leaves(spec: LoopSpec, phase: Phase):
@@ -195,18 +231,20 @@ def make_plans(spec: LoopSpec, carry, xs, statics, consts) -> list[SavePlan]:
       continue
     avals = _phase_avals(spec, phase, carry, xs, statics, consts)
     fn = _residual_leaves(spec, phase)
-    per_step = tuple(step_dependent(fn, 2, *avals))
+    slots = step_slots(fn, 2, *avals)
     leaves = jax.eval_shape(fn, *avals)
-    shapes = tuple(
-      (leaf.shape, leaf.dtype) for leaf, p in zip(leaves, per_step, strict=True) if p
-    )
+    firsts = {}
+    for leaf, slot in zip(leaves, slots, strict=True):
+      if slot >= 0:
+        firsts.setdefault(slot, (leaf.shape, leaf.dtype))
+    shapes = tuple(firsts[i] for i in range(len(firsts)))
 
     def vjp_tree(*args, phase=phase):
       f = spec.differentiable(phase, args[1], args[3])
       return jax.vjp(f, args[0], args[2], has_aux=True)[1]
 
     tree = jax.tree.structure(jax.eval_shape(vjp_tree, *avals))
-    plans.append(SavePlan(per_step, tree, shapes))
+    plans.append(SavePlan(slots, tree, shapes))
   return plans
 
 
@@ -214,7 +252,7 @@ def _shared_layout(spec: LoopSpec, plans: list[SavePlan]) -> bool:
   """True when every phase stacks leaves ``[size_k, *tail]`` of equal tails."""
   first = plans[0]
   for phase, plan in zip(spec.phases, plans, strict=True):
-    if plan.per_step != first.per_step or len(plan.shapes) != len(first.shapes):
+    if plan.slots != first.slots or len(plan.shapes) != len(first.shapes):
       return False
     for (shape, dtype), (shape0, dtype0) in zip(plan.shapes, first.shapes, strict=True):
       if dtype != dtype0 or shape[:1] != (phase.size,) or shape[1:] != shape0[1:]:
@@ -261,7 +299,7 @@ def _forward_phase(spec, phase, plan, data, xs, carry, ys, buffers, invariants):
     if residuals:
       out, vjp = _step_vjp(spec, phase, data, c, x)
       new_c, y = out[: len(c)], out[len(c) :]
-      stacked, _ = _split(jax.tree.leaves(vjp), plan.per_step)
+      stacked = plan.stacked(jax.tree.leaves(vjp))
     else:
       stacked = c if plan is not None else []
       inv = _merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
@@ -287,7 +325,7 @@ def _forward(spec, plans, carry, xs, statics, consts, lengths, starts, ends):
   """
   ys = []
   if spec.return_sequences:
-    ys = [jnp.zeros((spec.time, spec.count, *t), d) for t, d in spec.y_tails]
+    ys = [_uninitialized((spec.time, spec.count, *t), d) for t, d in spec.y_tails]
   shared = plans is not None and _shared_layout(spec, plans)
   buffers, saved = [], []
   if shared:
@@ -310,7 +348,7 @@ def _forward(spec, plans, carry, xs, statics, consts, lengths, starts, ends):
 
 
 def _empty(lead: tuple[int, ...], plan: SavePlan, drop: int) -> list[jax.Array]:
-  return [jnp.zeros((*lead, *shape[drop:]), dtype) for shape, dtype in plan.shapes]
+  return [_uninitialized((*lead, *shape[drop:]), dtype) for shape, dtype in plan.shapes]
 
 
 def _invariant_residuals(spec, phase, plan, carry, xs, data):
@@ -346,7 +384,7 @@ def _backward_phase(spec, phase, plan, shared, data, saved, xs, g_ys, state):
       _, vjp = _step_vjp(spec, phase, data, c, [_read(buf, t, b) for buf in xs])
     else:
       stacked = [_read(buf, t, b) if shared else buf[t] for buf in buffers]
-      vjp = jax.tree.unflatten(plan.tree, _merge(stacked, invariants, plan.per_step))
+      vjp = jax.tree.unflatten(plan.tree, plan.residuals(stacked, invariants))
     active = t < data.lengths
     g_out = [_mask(active, g, jnp.zeros_like(g)) for g in g_c]
     g_out += [_read(buf, t, b) for buf in g_ys] + y_zeros
@@ -369,7 +407,7 @@ def _backward(spec, plans, saved, primals, g_ys, g_carry):
     return [jnp.zeros(a.shape, a.dtype) for a in _split(leaves, mask)[0]]
 
   g_carry = _split(g_carry, spec.carry_float)[0]
-  g_xs = zeros(xs, spec.x_float)
+  g_xs = [_uninitialized(x.shape, x.dtype) for x in _split(xs, spec.x_float)[0]]
   g_statics = zeros(statics, spec.static_float)
   g_consts = zeros(consts, spec.const_float)
   g_ys = _split(g_ys, spec.y_float)[0] if spec.return_sequences else []
