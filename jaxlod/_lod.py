@@ -43,12 +43,13 @@ def _integer_level(name: str, level: int, values: Any) -> np.ndarray:
     raise ValueError(
       f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}."
     )
-  if array.dtype == np.bool_ or not (
-    np.issubdtype(array.dtype, np.integer) or array.size == 0
+  if array.size and (
+    array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)
   ):
     bad = 0
     if np.issubdtype(array.dtype, np.floating):
-      bad = int(np.flatnonzero(array != np.round(array))[:1].tolist() or [0])
+      fractional = np.flatnonzero(array != np.round(array))
+      bad = int(fractional[0]) if fractional.size else 0
     raise ValueError(
       f"Expected integer {name} at LoD level {level}, got dtype {array.dtype} "
       f"(index {bad}: {array[bad]!r})."

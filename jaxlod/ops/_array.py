@@ -76,16 +76,21 @@ def _check_pair(x: LoDTensor, table: RankTable, name: str) -> None:
       f"least the time capacity of `{name}`'s last level, got "
       f"{x.time_capacity[-1]}."
     )
-  lengths = x.lengths()
-  if is_concrete(lengths, table.order, table.lengths):
-    expected = np.asarray(lengths)[np.asarray(table.order)]
-    if not np.array_equal(expected, np.asarray(table.lengths)):
-      bad = int(np.flatnonzero(expected != np.asarray(table.lengths))[0])
-      raise ValueError(
-        f"The rank table does not describe `{name}`'s last level: at rank {bad} "
-        f"it has length {int(np.asarray(table.lengths)[bad])}, `{name}` has "
-        f"{int(expected[bad])}."
-      )
+  _check_lengths(x.lengths(), table, f"`{name}`", "last level")
+
+
+def _check_lengths(lengths: jax.Array, table: RankTable, name: str, level: str) -> None:
+  """Eagerly checks that `table` ranks sequences of these `lengths`."""
+  if not is_concrete(lengths, table.order, table.lengths):
+    return
+  expected = np.asarray(lengths)[np.asarray(table.order)]
+  ranked = np.asarray(table.lengths)
+  if not np.array_equal(expected, ranked):
+    bad = int(np.flatnonzero(expected != ranked)[0])
+    raise ValueError(
+      f"The rank table does not describe {name}'s {level}: at rank {bad} it has "
+      f"length {int(ranked[bad])}, {name} has {int(expected[bad])}."
+    )
 
 
 def _cell_rows(x: LoDTensor, table: RankTable, reverse: bool = False):
@@ -106,6 +111,8 @@ def _row_cells(x: LoDTensor, table: RankTable, reverse: bool = False):
   offsets = x.offsets[-1]
   rows = jnp.arange(x.capacity.tokens, dtype=jnp.int32)
   count = table.count_capacity
+  if count == 0:  # no sequence slots: every row is padding
+    return jnp.zeros_like(rows), jnp.zeros(rows.shape, bool)
   seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
   seq = jnp.clip(seq, 0, max(count - 1, 0))
   step = rows - offsets[seq]
@@ -214,8 +221,11 @@ def _reorder_lod(x: LoDTensor, table: RankTable) -> LoDTensor:
     )
     items = jnp.arange(size, dtype=jnp.int32)
     count = new.shape[0] - 1
-    seq = jnp.clip(jnp.searchsorted(new, items, side="right") - 1, 0, max(count - 1, 0))
-    moved = old[jnp.clip(perm[seq], 0, count)] + items - new[seq]
+    if count == 0:  # no sequence slots at this level: all items are padding
+      perm = items
+      continue
+    seq = jnp.clip(jnp.searchsorted(new, items, side="right") - 1, 0, count - 1)
+    moved = old[perm[seq]] + items - new[seq]
     # Items past the real total are padding; they map to themselves.
     perm = jnp.where(items < new[-1], moved, items).astype(jnp.int32)
   values = _permutation_gather(x.values, perm, _inverse_permutation(perm))
@@ -246,6 +256,7 @@ def reorder_by_rank(x: Any, table: RankTable) -> Any:
         f"Expected `x` to have level-0 count capacity {table.count_capacity} "
         f"(the rank table's), got {x.capacity.sequences[0]}."
       )
+    _check_lengths(x.lengths(0), table, "`x`", "level 0")
     return _reorder_lod(x, table)
   return permute_rows(x, table.order, table.ranks, "x")
 
@@ -317,12 +328,16 @@ def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
     raise ValueError(
       f"Expected `size` in [0, {table.count_capacity}] (count capacity), got {size}."
     )
-  active = jnp.asarray(table.batch_sizes)[jnp.clip(step, 0, table.time_capacity - 1)]
+  if is_concrete(step) and not 0 <= int(step) < table.time_capacity:
+    raise ValueError(
+      f"Expected `step` in [0, {table.time_capacity}) (time capacity), got {step}."
+    )
+  if table.time_capacity == 0:
+    active = jnp.zeros((), jnp.int32)
+  else:
+    steps = jnp.asarray(table.batch_sizes)
+    active = steps[jnp.clip(step, 0, table.time_capacity - 1)]
   if is_concrete(active, step):
-    if not 0 <= int(step) < table.time_capacity:
-      raise ValueError(
-        f"Expected `step` in [0, {table.time_capacity}) (time capacity), got {step}."
-      )
     if int(active) > size:
       raise ValueError(
         f"shrink_memory: {int(active)} sequences are active at step {int(step)}, "

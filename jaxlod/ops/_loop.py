@@ -52,15 +52,21 @@ def _mask(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
   return jnp.where(active.reshape(shape), new, old)
 
 
+def _start(t: jax.Array, ndim: int) -> tuple[jax.Array, ...]:
+  """Index ``(t, 0, ..., 0)`` of one integer type (x64 mode included)."""
+  t = jnp.asarray(t)
+  return (t, *(jnp.zeros_like(t),) * (ndim - 1))
+
+
 def _read(buffer: jax.Array, t: jax.Array, size: int) -> jax.Array:
   """``buffer[t, :size]`` for a traced step `t`."""
-  start = (t, *(0,) * (buffer.ndim - 1))
+  start = _start(t, buffer.ndim)
   return lax.dynamic_slice(buffer, start, (1, size, *buffer.shape[2:]))[0]
 
 
 def _write(buffer: jax.Array, t: jax.Array, value: jax.Array) -> jax.Array:
   """``buffer.at[t, :len(value)].set(value)`` for a traced step `t`."""
-  start = (t, *(0,) * (buffer.ndim - 1))
+  start = _start(t, buffer.ndim)
   return lax.dynamic_update_slice(buffer, value[None].astype(buffer.dtype), start)
 
 

@@ -36,6 +36,9 @@ def default_ladder(
   """
   if not ratio > 1:
     raise ValueError(f"Expected `ratio` > 1, got {ratio}.")
+  for name, value in (("minimum", minimum), ("multiple", multiple)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"Expected `{name}` to be an int >= 1, got {value!r}.")
   sizes = [int(count_capacity)]
   while sizes[-1] > minimum:
     size = -(-math.ceil(sizes[-1] / ratio) // multiple) * multiple

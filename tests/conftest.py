@@ -1,0 +1,21 @@
+"""pytest configuration: reproducible hypothesis profiles."""
+
+import os
+
+from hypothesis import settings
+
+# Reproducible by default (derandomized, no example database written into the
+# repo); `HYPOTHESIS_PROFILE=explore` draws fresh examples on every run.
+settings.register_profile("repro", deadline=None, database=None, derandomize=True)
+settings.register_profile("explore", deadline=None, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
+
+
+def pytest_configure(config):
+  # Warnings are errors (pyproject.toml); named exceptions only. When a
+  # hypothesis test fails, hypothesis imports libcst to print a patch, and
+  # libcst uses a deprecated mypy_extensions API: that must not hide the failure.
+  config.addinivalue_line(
+    "filterwarnings",
+    "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning",
+  )

@@ -1,0 +1,91 @@
+"""The public names exist, are documented, and their docstring examples hold."""
+
+import doctest
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import jaxlod
+
+PUBLIC_MODULES = ["jaxlod", "jaxlod.ops"]
+
+# The foundation's names; later layers may add more to `__all__`.
+FOUNDATION = {
+  "jaxlod": {"Buckets", "Capacity", "LoDTensor", "__version__"},
+  "jaxlod.ops": {
+    "RankTable",
+    "array_to_lod",
+    "default_ladder",
+    "lod_to_array",
+    "normalize_ladder",
+    "rank_table",
+    "reorder_by_rank",
+    "shrink_memory",
+  },
+}
+
+
+def _public_names():
+  for module in PUBLIC_MODULES:
+    for name in importlib.import_module(module).__all__:
+      if not name.startswith("__"):
+        yield module, name
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_all_names_exist(module):
+  mod = importlib.import_module(module)
+  assert FOUNDATION[module] <= set(mod.__all__)
+  assert len(mod.__all__) == len(set(mod.__all__)), "duplicate names in __all__"
+  for name in mod.__all__:
+    assert hasattr(mod, name), f"{module}.{name} is in __all__ but missing"
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(_public_names()))
+def test_public_names_are_documented(module, name):
+  obj = getattr(importlib.import_module(module), name)
+  assert inspect.getdoc(obj), f"{module}.{name} has no docstring"
+  # Users import the public module; the object lives in a private module of it.
+  assert obj.__module__.startswith(module + "._"), obj.__module__
+
+
+def test_star_import():
+  namespace = {}
+  exec("from jaxlod import *\nfrom jaxlod.ops import *", namespace)
+  assert FOUNDATION["jaxlod"] | FOUNDATION["jaxlod.ops"] <= set(namespace)
+
+
+def test_version():
+  assert jaxlod.__version__ == "0.1.0"
+
+
+# Modules whose docstring examples the foundation promises.
+FOUNDATION_DOCTESTS = [
+  "jaxlod._buckets",
+  "jaxlod._lod",
+  "jaxlod.ops._rank",
+  "jaxlod.ops._array",
+]
+
+
+def _library_modules():
+  """Every module of the library, except runnable programs."""
+  names = ["jaxlod"]
+  for info in pkgutil.walk_packages(jaxlod.__path__, prefix="jaxlod."):
+    if info.name.startswith("jaxlod.examples") or info.name == "jaxlod.__main__":
+      continue
+    names.append(info.name)
+  return sorted(names)
+
+
+@pytest.mark.parametrize(
+  "module", sorted(set(_library_modules()) | set(FOUNDATION_DOCTESTS))
+)
+def test_doctests(module):
+  mod = importlib.import_module(module)
+  result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, verbose=False)
+  if module in FOUNDATION_DOCTESTS:
+    assert result.attempted > 0, f"{module} has no docstring examples"
+  assert result.failed == 0, f"{result.failed} doctest(s) failed in {module}"
