@@ -1,19 +1,22 @@
 """The phased loop and its custom VJP (Fluid's ``while`` + ``while_grad``).
 
-Everything here works on flat lists of rank-ordered arrays: carry and static
-leaves are ``[count_capacity, ...]``, step inputs and outputs are stacked
-time-major buffers ``[time_capacity, count_capacity, ...]``. Phase ``k`` runs
+Everything here works on flat lists of arrays. The carry and static leaves
+are ``[count_capacity, ...]`` in rank order; step inputs and outputs are in
+the time-major packed layout of `jaxlod.ops._packed`: the rows of step ``t``
+start at ``step_offsets[t]``, in rank order, so each step reads and writes one
+contiguous slab and no buffer is sized by the time capacity. Phase ``k`` runs
 a `lax.while_loop` over steps ``[start_k, end_k)`` at the static batch size
-``ladder[k]`` on the prefix ``[:ladder[k]]`` of every array.
+``ladder[k]`` on the prefix ``[:ladder[k]]`` of the ranked arrays.
 
 The backward pass runs the phases in reverse, each stepping ``t`` downward and
 calling the VJP of the step, summing the gradients of parameters and static
 inputs across steps. With ``remat=False`` the forward pass saves the step's
-VJP residuals: those that depend on the carry or the step input are stacked
-per step; those that depend only on parameters and static inputs (a
-concatenated kernel, say) are computed once per phase, so nothing of size
-``time x weights`` is stored. With ``remat=True`` it saves only the carries
-and the backward pass recomputes each step.
+VJP residuals: those that depend on the carry or the step input are stored
+per step in the schedule layout of `jaxlod.ops._packed`, those that depend only on
+parameters and static inputs (a concatenated kernel, say) are computed once
+per phase, so nothing of size ``time x weights`` is stored. With
+``remat=True`` it saves only the carries and the backward pass recomputes
+each step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jex_core
 
 # -- helpers -------------------------------------------------------------------------
@@ -52,33 +57,20 @@ def _mask(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
   return jnp.where(active.reshape(shape), new, old)
 
 
+def _slab(buffer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
+  """Rows ``[offset, offset + size)`` of `buffer`."""
+  return lax.dynamic_slice_in_dim(buffer, offset, size, axis=0)
+
+
+def _put(buffer: jax.Array, offset: jax.Array, value: jax.Array) -> jax.Array:
+  """Writes `value` at rows ``[offset, offset + len(value))``."""
+  return lax.dynamic_update_slice_in_dim(buffer, value.astype(buffer.dtype), offset, 0)
+
+
 def _start(t: jax.Array, ndim: int) -> tuple[jax.Array, ...]:
   """Index ``(t, 0, ..., 0)`` of one integer type (x64 mode included)."""
   t = jnp.asarray(t)
   return (t, *(jnp.zeros_like(t),) * (ndim - 1))
-
-
-def _read(buffer: jax.Array, t: jax.Array, size: int) -> jax.Array:
-  """``buffer[t, :size]`` for a traced step `t`."""
-  start = _start(t, buffer.ndim)
-  return lax.dynamic_slice(buffer, start, (1, size, *buffer.shape[2:]))[0]
-
-
-def _write(buffer: jax.Array, t: jax.Array, value: jax.Array) -> jax.Array:
-  """``buffer.at[t, :len(value)].set(value)`` for a traced step `t`."""
-  start = _start(t, buffer.ndim)
-  return lax.dynamic_update_slice(buffer, value[None].astype(buffer.dtype), start)
-
-
-def _uninitialized(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  """A buffer whose cells are all written before they are read.
-
-  Stacked buffers are read only at cells a phase wrote (and every read of
-  cells past a sequence's end is masked with a select), so they need no
-  zero fill; `lax.empty` skips it where the backend allows.
-  """
-  empty = getattr(lax, "empty", None)
-  return jnp.zeros(shape, dtype) if empty is None else empty(shape, dtype)
 
 
 def _set_prefix(full: jax.Array, part: jax.Array) -> jax.Array:
@@ -125,12 +117,13 @@ class Phase:
   """One phase: a flat step function at static batch size `size`.
 
   ``fn(carry_leaves, x_leaves, inv_leaves) -> (carry_leaves, y_leaves)`` with
-  ``inv_leaves = static_leaves[:size] + consts[consts_slice]``.
+  ``inv_leaves = static_leaves[:size] + [consts[i] for i in consts]``: the
+  phases share one list of constants (model parameters).
   """
 
   size: int
   fn: Callable
-  consts: slice
+  consts: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +131,10 @@ class LoopSpec:
   """Everything static about one phased loop."""
 
   phases: tuple[Phase, ...]
-  count: int
-  time: int
+  count: int  # count capacity: rows of the carry and static inputs
+  rows: int  # rows of the time-major inputs and outputs
+  saved_rows: int  # rows of the schedule layout of stored residuals
+  time: int  # time capacity
   carry_float: tuple[bool, ...]
   x_float: tuple[bool, ...]
   static_float: tuple[bool, ...]
@@ -150,7 +145,7 @@ class LoopSpec:
   remat: bool
 
   def inv_float(self, phase: Phase) -> tuple[bool, ...]:
-    return self.static_float + self.const_float[phase.consts]
+    return self.static_float + tuple(self.const_float[i] for i in phase.consts)
 
   def differentiable(self, phase: Phase, nodiff_step: list, nodiff_inv: list):
     """The step as a function of its float leaves only.
@@ -178,14 +173,16 @@ class LoopSpec:
 class SavePlan:
   """How a phase stores its per-step data for the backward pass.
 
-  Per-step leaves are stacked in buffers ``[time, *shape]``; with `shared`,
-  one buffer ``[time, count, *tail]`` serves every phase (phase ``k`` uses
-  its prefix ``[:size_k]``).
+  Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and is
+  stored at its step's rows of a schedule-layout buffer ``[saved_rows,
+  *tail]`` shared by all phases. Otherwise (a residual
+  whose leading axis is not the batch) the phase stacks its leaves by step
+  in buffers ``[time_capacity, *shape]``.
   """
 
   slots: tuple[int, ...] | None  # residual mode: per leaf, its buffer or -1
   tree: Any  # residual mode: tree structure of the VJP function
-  shapes: tuple[tuple[tuple[int, ...], Any], ...]  # per buffer
+  shapes: tuple[tuple[tuple[int, ...], Any], ...]  # per buffer, at this phase
 
   @property
   def per_step(self) -> tuple[bool, ...] | None:
@@ -214,28 +211,27 @@ def _residual_leaves(spec: LoopSpec, phase: Phase):
   return residuals
 
 
-def _phase_avals(spec: LoopSpec, phase, carry, xs, statics, consts):
+def _phase_avals(spec: LoopSpec, phase, carry, values, statics, consts):
   b = phase.size
   step = [_abstract(c[:b]) for c in carry] + [
-    jax.ShapeDtypeStruct((b, *x.shape[2:]), x.dtype) for x in xs
+    jax.ShapeDtypeStruct((b, *v.shape[1:]), v.dtype) for v in values
   ]
-  inv = [_abstract(s[:b]) for s in statics] + [
-    _abstract(c) for c in consts[phase.consts]
-  ]
+  inv = [_abstract(s[:b]) for s in statics]
+  inv += [_abstract(consts[i]) for i in phase.consts]
   diff_step, nodiff_step = _split(step, spec.carry_float + spec.x_float)
   diff_inv, nodiff_inv = _split(inv, spec.inv_float(phase))
   return diff_step, nodiff_step, diff_inv, nodiff_inv
 
 
-def make_plans(spec: LoopSpec, carry, xs, statics, consts) -> list[SavePlan]:
-  """Per phase: what to stack per step (from abstract shapes only)."""
+def make_plans(spec: LoopSpec, carry, values, statics, consts) -> list[SavePlan]:
+  """Per phase: what to store per step (from abstract shapes only)."""
   plans = []
   for phase in spec.phases:
     if spec.remat:
       shapes = tuple(((phase.size, *c.shape[1:]), c.dtype) for c in carry)
       plans.append(SavePlan(None, None, shapes))
       continue
-    avals = _phase_avals(spec, phase, carry, xs, statics, consts)
+    avals = _phase_avals(spec, phase, carry, values, statics, consts)
     fn = _residual_leaves(spec, phase)
     slots = step_slots(fn, 2, *avals)
     leaves = jax.eval_shape(fn, *avals)
@@ -254,8 +250,8 @@ def make_plans(spec: LoopSpec, carry, xs, statics, consts) -> list[SavePlan]:
   return plans
 
 
-def _shared_layout(spec: LoopSpec, plans: list[SavePlan]) -> bool:
-  """True when every phase stacks leaves ``[size_k, *tail]`` of equal tails."""
+def by_row(spec: LoopSpec, plans: list[SavePlan]) -> bool:
+  """True when every phase stores leaves ``[size_k, *tail]`` of equal tails."""
   first = plans[0]
   for phase, plan in zip(spec.phases, plans, strict=True):
     if plan.slots != first.slots or len(plan.shapes) != len(first.shapes):
@@ -266,24 +262,40 @@ def _shared_layout(spec: LoopSpec, plans: list[SavePlan]) -> bool:
   return True
 
 
-# -- the loops ----------------------------------------------------------------------
+# -- one phase ------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class _PhaseData:
-  """A phase's traced operands: invariant leaves split by differentiability."""
+  """A phase's traced operands."""
 
-  diff_inv: list
-  nodiff_inv: list
-  lengths: jax.Array  # [size], sorted
-  start: jax.Array
-  end: jax.Array
+  diff_inv: list  # float static and constant leaves
+  nodiff_inv: list  # the others
+  step_offsets: jax.Array  # [time] first time-major row of each step
+  saved_offsets: jax.Array  # [time] first schedule row of each step
+  lengths: jax.Array  # [size] lengths of the ranked sequences
+  first: jax.Array  # first step
+  last: jax.Array  # one past the last step
+
+  def cells(self, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Step `t`: active rows, first time-major row, first schedule row."""
+    return t < self.lengths, self.step_offsets[t], self.saved_offsets[t]
 
 
-def _phase_data(spec, phase, k, statics, consts, lengths, starts, ends):
-  inv = [s[: phase.size] for s in statics] + list(consts[phase.consts])
+def _phase_data(spec, phase, k, statics, consts, bounds):
+  step_offsets, saved_offsets, lengths, phase_starts, phase_ends = bounds
+  b = phase.size
+  inv = [s[:b] for s in statics] + [consts[i] for i in phase.consts]
   diff_inv, nodiff_inv = _split(inv, spec.inv_float(phase))
-  return _PhaseData(diff_inv, nodiff_inv, lengths[: phase.size], starts[k], ends[k])
+  return _PhaseData(
+    diff_inv,
+    nodiff_inv,
+    step_offsets,
+    saved_offsets,
+    lengths[:b],
+    phase_starts[k],
+    phase_ends[k],
+  )
 
 
 def _step_vjp(spec, phase, data, c, x):
@@ -294,84 +306,80 @@ def _step_vjp(spec, phase, data, c, x):
   return _merge(outs, aux, spec.carry_float + spec.y_float), vjp
 
 
-def _forward_phase(spec, phase, plan, data, xs, carry, ys, buffers, invariants):
-  """One phase forward; stacks per-step residuals (or carries) when planned."""
+def _groups(plan: SavePlan) -> dict[Any, list[int]]:
+  """Stored leaves grouped by dtype (row layout: one buffer per dtype)."""
+  groups: dict[Any, list[int]] = {}
+  for i, (_, dtype) in enumerate(plan.shapes):
+    groups.setdefault(jnp.dtype(dtype), []).append(i)
+  return groups
+
+
+def _width(shape: tuple[int, ...]) -> int:
+  return int(np.prod(shape[1:], dtype=np.int64))
+
+
+def _store(plan, row_layout, buffers, t, offset, leaves):
+  """Stores a step's leaves: row layout packs them side by side per dtype."""
+  if not row_layout:
+    return [
+      lax.dynamic_update_slice(buf, leaf[None], _start(t, buf.ndim))
+      for buf, leaf in zip(buffers, leaves, strict=True)
+    ]
+  stored = []
+  for buf, members in zip(buffers, _groups(plan).values(), strict=True):
+    rows = [leaves[i].reshape(leaves[i].shape[0], -1) for i in members]
+    stored.append(_put(buf, offset, jnp.concatenate(rows, axis=1)))
+  return stored
+
+
+def _load(plan, row_layout, buffers, t, offset, size):
+  if not row_layout:
+    return [lax.dynamic_index_in_dim(buf, t, keepdims=False) for buf in buffers]
+  leaves = [None] * len(plan.shapes)
+  for buf, members in zip(buffers, _groups(plan).values(), strict=True):
+    slab, start = _slab(buf, offset, size), 0
+    for i in members:
+      shape = plan.shapes[i][0]
+      width = _width(shape)
+      leaves[i] = slab[:, start : start + width].reshape(size, *shape[1:])
+      start += width
+  return leaves
+
+
+def _forward_phase(spec, phase, plan, row_layout, data, values, state):
+  """One phase forward; stores per-step residuals (or carries) when planned."""
+  residual_mode = plan is not None and plan.per_step is not None
   b = phase.size
-  residuals = plan is not None and plan.per_step is not None
 
   def body(t, state):
     c, ys, buffers = state
-    x = [_read(buf, t, b) for buf in xs]
-    if residuals:
+    active, offset, saved = data.cells(t)
+    x = [_slab(v, offset, b) for v in values]
+    if residual_mode:
       out, vjp = _step_vjp(spec, phase, data, c, x)
       new_c, y = out[: len(c)], out[len(c) :]
-      stacked = plan.stacked(jax.tree.leaves(vjp))
+      stored = plan.stacked(jax.tree.leaves(vjp))
     else:
-      stacked = c if plan is not None else []
+      stored = c if plan is not None else []
       inv = _merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
       new_c, y = phase.fn(c, x, inv)
-    buffers = [_write(buf, t, leaf) for buf, leaf in zip(buffers, stacked, strict=True)]
-    active = t < data.lengths
+    buffers = _store(plan, row_layout, buffers, t, saved, stored)
     c = [_mask(active, n, o) for n, o in zip(new_c, c, strict=True)]
     if spec.return_sequences:
-      ys = [_write(buf, t, leaf) for buf, leaf in zip(ys, y, strict=True)]
+      # Rows past the active batch land in the next step's slab, which that
+      # step then overwrites.
+      ys = [_put(buf, offset, leaf) for buf, leaf in zip(ys, y, strict=True)]
     return c, ys, buffers
 
-  state = ([c[:b] for c in carry], ys, buffers)
-  c, ys, buffers = lax.fori_loop(data.start, data.end, body, state)
-  carry = [_set_prefix(full, part) for full, part in zip(carry, c, strict=True)]
-  return carry, ys, buffers
+  return lax.fori_loop(data.first, data.last, body, state)
 
 
-def _forward(spec, plans, carry, xs, statics, consts, lengths, starts, ends):
-  """Runs every phase. With `plans`, also stacks what the backward needs.
+def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, state):
+  """One phase backward, `t` stepping down; returns the updated cotangents.
 
-  Returns ``(ys, final_carry, saved)``; `saved` holds per phase the stacked
-  buffers and the loop-invariant residuals.
+  ``state = (g_carry [size], g_values, g_statics [size], g_consts)``; the
+  constants' gradients accumulate across all phases.
   """
-  ys = []
-  if spec.return_sequences:
-    ys = [_uninitialized((spec.time, spec.count, *t), d) for t, d in spec.y_tails]
-  shared = plans is not None and _shared_layout(spec, plans)
-  buffers, saved = [], []
-  if shared:
-    buffers = _empty((spec.time, spec.count), plans[0], drop=1)
-  for k, phase in enumerate(spec.phases):
-    plan = plans[k] if plans is not None else None
-    data = _phase_data(spec, phase, k, statics, consts, lengths, starts, ends)
-    invariants = []
-    if plan is not None and not shared:
-      buffers = _empty((spec.time,), plan, drop=0)
-    if plan is not None and plan.per_step is not None:
-      invariants = _invariant_residuals(spec, phase, plan, carry, xs, data)
-    carry, ys, buffers = _forward_phase(
-      spec, phase, plan, data, xs, carry, ys, buffers, invariants
-    )
-    saved.append((buffers, invariants))
-  if shared:  # every phase wrote into the same buffers: keep the last ones
-    saved = [(buffers, invariants) for _, invariants in saved]
-  return ys, carry, saved
-
-
-def _empty(lead: tuple[int, ...], plan: SavePlan, drop: int) -> list[jax.Array]:
-  return [_uninitialized((*lead, *shape[drop:]), dtype) for shape, dtype in plan.shapes]
-
-
-def _invariant_residuals(spec, phase, plan, carry, xs, data):
-  """Residuals that depend on no step data, from any carry and input (zeros)."""
-  b = phase.size
-  step = [jnp.zeros((b, *c.shape[1:]), c.dtype) for c in carry] + [
-    jnp.zeros((b, *x.shape[2:]), x.dtype) for x in xs
-  ]
-  diff_step, nodiff_step = _split(step, spec.carry_float + spec.x_float)
-  leaves = _residual_leaves(spec, phase)(
-    diff_step, nodiff_step, data.diff_inv, data.nodiff_inv
-  )
-  return [leaf for leaf, p in zip(leaves, plan.per_step, strict=True) if not p]
-
-
-def _backward_phase(spec, phase, plan, shared, data, saved, xs, g_ys, state):
-  """One phase backward, `t` stepping down; returns the updated cotangents."""
   b = phase.size
   buffers, invariants = saved
   y_zeros = []
@@ -381,105 +389,205 @@ def _backward_phase(spec, phase, plan, shared, data, saved, xs, g_ys, state):
       for (tail, d), f in zip(spec.y_tails, spec.y_float, strict=True)
       if f
     ]
+  # Where each float constant of the phase sits among all float constants.
+  position = list(itertools.accumulate(spec.const_float, initial=0))
+  const_slots = [position[i] for i in phase.consts if spec.const_float[i]]
 
   def body(i, state):
-    g_c, g_xs, g_inv = state
-    t = data.start + data.end - 1 - i
+    g_c, g_values, g_statics, g_consts = state
+    t = data.first + data.last - 1 - i
+    active, offset, saved = data.cells(t)
+    stored = _load(plan, row_layout, buffers, t, saved, b)
     if plan.per_step is None:
-      c = [_read(buf, t, b) for buf in buffers]
-      _, vjp = _step_vjp(spec, phase, data, c, [_read(buf, t, b) for buf in xs])
+      x = [_slab(v, offset, b) for v in values]
+      _, vjp = _step_vjp(spec, phase, data, stored, x)
     else:
-      stacked = [_read(buf, t, b) if shared else buf[t] for buf in buffers]
-      vjp = jax.tree.unflatten(plan.tree, plan.residuals(stacked, invariants))
-    active = t < data.lengths
+      vjp = jax.tree.unflatten(plan.tree, plan.residuals(stored, invariants))
     g_out = [_mask(active, g, jnp.zeros_like(g)) for g in g_c]
-    g_out += [_read(buf, t, b) for buf in g_ys] + y_zeros
-    g_step, g_phase_inv = vjp(g_out)
+    g_out += [_mask(active, _slab(g, offset, b), jnp.zeros((), g.dtype)) for g in g_ys]
+    g_step, g_inv = vjp(g_out + y_zeros)
     g_new_c, g_x = g_step[: len(g_c)], g_step[len(g_c) :]
     g_c = [_mask(active, new, old) for new, old in zip(g_new_c, g_c, strict=True)]
-    g_xs = [_write(buf, t, g) for buf, g in zip(g_xs, g_x, strict=True)]
-    g_inv = [acc + g for acc, g in zip(g_inv, g_phase_inv, strict=True)]
-    return g_c, g_xs, g_inv
+    # Going backward, the next step's slab is already written: keep its rows.
+    g_values = [
+      _put(buf, offset, _mask(active, g, _slab(buf, offset, b)))
+      for buf, g in zip(g_values, g_x, strict=True)
+    ]
+    g_inv_statics, g_inv_consts = g_inv[: len(g_statics)], g_inv[len(g_statics) :]
+    g_statics = [a + g for a, g in zip(g_statics, g_inv_statics, strict=True)]
+    g_consts = list(g_consts)
+    for slot, g in zip(const_slots, g_inv_consts, strict=True):
+      g_consts[slot] = g_consts[slot] + g
+    return g_c, g_values, g_statics, g_consts
 
-  return lax.fori_loop(data.start, data.end, body, state)
+  return lax.fori_loop(data.first, data.last, body, state)
+
+
+# -- all phases ---------------------------------------------------------------------
+
+
+def _invariant_residuals(spec, phase, plan, carry, values, data):
+  """Residuals that depend on no step data, from any carry and input (zeros)."""
+  b = phase.size
+  step = [jnp.zeros((b, *c.shape[1:]), c.dtype) for c in carry]
+  step += [jnp.zeros((b, *v.shape[1:]), v.dtype) for v in values]
+  diff_step, nodiff_step = _split(step, spec.carry_float + spec.x_float)
+  leaves = _residual_leaves(spec, phase)(
+    diff_step, nodiff_step, data.diff_inv, data.nodiff_inv
+  )
+  return [leaf for leaf, p in zip(leaves, plan.per_step, strict=True) if not p]
+
+
+def _buffers(spec, plan, row_layout):
+  if not row_layout:
+    return [jnp.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
+  return [
+    jnp.zeros((spec.saved_rows, sum(_width(plan.shapes[i][0]) for i in members)), dtype)
+    for dtype, members in _groups(plan).items()
+  ]
+
+
+def _forward(spec, plans, carry, values, statics, consts, bounds):
+  """Runs every phase. With `plans`, also stores what the backward needs.
+
+  Returns ``(ys, final_carry, saved)``; `saved` holds per phase the stored
+  buffers and the loop-invariant residuals.
+  """
+  ys = []
+  if spec.return_sequences:
+    ys = [jnp.zeros((spec.rows, *t), d) for t, d in spec.y_tails]
+  row_layout = plans is not None and by_row(spec, plans)
+  buffers = _buffers(spec, plans[0], True) if row_layout else []
+  saved = []
+  for k, phase in enumerate(spec.phases):
+    plan = plans[k] if plans is not None else None
+    data = _phase_data(spec, phase, k, statics, consts, bounds)
+    invariants = []
+    if plan is not None and not row_layout:
+      buffers = _buffers(spec, plan, False)
+    if plan is not None and plan.per_step is not None:
+      invariants = _invariant_residuals(spec, phase, plan, carry, values, data)
+    state = ([c[: phase.size] for c in carry], ys, buffers)
+    c, ys, buffers = _forward_phase(spec, phase, plan, row_layout, data, values, state)
+    carry = [_set_prefix(full, part) for full, part in zip(carry, c, strict=True)]
+    saved.append((buffers, invariants))
+  if row_layout:  # the phases shared the buffers: keep the final ones
+    saved = [(buffers, invariants) for _, invariants in saved]
+  return ys, carry, saved
 
 
 def _backward(spec, plans, saved, primals, g_ys, g_carry):
-  """Phases in reverse; cotangents of (carry, xs, statics, consts)."""
-  carry, xs, statics, consts, lengths, starts, ends = primals
-  shared = _shared_layout(spec, plans)
+  """Phases in reverse; cotangents of (carry, values, statics, consts)."""
+  carry, values, statics, consts, bounds = primals
+  row_layout = by_row(spec, plans)
 
   def zeros(leaves, mask):
     return [jnp.zeros(a.shape, a.dtype) for a in _split(leaves, mask)[0]]
 
   g_carry = _split(g_carry, spec.carry_float)[0]
-  g_xs = [_uninitialized(x.shape, x.dtype) for x in _split(xs, spec.x_float)[0]]
+  g_values = zeros(values, spec.x_float)
   g_statics = zeros(statics, spec.static_float)
   g_consts = zeros(consts, spec.const_float)
   g_ys = _split(g_ys, spec.y_float)[0] if spec.return_sequences else []
-  num_static = len(g_statics)
-  # Position of each float constant among the float constants.
-  float_index = list(itertools.accumulate(spec.const_float, initial=0))
   for k in reversed(range(len(spec.phases))):
     phase = spec.phases[k]
-    data = _phase_data(spec, phase, k, statics, consts, lengths, starts, ends)
+    data = _phase_data(spec, phase, k, statics, consts, bounds)
     state = (
       [g[: phase.size] for g in g_carry],
-      g_xs,
-      [jnp.zeros(a.shape, a.dtype) for a in data.diff_inv],
+      g_values,
+      [jnp.zeros((phase.size, *g.shape[1:]), g.dtype) for g in g_statics],
+      g_consts,
     )
-    g_c, g_xs, g_inv = _backward_phase(
-      spec, phase, plans[k], shared, data, saved[k], xs, g_ys, state
+    g_c, g_values, g_phase_statics, g_consts = _backward_phase(
+      spec, phase, plans[k], row_layout, data, saved[k], values, g_ys, state
     )
     g_carry = [_set_prefix(full, part) for full, part in zip(g_carry, g_c, strict=True)]
-    for j, g in enumerate(g_inv[:num_static]):
-      g_statics[j] = g_statics[j] + _pad_rows(g, spec.count)
-    indices = range(len(spec.const_float))[phase.consts]
-    const_grads = iter(g_inv[num_static:])
-    for i in indices:
-      if spec.const_float[i]:
-        g_consts[float_index[i]] = g_consts[float_index[i]] + next(const_grads)
+    g_statics = [
+      full + _pad_rows(part, spec.count)
+      for full, part in zip(g_statics, g_phase_statics, strict=True)
+    ]
 
   def fill(grads, mask):
     return _merge(grads, [None] * (len(mask) - len(grads)), mask)
 
   return (
     fill(g_carry, spec.carry_float),
-    fill(g_xs, spec.x_float),
+    fill(g_values, spec.x_float),
     fill(g_statics, spec.static_float),
     fill(g_consts, spec.const_float),
+  )
+
+
+def _unwrap(tree: Any) -> tuple[Any, list[bool]]:
+  """Values and perturbed flags of a pytree of `CustomVJPPrimal`s."""
+  is_primal = lambda x: isinstance(x, CustomVJPPrimal)  # noqa: E731
+  leaves, tree_def = jax.tree.flatten(tree, is_leaf=is_primal)
+  values = jax.tree.unflatten(tree_def, [leaf.value for leaf in leaves])
+  return values, [leaf.perturbed for leaf in leaves]
+
+
+def _instantiate(cotangent: Any) -> jax.Array:
+  if isinstance(cotangent, SymbolicZero):
+    return jnp.zeros(cotangent.shape, cotangent.dtype)
+  return cotangent
+
+
+def _differentiated(spec: LoopSpec, flags: list[bool]) -> LoopSpec:
+  """`spec` differentiating only the perturbed inputs (input side only).
+
+  Carry and outputs stay differentiable: their cotangents carry the
+  gradient of anything perturbed upstream. Inputs, static inputs and
+  constants that are not perturbed get no per-step gradient work.
+  """
+  x, rest = len(spec.x_float), flags[len(spec.carry_float) :]
+  statics = len(spec.static_float)
+
+  def keep(mask, perturbed):
+    return tuple(m and p for m, p in zip(mask, perturbed, strict=True))
+
+  return dataclasses.replace(
+    spec,
+    x_float=keep(spec.x_float, rest[:x]),
+    static_float=keep(spec.static_float, rest[x : x + statics]),
+    const_float=keep(spec.const_float, rest[x + statics :]),
   )
 
 
 def make_loop(spec: LoopSpec, plans_for: Callable[..., list[SavePlan]] = make_plans):
   """The phased loop as a function with a custom VJP.
 
-  ``loop(carry, xs, statics, consts, lengths, starts, ends) -> (ys, carry)``,
-  all flat lists of arrays except the int32 `lengths` ``[count]`` (sorted) and
-  the phase bounds ``[num_phases]``.
+  ``loop(carry, values, statics, consts, bounds) -> (ys, carry)``: flat lists
+  of arrays (`values` and `ys` time-major), and ``bounds = (step_offsets,
+  saved_offsets, lengths, phase_starts, phase_ends)``, int32 arrays: the
+  first time-major and schedule row of each step ``[time_capacity]``, the
+  ranked lengths ``[count_capacity]`` and the phase plan ``[num_phases]``.
   """
 
   @jax.custom_vjp
-  def loop(carry, xs, statics, consts, lengths, starts, ends):
-    ys, final, _ = _forward(
-      spec, None, carry, xs, statics, consts, lengths, starts, ends
-    )
+  def loop(carry, values, statics, consts, bounds):
+    ys, final, _ = _forward(spec, None, carry, values, statics, consts, bounds)
     return ys, final
 
-  def loop_fwd(carry, xs, statics, consts, lengths, starts, ends):
-    plans = plans_for(spec, carry, xs, statics, consts)
-    ys, final, saved = _forward(
-      spec, plans, carry, xs, statics, consts, lengths, starts, ends
-    )
-    primals = (carry, xs, statics, consts, lengths, starts, ends)
-    return (ys, final), (saved, primals)
+  def loop_fwd(*args):
+    (carry, values, statics, consts, bounds), flags = _unwrap(args)
+    flags = flags[: len(flags) - len(jax.tree.leaves(bounds))]
+    # The perturbed flags are static: the residuals carry them as structure
+    # (an empty tuple for a perturbed input, None for the others).
+    marks = tuple(() if f else None for f in flags)
+    local = _differentiated(spec, flags)
+    plans = plans_for(local, carry, values, statics, consts)
+    ys, final, saved = _forward(local, plans, carry, values, statics, consts, bounds)
+    return (ys, final), (marks, saved, (carry, values, statics, consts, bounds))
 
   def loop_bwd(residuals, cotangents):
-    saved, primals = residuals
-    g_ys, g_carry = cotangents
-    plans = plans_for(spec, *primals[:4])
-    grads = _backward(spec, plans, saved, primals, g_ys, g_carry)
-    return (*grads, None, None, None)
+    marks, saved, primals = residuals
+    local = _differentiated(spec, [m is not None for m in marks])
+    g_ys, g_carry = jax.tree.map(
+      _instantiate, cotangents, is_leaf=lambda x: isinstance(x, SymbolicZero)
+    )
+    plans = plans_for(local, *primals[:4])
+    grads = _backward(local, plans, saved, primals, g_ys, g_carry)
+    return (*grads, None)
 
-  loop.defvjp(loop_fwd, loop_bwd)
+  loop.defvjp(loop_fwd, loop_bwd, symbolic_zeros=True)
   return loop

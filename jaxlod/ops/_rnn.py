@@ -11,8 +11,8 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
-from jaxlod.ops import _loop
-from jaxlod.ops._array import _check_pair, from_array, permute_rows, to_array
+from jaxlod.ops import _loop, _packed
+from jaxlod.ops._array import _check_pair, permute_rows
 from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
 
 
@@ -129,14 +129,17 @@ def _check_step_out(out, carry, b: int) -> tuple[Any, Any]:
   return new_carry, y
 
 
-def _convert_phases(step_fn, carry, x_tree, xs, statics, ladder):
+def _convert_phases(step_fn, carry, x_tree, values, statics, ladder):
   """Closure-converts `step_fn` at each phase size; checks its outputs."""
   carry_tree = jax.tree.structure(carry)
   static_leaves, static_tree = jax.tree.flatten(statics)
   phases, consts, y_tails, y_tree = [], [], None, None
+  index: dict[int, int] = {}
   for b in ladder:
     c = jax.tree.map(lambda a, b=b: a[:b], carry)
-    x = jax.tree.unflatten(x_tree, [buf[0, :b] for buf in xs])
+    x = jax.tree.unflatten(
+      x_tree, [jnp.zeros((b, *v.shape[1:]), v.dtype) for v in values]
+    )
     s = jax.tree.map(lambda a, b=b: a[:b], statics)
     converted, phase_consts = jax.closure_convert(
       lambda c, x, s: step_fn(c, x, s), c, x, s
@@ -163,9 +166,13 @@ def _convert_phases(step_fn, carry, x_tree, xs, statics, ladder):
       )
       return jax.tree.leaves(out[0]), jax.tree.leaves(out[1])
 
-    span = slice(len(consts), len(consts) + len(phase_consts))
+    # Phases close over the same parameters: keep one of each.
+    for c in phase_consts:
+      if id(c) not in index:
+        index[id(c)] = len(consts)
+        consts.append(c)
+    span = tuple(index[id(c)] for c in phase_consts)
     phases.append(_loop.Phase(size=b, fn=flat, consts=span))
-    consts.extend(phase_consts)
   return phases, consts, y_tails, y_tree
 
 
@@ -269,18 +276,28 @@ def dynamic_rnn(
   carry_leaves = [jnp.asarray(c) for c in carry_leaves]
   carry = permute_rows(carry_leaves, table.order, table.ranks, "init_carry")
   statics = permute_rows(statics, table.order, table.ranks, "static_inputs")
-  xs = [to_array(x, table, reverse) for x in lods]
+  layout = _packed.time_major(x0, table, reverse)
+  values = [_packed.pack(x.values, layout) for x in lods]
 
   phases, consts, y_tails, y_tree = _convert_phases(
-    step_fn, jax.tree.unflatten(carry_tree, carry), x_tree, xs, statics, table.ladder
+    step_fn,
+    jax.tree.unflatten(carry_tree, carry),
+    x_tree,
+    values,
+    statics,
+    table.ladder,
   )
   static_leaves = jax.tree.leaves(statics)
   spec = _loop.LoopSpec(
     phases=tuple(phases),
     count=count,
+    rows=x0.capacity.tokens + count,
+    saved_rows=_packed.schedule_rows(
+      x0.capacity.tokens, table.time_capacity, table.ladder
+    ),
     time=table.time_capacity,
     carry_float=_float_flags(carry),
-    x_float=_float_flags(xs),
+    x_float=_float_flags(values),
     static_float=_float_flags(static_leaves),
     const_float=_float_flags(consts),
     y_float=tuple(bool(jnp.issubdtype(d, jnp.inexact)) for _, d in y_tails),
@@ -288,18 +305,17 @@ def dynamic_rnn(
     return_sequences=return_sequences,
     remat=remat,
   )
-  ys, final = _loop.make_loop(spec)(
-    carry,
-    xs,
-    static_leaves,
-    consts,
+  bounds = (
+    layout.step_offsets,
+    _packed.schedule_offsets(table),
     jnp.asarray(table.lengths),
     jnp.asarray(table.phase_starts),
     jnp.asarray(table.phase_ends),
   )
+  ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
   final = permute_rows(final, table.ranks, table.order, "final_carry")
   final_carry = jax.tree.unflatten(carry_tree, final)
   if not return_sequences:
     return final_carry
-  outputs = [from_array(y, table, x0, reverse) for y in ys]
+  outputs = [x0.with_values(_packed.unpack(y, layout)) for y in ys]
   return jax.tree.unflatten(y_tree, outputs), final_carry
