@@ -1,5 +1,7 @@
 """``python -m jaxlod``: the main example program."""
 
-from jaxlod.examples.tour import main
+from jaxlod.examples import tour, w1
 
-main()
+tour.main()
+print()
+w1.main()

@@ -108,9 +108,10 @@ def test_phase_plan_worked_example():
 def test_default_ladder_used_when_none():
   x = _lod([[3] * 20], buckets=Buckets.pow2(minimum=8))
   table = rank_table(x)
-  assert table.ladder == default_ladder(32) == (32, 24, 16, 8)
-  assert table.phase_starts.tolist() == [0, 0, 3, 3]
-  assert table.phase_ends.tolist() == [0, 3, 3, 3]
+  assert table.ladder == default_ladder(32) == (32, 28, 24, 20, 16, 12, 8, 4)
+  # All 20 sequences are active for 3 steps: the phase of size 20 runs them.
+  assert table.phase_starts.tolist() == [0, 0, 0, 0, 3, 3, 3, 3]
+  assert table.phase_ends.tolist() == [0, 0, 0, 3, 3, 3, 3, 3]
 
 
 def test_empty_batch():
@@ -198,7 +199,7 @@ def test_ladder_errors(ladder, match):
 @pytest.mark.parametrize(
   ("ladder", "expected"),
   [
-    (None, (8,)),
+    (None, (8, 4)),
     ([], (8,)),
     ([8], (8,)),
     ([2, 4], (8, 4, 2)),
@@ -213,11 +214,14 @@ def test_normalize_ladder(ladder, expected):
 @pytest.mark.parametrize(
   ("args", "kwargs", "expected"),
   [
-    ((64,), {}, (64, 48, 32, 24, 16, 8)),
-    ((8,), {}, (8,)),
-    ((5,), {}, (5,)),
-    ((10,), {}, (10, 8)),
-    ((100,), {"ratio": 2.0}, (100, 56, 32, 16, 8)),
+    ((64,), {}, (64, 52, 44, 36, 32, 28, 24, 20, 16, 12, 8, 4)),
+    ((8,), {}, (8, 4)),
+    ((4,), {}, (4,)),
+    ((5,), {}, (5, 4)),
+    ((10,), {}, (10, 8, 4)),
+    ((64,), {"ratio": 1.5, "minimum": 8, "multiple": 8}, (64, 48, 32, 24, 16, 8)),
+    ((100,), {"ratio": 2.0}, (100, 52, 28, 16, 8, 4)),
+    ((100,), {"ratio": 2.0, "minimum": 8, "multiple": 8}, (100, 56, 32, 16, 8)),
     ((32,), {"ratio": 2.0, "minimum": 1, "multiple": 1}, (32, 16, 8, 4, 2, 1)),
     ((16,), {"ratio": 1.01, "minimum": 4, "multiple": 4}, (16, 12, 8, 4)),
   ],

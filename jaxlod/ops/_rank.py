@@ -14,7 +14,7 @@ from jaxlod._lod import LoDTensor, is_concrete
 
 
 def default_ladder(
-  count_capacity: int, *, ratio: float = 1.5, minimum: int = 8, multiple: int = 8
+  count_capacity: int, *, ratio: float = 1.25, minimum: int = 4, multiple: int = 4
 ) -> tuple[int, ...]:
   """A geometric ladder of static batch sizes from `count_capacity` down.
 
@@ -32,7 +32,7 @@ def default_ladder(
 
   Example:
     >>> default_ladder(64)
-    (64, 48, 32, 24, 16, 8)
+    (64, 52, 44, 36, 32, 28, 24, 20, 16, 12, 8, 4)
   """
   if not ratio > 1:
     raise ValueError(f"Expected `ratio` > 1, got {ratio}.")

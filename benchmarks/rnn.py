@@ -1,0 +1,712 @@
+"""Side-by-side benchmark of `jaxlod.ops.dynamic_rnn` against padded RNNs.
+
+For each workload one process runs, on the same cell weights and the same
+batch of variable-length sequences:
+
+  (a) ``jaxlod``: `jaxlod.ops.dynamic_rnn` on a LoDTensor under a fixed
+      capacity, with the rank table built on the host beside the batch;
+  (b) ``flax_capacity``: `flax.linen.RNN` with ``seq_lengths`` over the time
+      capacity;
+  (c) ``flax_exact``: the same over exactly the batch's longest length;
+  (d) ``floor``: a dense `jax.lax.scan` of the same cell over
+      ``ceil(sum(lengths) / batch)`` full steps (no padding at all);
+  (e) ``torch_packed``: `torch.nn.LSTM` / `torch.nn.GRU` on a
+      `PackedSequence` (skipped when torch is not importable).
+
+Each arm is timed in two modes: ``forward`` (outputs and final carry; torch
+under ``no_grad``) and ``train`` (value and gradient of a loss over the real
+outputs and the final hidden state, w.r.t. the cell parameters). Timings are
+steady state: one first call (trace and compile, reported as
+``first_call_s``; ``compile_s`` is that minus the median), one warm-up call,
+then ``--repeats`` rounds in which the arms take turns (so a change in the
+shared machine's load touches them all alike), and each arm's median.
+jaxlod runs with the default ladder and ``remat=True`` (it saves the carries
+and recomputes each step in the backward pass, the faster of its two modes on
+these cells on CPU), on a fixed capacity whose token budget holds every batch
+of the workload; ``jaxlod_saved_residuals`` is the same with ``remat=False``
+(the step's VJP residuals saved per step), reported beside it. After
+timing, every arm's forward outputs on real positions, final carry, loss and
+gradients are compared with jaxlod's (``equality``:
+``max_abs_diff_vs_jaxlod`` and friends; the floor computes something else
+and is skipped). Finally the jitted jaxlod training
+step is called on 100 distinct random batches under the fixed capacity (only
+lowered when that would take over ``COMPILE_CHECK_CALL_BUDGET_S``) and its
+traces are counted with a counter inside the traced function, beside
+``_cache_size()`` and the XLA compilations seen.
+
+Workloads: W1 sentences (LSTM 256, batch 64, log-normal lengths, mean about
+30, cap 128), W2 documents (GRU 128, batch 32, long-tailed lengths, mean
+about 200, cap 1024), W3 words (LSTM 128, batch 256, English word lengths
+1-28, mean about 7.5).
+
+Run:
+  python benchmarks/rnn.py [--workloads W1,W2,W3] [--repeats N] [--json PATH]
+                           [--torch-threads N]
+
+The JSON report goes to stdout (and to ``--json PATH``); progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+  import jaxlod
+except ImportError:  # Run from a checkout without installing it.
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  import jaxlod
+import jaxlod.ops
+
+try:
+  import torch
+except ImportError:
+  torch = None
+
+COMPILE_CHECK_BATCHES = 100
+# Run the jitted step on every compile-check batch when that takes at most
+# this long (estimated from the timed median); otherwise only lower it.
+COMPILE_CHECK_CALL_BUDGET_S = 60.0
+MATCH_ATOL = 1e-4
+
+# Relative frequencies of the lengths 1..28 of distinct English words (a
+# vocabulary or word list; running text, dominated by short function words,
+# averages nearer 4.7 letters): the usual skewed bell that peaks at 6-7
+# letters with a long right tail, mean about 7.5. Shaped after published
+# dictionary word-length counts; not exact.
+WORD_LENGTH_WEIGHTS = (
+  0.3, 1.7, 4.6, 8.6, 11.8, 13.6, 13.5, 12.1, 10.0, 7.7,
+  5.5, 3.8, 2.5, 1.6, 1.0, 0.6, 0.34, 0.19, 0.1, 0.055,
+  0.03, 0.016, 0.009, 0.005, 0.003, 0.002, 0.001, 0.001,
+)  # fmt: skip
+
+
+# -- workloads and batches ------------------------------------------------------
+
+
+def lognormal_lengths(mean: float, sigma: float, cap: int) -> Callable:
+  """Sampler of log-normal lengths of the given (uncapped) mean, in [1, cap]."""
+
+  def sample(rng: np.random.Generator, n: int) -> np.ndarray:
+    mu = math.log(mean) - sigma**2 / 2
+    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, cap).astype(np.int64)
+
+  return sample
+
+
+def word_lengths(rng: np.random.Generator, n: int) -> np.ndarray:
+  """Sampler of English word lengths (`WORD_LENGTH_WEIGHTS`)."""
+  p = np.asarray(WORD_LENGTH_WEIGHTS) / sum(WORD_LENGTH_WEIGHTS)
+  return rng.choice(np.arange(1, len(p) + 1), size=n, p=p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  description: str
+  cell: str  # "lstm" or "gru"
+  batch: int
+  features: int
+  hidden: int
+  time_capacity: int
+  # The token budget of a batch: holds every batch of the workload with a wide
+  # margin (at least 7 standard deviations of the batch's total length above
+  # its mean); a batch over it raises instead of being truncated.
+  token_capacity: int
+  sample_lengths: Callable[[np.random.Generator, int], np.ndarray]
+
+  @property
+  def buckets(self) -> jaxlod.Buckets:
+    """The fixed capacity: a training loop over it compiles once."""
+    return jaxlod.Buckets.fixed(
+      tokens=self.token_capacity,
+      sequences=self.batch,
+      time=self.time_capacity,
+    )
+
+
+WORKLOADS = {
+  "W1": Workload(
+    "sentences",
+    "lstm",
+    batch=64,
+    features=256,
+    hidden=256,
+    time_capacity=128,
+    token_capacity=3072,
+    sample_lengths=lognormal_lengths(mean=30, sigma=0.6, cap=128),
+  ),
+  "W2": Workload(
+    "documents",
+    "gru",
+    batch=32,
+    features=128,
+    hidden=128,
+    time_capacity=1024,
+    token_capacity=16384,
+    sample_lengths=lognormal_lengths(mean=200, sigma=1.0, cap=1024),
+  ),
+  "W3": Workload(
+    "words",
+    "lstm",
+    batch=256,
+    features=128,
+    hidden=128,
+    time_capacity=28,
+    token_capacity=3072,
+    sample_lengths=word_lengths,
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """One batch in every arm's input format (all built on the host)."""
+
+  lengths: np.ndarray  # [batch]
+  lod: jaxlod.LoDTensor  # values [token_capacity, features]
+  table: jaxlod.ops.RankTable
+  padded: np.ndarray  # [batch, time_capacity, features]
+  dense: np.ndarray  # [ceil(sum(lengths) / batch), batch, features]
+
+  @property
+  def longest(self) -> int:
+    return int(self.lengths.max())
+
+
+def make_batch(w: Workload, rng: np.random.Generator) -> Batch:
+  lengths = w.sample_lengths(rng, w.batch)
+  rows = rng.standard_normal((int(lengths.sum()), w.features), dtype=np.float32)
+  lod = jaxlod.LoDTensor.from_lengths(rows, [lengths], buckets=w.buckets)
+  mask = np.arange(w.time_capacity)[None, :] < lengths[:, None]
+  padded = np.zeros((w.batch, w.time_capacity, w.features), np.float32)
+  padded[mask] = rows
+  steps = -(-rows.shape[0] // w.batch)
+  dense = np.zeros((steps * w.batch, w.features), np.float32)
+  dense[: rows.shape[0]] = rows
+  dense = dense.reshape(steps, w.batch, w.features)
+  return Batch(lengths, lod, jaxlod.ops.rank_table(lod), padded, dense)
+
+
+# -- the cell ---------------------------------------------------------------------
+
+
+def make_cell(w: Workload) -> nn.RNNCellBase:
+  if w.cell == "lstm":
+    return nn.OptimizedLSTMCell(w.hidden)
+  return nn.GRUCell(w.hidden)
+
+
+def zero_carry(cell: nn.RNNCellBase, count: int, features: int) -> Any:
+  return cell.initialize_carry(jax.random.key(0), (count, features))
+
+
+def final_hidden(carry: Any) -> jax.Array:
+  """``h`` of an LSTM carry ``(c, h)`` or a GRU carry ``h``."""
+  return carry[1] if isinstance(carry, tuple) else carry
+
+
+def init_params(cell: nn.RNNCellBase, w: Workload) -> Any:
+  x = jnp.zeros((1, w.features), jnp.float32)
+  return cell.init(jax.random.key(1), zero_carry(cell, 1, w.features), x)["params"]
+
+
+def masked_square_sum(y: jax.Array, mask: jax.Array) -> jax.Array:
+  mask = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim))
+  return jnp.sum(jnp.where(mask, jnp.square(y), 0.0))
+
+
+def real_rows_of_padded(y: Any, lengths: np.ndarray) -> np.ndarray:
+  """Rows of ``[batch, time, hidden]`` at real positions, packed in order."""
+  y = np.asarray(y)
+  return y[np.arange(y.shape[1])[None, :] < lengths[:, None]]
+
+
+# -- JAX arms ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Arm:
+  """An arm: jitted ``forward``/``train`` of ``(params, *inputs)``.
+
+  ``compare`` maps the forward result to ``(real rows [sum(lengths), hidden],
+  final carry)`` for the equality check, or is `None` (the floor).
+  """
+
+  forward: Callable
+  train: Callable
+  inputs: tuple
+  compare: Callable | None
+  traces: dict = dataclasses.field(default_factory=lambda: {"train": 0})
+  sync: Callable = jax.block_until_ready
+  flax_grads: Callable = lambda grads: grads
+
+
+def _train_step(loss: Callable, traces: dict) -> Callable:
+  """Jitted value_and_grad of `loss` w.r.t. its first argument, counting traces."""
+
+  def step(params, *inputs):
+    traces["train"] += 1  # Runs once per trace, i.e. once per compilation.
+    return jax.value_and_grad(loss)(params, *inputs)
+
+  return jax.jit(step)
+
+
+def jaxlod_arm(cell: nn.RNNCellBase, batch: Batch, remat: bool) -> Arm:
+  def forward(params, x, table):
+    def step(carry, x_t, static):
+      del static
+      return cell.apply({"params": params}, carry, x_t)
+
+    init = zero_carry(cell, x.capacity.sequences[-1], x.feature_shape[0])
+    return jaxlod.ops.dynamic_rnn(step, x, init_carry=init, table=table, remat=remat)
+
+  def loss(params, x, table):
+    outputs, carry = forward(params, x, table)
+    real = jnp.arange(outputs.capacity.tokens) < outputs.num_rows
+    return masked_square_sum(outputs.values, real) + jnp.sum(final_hidden(carry))
+
+  def compare(result):
+    outputs, carry = result
+    return np.asarray(outputs.values)[: int(batch.lengths.sum())], carry
+
+  traces = {"train": 0}
+  return Arm(
+    jax.jit(forward),
+    _train_step(loss, traces),
+    (batch.lod, jax.device_put(batch.table)),
+    compare,
+    traces,
+  )
+
+
+def flax_arm(cell: nn.RNNCellBase, batch: Batch, time: int) -> Arm:
+  rnn = nn.RNN(cell, return_carry=True)
+
+  def forward(params, x, lengths):
+    init = zero_carry(cell, x.shape[0], x.shape[-1])
+    variables = {"params": {"cell": params}}
+    return rnn.apply(variables, x, initial_carry=init, seq_lengths=lengths)
+
+  def loss(params, x, lengths):
+    carry, y = forward(params, x, lengths)
+    real = jnp.arange(y.shape[1])[None, :] < lengths[:, None]
+    return masked_square_sum(y, real) + jnp.sum(final_hidden(carry))
+
+  def compare(result):
+    carry, y = result
+    return real_rows_of_padded(y, batch.lengths), carry
+
+  traces = {"train": 0}
+  inputs = (jnp.asarray(batch.padded[:, :time]), jnp.asarray(batch.lengths, jnp.int32))
+  return Arm(jax.jit(forward), _train_step(loss, traces), inputs, compare, traces)
+
+
+def floor_arm(cell: nn.RNNCellBase, batch: Batch) -> Arm:
+  def forward(params, x):
+    def step(carry, x_t):
+      return cell.apply({"params": params}, carry, x_t)
+
+    return jax.lax.scan(step, zero_carry(cell, x.shape[1], x.shape[2]), x)
+
+  def loss(params, x):
+    carry, y = forward(params, x)
+    return jnp.sum(jnp.square(y)) + jnp.sum(final_hidden(carry))
+
+  traces = {"train": 0}
+  inputs = (jnp.asarray(batch.dense),)
+  return Arm(jax.jit(forward), _train_step(loss, traces), inputs, None, traces)
+
+
+# -- torch arm --------------------------------------------------------------------
+
+
+def _flax_to_torch_weights(w: Workload, params: Any) -> dict[str, np.ndarray]:
+  """Flax cell params in torch's ``nn.LSTM``/``nn.GRU`` layout.
+
+  Both order the gates the same way (LSTM ``i, f, g, o``; GRU ``r, z, n``);
+  torch stores ``[4 * hidden, in]`` where Flax stores ``[in, hidden]`` per
+  gate. Flax's LSTM has biases on the recurrent side only; its GRU has input
+  biases and a recurrent bias on ``n`` only, as torch's ``b_hn``.
+  """
+  p = jax.tree.map(np.asarray, params)
+  gates = "ifgo" if w.cell == "lstm" else "rzn"
+  zeros = np.zeros(w.hidden, np.float32)
+
+  def bias(name):
+    return p[name].get("bias", zeros)
+
+  return {
+    "weight_ih_l0": np.concatenate([p[f"i{g}"]["kernel"] for g in gates], 1).T,
+    "weight_hh_l0": np.concatenate([p[f"h{g}"]["kernel"] for g in gates], 1).T,
+    "bias_ih_l0": np.concatenate([bias(f"i{g}") for g in gates]),
+    "bias_hh_l0": np.concatenate([bias(f"h{g}") for g in gates]),
+  }
+
+
+def _torch_to_flax(w: Workload, tensors: dict[str, np.ndarray]) -> dict:
+  """The inverse of `_flax_to_torch_weights` (for gradients)."""
+  gates = "ifgo" if w.cell == "lstm" else "rzn"
+  split = {k: np.split(v, len(gates)) for k, v in tensors.items()}
+  params = {}
+  for k, g in enumerate(gates):
+    params[f"i{g}"] = {"kernel": split["weight_ih_l0"][k].T}
+    params[f"h{g}"] = {"kernel": split["weight_hh_l0"][k].T}
+    if w.cell == "lstm":  # torch's b_ih and b_hh both add to Flax's h bias.
+      params[f"h{g}"]["bias"] = split["bias_hh_l0"][k]
+    else:
+      params[f"i{g}"]["bias"] = split["bias_ih_l0"][k]
+  if w.cell == "gru":
+    params["hn"]["bias"] = split["bias_hh_l0"][2]
+  return params
+
+
+def torch_arm(w: Workload, params: Any, batch: Batch) -> Arm:
+  module_type = torch.nn.LSTM if w.cell == "lstm" else torch.nn.GRU
+  module = module_type(w.features, w.hidden, batch_first=True)
+  weights = _flax_to_torch_weights(w, params)
+  module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()})
+  packed = torch.nn.utils.rnn.pack_padded_sequence(
+    torch.from_numpy(batch.padded),
+    torch.from_numpy(batch.lengths),
+    batch_first=True,
+    enforce_sorted=False,
+  )
+
+  def forward(params):
+    del params  # Copied into `module` above.
+    with torch.no_grad():
+      return module(packed)
+
+  def train(params):
+    del params
+    module.zero_grad(set_to_none=True)
+    outputs, state = module(packed)
+    h = state[0] if w.cell == "lstm" else state
+    loss = outputs.data.square().sum() + h.sum()
+    loss.backward()
+    return loss.item(), {k: v.grad for k, v in module.named_parameters()}
+
+  def compare(result):
+    outputs, state = result
+    y, _ = torch.nn.utils.rnn.pad_packed_sequence(outputs, batch_first=True)
+    carry = (state[1][0], state[0][0]) if w.cell == "lstm" else state[0]
+    carry = jax.tree.map(lambda t: t.numpy(), carry)
+    return real_rows_of_padded(y.numpy(), batch.lengths), carry
+
+  def flax_grads(grads):
+    return _torch_to_flax(w, {k: v.numpy() for k, v in grads.items()})
+
+  # torch on CPU is synchronous: results are ready when the call returns.
+  return Arm(forward, train, (), compare, {}, lambda r: r, flax_grads)
+
+
+# -- measurement ------------------------------------------------------------------
+
+
+def _timed(fn: Callable, sync: Callable) -> float:
+  start = time.perf_counter()
+  sync(fn())
+  return time.perf_counter() - start
+
+
+def _measure_all(calls: dict[str, tuple[Callable, Callable]], repeats: int) -> dict:
+  """First call and one warm-up each, then `repeats` rounds of one call each.
+
+  The arms take turns within every round (starting with a different arm each
+  round), so a change in the machine's load touches them all alike; each
+  arm's time is the median of its rounds.
+  """
+  first = {name: _timed(fn, sync) for name, (fn, sync) in calls.items()}
+  for fn, sync in calls.values():
+    sync(fn())
+  times = {name: [] for name in calls}
+  names = list(calls)
+  for round_index in range(repeats):
+    # Rotate who goes first: the call after another framework's (torch's)
+    # may find cold caches or sleeping threads.
+    shift = round_index % len(names)
+    for name in names[shift:] + names[:shift]:
+      fn, sync = calls[name]
+      times[name].append(_timed(fn, sync))
+  result = {}
+  for name in calls:
+    median = statistics.median(times[name])
+    result[name] = {
+      "median_s": median,
+      "first_call_s": first[name],
+      "compile_s": max(first[name] - median, 0.0),
+      "times_s": times[name],
+    }
+  return result
+
+
+def _tree_max_abs_diff(a: Any, b: Any) -> float:
+  diffs = jax.tree.map(lambda x, y: np.max(np.abs(np.asarray(x) - np.asarray(y))), a, b)
+  return float(max(jax.tree.leaves(diffs)))
+
+
+def check_equal(arm: Arm, params: Any, reference: dict) -> dict[str, Any] | None:
+  """Differences of real outputs, final carry, loss and gradients vs jaxlod."""
+  if arm.compare is None:
+    return None
+  rows, carry = arm.compare(arm.forward(params, *arm.inputs))
+  loss, grads = arm.train(params, *arm.inputs)
+  grads = arm.flax_grads(grads)
+  grad_scale = max(
+    float(np.max(np.abs(g))) for g in jax.tree.leaves(reference["grads"])
+  )
+  diffs = {
+    "max_abs_diff_vs_jaxlod": float(np.max(np.abs(rows - reference["rows"]))),
+    "final_carry_max_abs_diff_vs_jaxlod": _tree_max_abs_diff(carry, reference["carry"]),
+    "loss_rel_diff_vs_jaxlod": abs(float(loss) / reference["loss"] - 1.0),
+    "grad_max_rel_diff_vs_jaxlod": _tree_max_abs_diff(grads, reference["grads"])
+    / grad_scale,
+  }
+  diffs["outputs_match"] = (
+    max(diffs["max_abs_diff_vs_jaxlod"], diffs["final_carry_max_abs_diff_vs_jaxlod"])
+    <= MATCH_ATOL
+  )
+  return diffs
+
+
+def reference_of(arm: Arm, params: Any) -> dict[str, Any]:
+  rows, carry = arm.compare(arm.forward(params, *arm.inputs))
+  loss, grads = arm.train(params, *arm.inputs)
+  return {"rows": rows, "carry": carry, "loss": float(loss), "grads": grads}
+
+
+# -- compile count ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def count_xla_compiles():
+  """Counts XLA backend compilations (of anything) inside the block."""
+  count = {"compiles": 0}
+
+  def listener(event: str, duration: float, **kwargs: Any) -> None:
+    del duration, kwargs
+    count["compiles"] += event == "/jax/core/compile/backend_compile_duration"
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield count
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def compile_check(w: Workload, arm: Arm, params: Any, batch: Batch, train_s: float):
+  """Traces of the jaxlod train step over 100 distinct fixed-capacity batches.
+
+  The first batch is the timed one; the other 99 share its values and differ
+  in their LoD (fresh random lengths, so a fresh rank table, built on the
+  host as a data pipeline would).
+  """
+  rng = np.random.default_rng(1)
+  call = train_s * COMPILE_CHECK_BATCHES <= COMPILE_CHECK_CALL_BUDGET_S
+  rows = np.asarray(batch.lod.values)
+  seen, longest = {tuple(batch.lengths)}, {batch.longest}
+  start = time.perf_counter()
+  with count_xla_compiles() as xla:
+    while len(seen) < COMPILE_CHECK_BATCHES:
+      lengths = w.sample_lengths(rng, w.batch)
+      if tuple(lengths) in seen:
+        continue
+      seen.add(tuple(lengths))
+      longest.add(int(lengths.max()))
+      x = jaxlod.LoDTensor.from_lengths(
+        rows[: lengths.sum()], [lengths], buckets=w.buckets
+      )
+      table = jax.device_put(jaxlod.ops.rank_table(x))
+      if call:
+        jax.block_until_ready(arm.train(params, x, table))
+      else:
+        arm.train.lower(params, x, table)
+  return {
+    "jaxlod_train_fixed_capacity_100_batches": arm.traces["train"],
+    "jaxlod_train_cache_size": arm.train._cache_size(),
+    "xla_compiles_during_other_99_batches": xla["compiles"],
+    "method": "jit call on each batch" if call else "lower() on each batch",
+    "distinct_batches": len(seen),
+    "check_s": time.perf_counter() - start,
+    "flax_exact_compiles_100_batches": len(longest),
+  }
+
+
+# -- one workload -----------------------------------------------------------------
+
+
+def build_arms(w: Workload, params: Any, batch: Batch) -> dict[str, Arm | None]:
+  cell = make_cell(w)
+  return {
+    "jaxlod": jaxlod_arm(cell, batch, remat=True),
+    "jaxlod_saved_residuals": jaxlod_arm(cell, batch, remat=False),
+    "flax_capacity": flax_arm(cell, batch, w.time_capacity),
+    "flax_exact": flax_arm(cell, batch, batch.longest),
+    "floor": floor_arm(cell, batch),
+    "torch_packed": torch_arm(w, params, batch) if torch is not None else None,
+  }
+
+
+def time_arms(arms: dict, params: Any, mode: str, repeats: int) -> dict:
+  def call(arm: Arm) -> Callable:
+    fn = getattr(arm, mode)
+    return lambda: fn(params, *arm.inputs)
+
+  calls = {name: (call(arm), arm.sync) for name, arm in arms.items() if arm is not None}
+  measured = _measure_all(calls, repeats)
+  for name, t in measured.items():
+    print(f"  {mode:8s} {name:14s} {t['median_s']:.4f} s", file=sys.stderr)
+  return {name: measured.get(name) for name in arms}
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+  return numerator / denominator if numerator and denominator else None
+
+
+def summarize(timings: dict) -> dict[str, Any]:
+  summary = {f"{name}_s": t and t["median_s"] for name, t in timings.items()}
+  jaxlod_s = summary["jaxlod_s"]
+  summary["speedup_vs_flax_capacity"] = _ratio(summary["flax_capacity_s"], jaxlod_s)
+  summary["speedup_vs_flax_exact"] = _ratio(summary["flax_exact_s"], jaxlod_s)
+  summary["ratio_to_floor"] = _ratio(jaxlod_s, summary["floor_s"])
+  summary["speedup_vs_torch"] = _ratio(summary["torch_packed_s"], jaxlod_s)
+  summary["saved_residuals_ratio_to_floor"] = _ratio(
+    summary["jaxlod_saved_residuals_s"], summary["floor_s"]
+  )
+  for key in ("compile_s", "first_call_s", "times_s"):
+    summary[key] = {name: t and t[key] for name, t in timings.items()}
+  return summary
+
+
+def batch_stats(w: Workload, batch: Batch) -> dict[str, Any]:
+  """Sizes of the batch and the token-steps each arm runs."""
+  lengths = batch.lengths
+  population = w.sample_lengths(np.random.default_rng(2), 100_000)
+  return {
+    "lengths_distribution_mean": float(population.mean()),
+    "lengths_mean": float(lengths.mean()),
+    "lengths_max": batch.longest,
+    "capacity": batch.lod.capacity._asdict(),
+    "ladder": list(batch.table.ladder),
+    "token_steps": {
+      "real": int(lengths.sum()),
+      "jaxlod_schedule": int(batch.table.schedule_steps()),
+      "flax_capacity": w.batch * w.time_capacity,
+      "flax_exact": w.batch * batch.longest,
+      "floor": int(batch.dense.shape[0] * w.batch),
+    },
+  }
+
+
+def run_workload(w: Workload, repeats: int) -> dict[str, Any]:
+  batch = make_batch(w, np.random.default_rng(0))
+  params = init_params(make_cell(w), w)
+  arms = build_arms(w, params, batch)
+  timings = {
+    mode: time_arms(arms, params, mode, repeats) for mode in ("forward", "train")
+  }
+  reference = reference_of(arms["jaxlod"], params)
+  train_s = timings["train"]["jaxlod"]["median_s"]
+  result = {
+    "config": {k: v for k, v in dataclasses.asdict(w).items() if k != "sample_lengths"},
+    "batch": batch_stats(w, batch),
+    "train": summarize(timings["train"]),
+    "forward": summarize(timings["forward"]),
+    "train_over_forward": {
+      name: t and _ratio(t["median_s"], timings["forward"][name]["median_s"])
+      for name, t in timings["train"].items()
+    },
+    "equality": {
+      name: arm and check_equal(arm, params, reference)
+      for name, arm in arms.items()
+      if name != "jaxlod"
+    },
+  }
+  result["compiles"] = compile_check(w, arms["jaxlod"], params, batch, train_s)
+  return result
+
+
+# -- command line -----------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+  import jaxlib
+
+  return {
+    "platform": platform.platform(),
+    "processor": platform.processor() or platform.machine(),
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "flax": flax.__version__,
+    "numpy": np.__version__,
+    "torch": torch and torch.__version__,
+    "torch_threads": torch and torch.get_num_threads(),
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    "load_average_at_start": list(os.getloadavg()),
+  }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workloads", default=",".join(WORKLOADS))
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--json", type=Path, default=None, help="also write here")
+  parser.add_argument(
+    "--torch-threads",
+    type=int,
+    default=os.cpu_count() or 1,
+    help="torch.set_num_threads (default: the machine's cores); on a busy "
+    "machine fewer threads avoid stalls at torch's thread barriers",
+  )
+  args = parser.parse_args(argv)
+  args.workloads = [name.strip() for name in args.workloads.split(",") if name.strip()]
+  unknown = [name for name in args.workloads if name not in WORKLOADS]
+  if unknown:
+    parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  if args.torch_threads < 1:
+    parser.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
+  return args
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = parse_args(argv)
+  if not hasattr(jaxlod.ops, "dynamic_rnn"):
+    sys.exit("jaxlod.ops.dynamic_rnn is not available; nothing to benchmark.")
+  if torch is not None:
+    torch.set_num_threads(args.torch_threads)
+  start = time.perf_counter()
+  report = {"machine": machine_info(), "repeats": args.repeats, "workloads": {}}
+  for name in args.workloads:
+    print(f"{name}: {WORKLOADS[name].description}", file=sys.stderr)
+    report["workloads"][name] = run_workload(WORKLOADS[name], args.repeats)
+  report["wall_s"] = time.perf_counter() - start
+  text = json.dumps(report, indent=2)
+  print(text)
+  if args.json is not None:
+    args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
