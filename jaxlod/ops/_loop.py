@@ -173,11 +173,11 @@ class LoopSpec:
 class SavePlan:
   """How a phase stores its per-step data for the backward pass.
 
-  Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and is
-  stored at its step's rows of a schedule-layout buffer ``[saved_rows,
-  *tail]`` shared by all phases. Otherwise (a residual
-  whose leading axis is not the batch) the phase stacks its leaves by step
-  in buffers ``[time_capacity, *shape]``.
+  Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and goes to
+  its step's rows of a schedule-layout buffer ``[saved_rows, width]`` shared
+  by all phases, leaves of one dtype side by side. Otherwise (a residual whose
+  leading axis is not the batch) each phase stacks its leaves by step in
+  buffers ``[time_capacity, *shape]``.
   """
 
   slots: tuple[int, ...] | None  # residual mode: per leaf, its buffer or -1
