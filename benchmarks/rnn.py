@@ -55,7 +55,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -74,6 +73,7 @@ except ImportError:  # Run from a checkout without installing it.
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import jaxlod
 import jaxlod.ops
+from jaxlod.examples._timing import measure_interleaved
 
 try:
   import torch
@@ -420,43 +420,6 @@ def torch_arm(w: Workload, params: Any, batch: Batch) -> Arm:
 # -- measurement ------------------------------------------------------------------
 
 
-def _timed(fn: Callable, sync: Callable) -> float:
-  start = time.perf_counter()
-  sync(fn())
-  return time.perf_counter() - start
-
-
-def _measure_all(calls: dict[str, tuple[Callable, Callable]], repeats: int) -> dict:
-  """First call and one warm-up each, then `repeats` rounds of one call each.
-
-  The arms take turns within every round (starting with a different arm each
-  round), so a change in the machine's load touches them all alike; each
-  arm's time is the median of its rounds.
-  """
-  first = {name: _timed(fn, sync) for name, (fn, sync) in calls.items()}
-  for fn, sync in calls.values():
-    sync(fn())
-  times = {name: [] for name in calls}
-  names = list(calls)
-  for round_index in range(repeats):
-    # Rotate who goes first: the call after another framework's (torch's)
-    # may find cold caches or sleeping threads.
-    shift = round_index % len(names)
-    for name in names[shift:] + names[:shift]:
-      fn, sync = calls[name]
-      times[name].append(_timed(fn, sync))
-  result = {}
-  for name in calls:
-    median = statistics.median(times[name])
-    result[name] = {
-      "median_s": median,
-      "first_call_s": first[name],
-      "compile_s": max(first[name] - median, 0.0),
-      "times_s": times[name],
-    }
-  return result
-
-
 def _tree_max_abs_diff(a: Any, b: Any) -> float:
   diffs = jax.tree.map(lambda x, y: np.max(np.abs(np.asarray(x) - np.asarray(y))), a, b)
   return float(max(jax.tree.leaves(diffs)))
@@ -570,7 +533,7 @@ def time_arms(arms: dict, params: Any, mode: str, repeats: int) -> dict:
     return lambda: fn(params, *arm.inputs)
 
   calls = {name: (call(arm), arm.sync) for name, arm in arms.items() if arm is not None}
-  measured = _measure_all(calls, repeats)
+  measured = measure_interleaved(calls, repeats)
   for name, t in measured.items():
     print(f"  {mode:8s} {name:14s} {t['median_s']:.4f} s", file=sys.stderr)
   return {name: measured.get(name) for name in arms}

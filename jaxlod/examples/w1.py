@@ -14,6 +14,7 @@ Run with ``python -m jaxlod`` or ``python -m jaxlod.examples.w1``.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -25,6 +26,7 @@ import optax
 from tqdm import tqdm
 
 from jaxlod import Buckets, LoDTensor
+from jaxlod.examples._timing import measure_interleaved
 from jaxlod.ops import dynamic_rnn, rank_table
 
 BATCH, FEATURES, HIDDEN, TIME = 64, 256, 256, 128
@@ -102,16 +104,6 @@ def train(steps: int, seed: int = 0) -> None:
   print(f"compilations of the training step: {train_step._cache_size()}")
 
 
-def _time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def _value_and_grad(loss):
   return jax.jit(jax.value_and_grad(loss))
 
@@ -161,12 +153,17 @@ def compare(repeats: int = 5, seed: int = 1) -> dict[str, float]:
       (params, dense),
     ),
   }
-  return {name: _time(fn, *args, repeats=repeats) for name, (fn, args) in runs.items()}
+  calls = {
+    name: (functools.partial(fn, *args), jax.block_until_ready)
+    for name, (fn, args) in runs.items()
+  }
+  timings = measure_interleaved(calls, repeats)
+  return {name: t["median_s"] for name, t in timings.items()}
 
 
 def main(steps: int = 30) -> None:
   train(steps)
-  print("\nOne training step (value and gradient), median of 5 runs:")
+  print("\nOne training step (value and gradient), median of 5 interleaved runs:")
   print("  seconds  time / jaxlod's")
   timings = compare()
   jaxlod_s = next(iter(timings.values()))

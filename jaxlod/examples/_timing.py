@@ -1,0 +1,54 @@
+"""Side-by-side timing for the examples and benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> float:
+  start = time.perf_counter()
+  sync(fn())
+  return time.perf_counter() - start
+
+
+def measure_interleaved(
+  calls: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], repeats: int
+) -> dict[str, dict[str, Any]]:
+  """Times several calls side by side on a shared, noisy machine.
+
+  Each call runs once (trace and compile) and once more (warm-up), then
+  `repeats` rounds run every call once, starting with a different one each
+  round, so a change in the machine's load, or a cold cache after another
+  framework's call, touches them all alike.
+
+  Args:
+    calls: name -> ``(fn, sync)``; ``sync(fn())`` must wait for the result
+      (`jax.block_until_ready` for JAX).
+    repeats: number of rounds.
+
+  Returns:
+    name -> ``{"median_s", "first_call_s", "compile_s", "times_s"}``, where
+    ``compile_s`` is the first call's time less the median.
+  """
+  first = {name: _timed(fn, sync) for name, (fn, sync) in calls.items()}
+  for fn, sync in calls.values():
+    sync(fn())
+  names = list(calls)
+  times: dict[str, list[float]] = {name: [] for name in names}
+  for round_index in range(repeats):
+    shift = round_index % len(names)
+    for name in names[shift:] + names[:shift]:
+      times[name].append(_timed(*calls[name]))
+  result = {}
+  for name in names:
+    median = statistics.median(times[name])
+    result[name] = {
+      "median_s": median,
+      "first_call_s": first[name],
+      "compile_s": max(first[name] - median, 0.0),
+      "times_s": times[name],
+    }
+  return result
