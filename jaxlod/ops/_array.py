@@ -93,20 +93,15 @@ def _check_lengths(lengths: jax.Array, table: RankTable, name: str, level: str) 
     )
 
 
-def _cell_rows(x: LoDTensor, table: RankTable, reverse: bool = False):
-  """For each cell ``(t, r)`` of the buffer, flattened: its row and validity.
-
-  With `reverse`, step ``t`` of a sequence of length ``n`` is its row
-  ``n - 1 - t``: each sequence runs from its own last row.
-  """
+def _cell_rows(x: LoDTensor, table: RankTable):
+  """For each cell ``(t, r)`` of the buffer, flattened: its row and validity."""
   steps = jnp.arange(table.time_capacity, dtype=jnp.int32)[:, None]
   lengths = jnp.asarray(table.lengths)[None, :]
   starts = x.offsets[-1][:-1][table.order][None, :]
-  position = lengths - 1 - steps if reverse else steps
-  return (starts + position).reshape(-1), (steps < lengths).reshape(-1)
+  return (starts + steps).reshape(-1), (steps < lengths).reshape(-1)
 
 
-def _row_cells(x: LoDTensor, table: RankTable, reverse: bool = False):
+def _row_cells(x: LoDTensor, table: RankTable):
   """For each row of ``values``: its flattened cell ``t * count + rank``."""
   offsets = x.offsets[-1]
   rows = jnp.arange(x.capacity.tokens, dtype=jnp.int32)
@@ -114,30 +109,9 @@ def _row_cells(x: LoDTensor, table: RankTable, reverse: bool = False):
   if count == 0:  # no sequence slots: every row is padding
     return jnp.zeros_like(rows), jnp.zeros(rows.shape, bool)
   seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
-  seq = jnp.clip(seq, 0, max(count - 1, 0))
-  step = rows - offsets[seq]
-  if reverse:
-    step = offsets[seq + 1] - 1 - rows
-  cell = step * count + jnp.asarray(table.ranks)[seq]
+  seq = jnp.clip(seq, 0, count - 1)
+  cell = (rows - offsets[seq]) * count + jnp.asarray(table.ranks)[seq]
   return cell, rows < offsets[-1]
-
-
-def to_array(x: LoDTensor, table: RankTable, reverse: bool = False) -> jax.Array:
-  """`lod_to_array` without checks, optionally with each sequence reversed."""
-  index, valid = _cell_rows(x, table, reverse)
-  inverse_index, inverse_valid = _row_cells(x, table, reverse)
-  flat = _gather(x.values, index, valid, inverse_index, inverse_valid)
-  return flat.reshape(table.time_capacity, table.count_capacity, *x.feature_shape)
-
-
-def from_array(
-  array: jax.Array, table: RankTable, like: LoDTensor, reverse: bool = False
-) -> LoDTensor:
-  """`array_to_lod` without checks, optionally with each sequence reversed."""
-  index, valid = _row_cells(like, table, reverse)
-  inverse_index, inverse_valid = _cell_rows(like, table, reverse)
-  flat = array.reshape(-1, *array.shape[2:])
-  return like.with_values(_gather(flat, index, valid, inverse_index, inverse_valid))
 
 
 # -- public ops ------------------------------------------------------------------------
@@ -165,11 +139,13 @@ def lod_to_array(x: LoDTensor, table: RankTable) -> jax.Array:
     >>> from jaxlod import LoDTensor
     >>> from jaxlod.ops import rank_table, lod_to_array
     >>> x = LoDTensor.from_lengths(np.arange(1.0, 6.0), [[2, 3]])
-    >>> lod_to_array(x, rank_table(x))[:, :, ].tolist()
+    >>> lod_to_array(x, rank_table(x)).tolist()
     [[3.0, 1.0], [4.0, 2.0], [5.0, 0.0]]
   """
   _check_pair(x, table, "x")
-  return to_array(x, table)
+  index, valid = _cell_rows(x, table)
+  flat = _gather(x.values, index, valid, *_row_cells(x, table))
+  return flat.reshape(table.time_capacity, table.count_capacity, *x.feature_shape)
 
 
 def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDTensor:
@@ -197,7 +173,9 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
       f"Expected `array` to have shape [{expected[0]}, {expected[1]}, *features] "
       f"(time capacity, count capacity), got {array.shape}."
     )
-  return from_array(array, table, like)
+  flat = array.reshape(-1, *array.shape[2:])
+  index, valid = _row_cells(like, table)
+  return like.with_values(_gather(flat, index, valid, *_cell_rows(like, table)))
 
 
 def _inverse_permutation(perm: jax.Array) -> jax.Array:
