@@ -530,3 +530,24 @@ def test_forward_mode_is_refused():
     TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"
   ):
     jax.jvp(f, (jnp.zeros((2, 1)),), (jnp.ones((2, 1)),))
+
+
+def test_residuals_without_a_batch_axis_are_stacked_by_step():
+  """A step whose residuals are not ``[b, ...]`` (a reshape to ``[2b, ...]``)."""
+  rng = np.random.default_rng(7)
+  w = jnp.asarray(rng.normal(size=(FEATURES, HIDDEN)), jnp.float32)
+  x = _batch([4, 0, 6, 1, 3], np.float32, Buckets.fixed(tokens=16, sequences=8, time=8))
+
+  def step(params, h, x_t, _):
+    b = h.shape[0]
+    z = (x_t @ params + h).reshape(2 * b, HIDDEN // 2)
+    h = jnp.tanh(z).reshape(b, HIDDEN) * jnp.cos(h)
+    return h, h
+
+  init_carry = jnp.asarray(rng.normal(size=(8, HIDDEN)), jnp.float32)
+  jaxlod_loss, reference_loss = _losses(step, w, x, init_carry, False, False, (8, 4))
+  args = (w, x.values, init_carry)
+  (_, outputs), grads = _value_and_grads(jaxlod_loss)(*args)
+  (_, ref_outputs), ref_grads = _value_and_grads(reference_loss)(*args)
+  assert_close(outputs, ref_outputs, rtol=1e-5, atol=1e-5)
+  assert_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
