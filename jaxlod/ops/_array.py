@@ -101,6 +101,15 @@ def _cell_rows(x: LoDTensor, table: RankTable):
   return (starts + steps).reshape(-1), (steps < lengths).reshape(-1)
 
 
+def owners(offsets: jax.Array, items: jax.Array, count: int) -> jax.Array:
+  """The sequence (in ``[0, count)``) whose offsets span each item.
+
+  Items past the last offset get the last sequence; callers mask them.
+  """
+  seq = jnp.searchsorted(offsets, items, side="right").astype(jnp.int32) - 1
+  return jnp.clip(seq, 0, count - 1)
+
+
 def _row_cells(x: LoDTensor, table: RankTable):
   """For each row of ``values``: its flattened cell ``t * count + rank``."""
   offsets = x.offsets[-1]
@@ -108,8 +117,7 @@ def _row_cells(x: LoDTensor, table: RankTable):
   count = table.count_capacity
   if count == 0:  # no sequence slots: every row is padding
     return jnp.zeros_like(rows), jnp.zeros(rows.shape, bool)
-  seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
-  seq = jnp.clip(seq, 0, count - 1)
+  seq = owners(offsets, rows, count)
   cell = (rows - offsets[seq]) * count + jnp.asarray(table.ranks)[seq]
   return cell, rows < offsets[-1]
 
@@ -202,7 +210,7 @@ def _reorder_lod(x: LoDTensor, table: RankTable) -> LoDTensor:
     if count == 0:  # no sequence slots at this level: all items are padding
       perm = items
       continue
-    seq = jnp.clip(jnp.searchsorted(new, items, side="right") - 1, 0, count - 1)
+    seq = owners(new, items, count)
     moved = old[perm[seq]] + items - new[seq]
     # Items past the real total are padding; they map to themselves.
     perm = jnp.where(items < new[-1], moved, items).astype(jnp.int32)

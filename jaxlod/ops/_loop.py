@@ -553,7 +553,7 @@ def _differentiated(spec: LoopSpec, flags: list[bool]) -> LoopSpec:
   )
 
 
-def make_loop(spec: LoopSpec, plans_for: Callable[..., list[SavePlan]] = make_plans):
+def make_loop(spec: LoopSpec):
   """The phased loop as a function with a custom VJP.
 
   ``loop(carry, values, statics, consts, bounds) -> (ys, carry)``: flat lists
@@ -575,7 +575,7 @@ def make_loop(spec: LoopSpec, plans_for: Callable[..., list[SavePlan]] = make_pl
     # (an empty tuple for a perturbed input, None for the others).
     marks = tuple(() if f else None for f in flags)
     local = _differentiated(spec, flags)
-    plans = plans_for(local, carry, values, statics, consts)
+    plans = make_plans(local, carry, values, statics, consts)
     ys, final, saved = _forward(local, plans, carry, values, statics, consts, bounds)
     return (ys, final), (marks, saved, (carry, values, statics, consts, bounds))
 
@@ -585,7 +585,7 @@ def make_loop(spec: LoopSpec, plans_for: Callable[..., list[SavePlan]] = make_pl
     g_ys, g_carry = jax.tree.map(
       _instantiate, cotangents, is_leaf=lambda x: isinstance(x, SymbolicZero)
     )
-    plans = plans_for(local, *primals[:4])
+    plans = make_plans(local, *primals[:4])
     grads = _backward(local, plans, saved, primals, g_ys, g_carry)
     return (*grads, None)
 

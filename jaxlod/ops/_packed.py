@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._lod import LoDTensor
-from jaxlod.ops._array import _gather
+from jaxlod.ops._array import _gather, owners
 from jaxlod.ops._rank import RankTable
 
 
@@ -77,7 +77,7 @@ def time_major(x: LoDTensor, table: RankTable, reverse: bool) -> TimeMajor:
 
   # LoDTensor row -> (sequence, step) -> time-major row.
   rows = jnp.arange(tokens, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right") - 1, 0, count - 1)
+  seq = owners(offsets, rows, count)
   step = rows - offsets[seq]
   if reverse:
     step = offsets[seq + 1] - 1 - rows
