@@ -538,17 +538,25 @@ def _is_nested(seq: Any) -> bool:
   return any(isinstance(item, list | tuple | np.ndarray | jax.Array) for item in seq)
 
 
-def _check_fits(lengths: jax.Array, time: int, where: str) -> None:
-  """Raises (eagerly) or checkify-checks (under jit) that lengths <= time."""
+def _check_fits(
+  lengths: jax.Array,
+  time: int,
+  where: str,
+  limit: str = "the requested time capacity",
+) -> None:
+  """Raises (eagerly) or checkify-checks (under jit) that lengths <= time.
+
+  `limit` names the bound in the message.
+  """
   if is_concrete(lengths):
     longest = int(np.max(np.asarray(lengths), initial=0))
     if longest > time:
       raise ValueError(
-        f"{where}: the longest sequence has {longest} rows, more than the "
-        f"requested time capacity {time}; data is never truncated."
+        f"{where}: the longest sequence has {longest} rows, more than "
+        f"{limit} {time}; data is never truncated."
       )
   else:
     checkify.debug_check(
       jnp.max(lengths, initial=0) <= time,
-      f"{where}: a sequence is longer than the requested time capacity {time}.",
+      f"{where}: a sequence is longer than {limit} {time}; data is never truncated.",
     )
