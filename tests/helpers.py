@@ -112,3 +112,32 @@ def buffer_reference(x: LoDTensor, order) -> np.ndarray:
     rows = values[offsets[i] : offsets[i + 1]]
     out[: rows.shape[0], rank] = rows
   return out
+
+
+# -- named cases (fixed LoDs with zero-length sequences) ------------------------
+
+CASES = {
+  # name: (recursive lengths, feature shape, buckets)
+  "one-level": ([[3, 0, 2, 4]], (2,), Buckets.fixed(tokens=12, sequences=6, time=5)),
+  "scalar-rows": ([[1, 4, 0, 2]], (), None),
+  "two-level": (
+    [[2, 0, 3], [1, 3, 0, 2, 2]],
+    (2,),
+    Buckets.fixed(tokens=12, sequences=(4, 7), time=(4, 5)),
+  ),
+  "features-2d": ([[2, 3]], (2, 2), Buckets.fixed(tokens=6, sequences=3, time=4)),
+}
+
+
+def make_case(lengths, features, buckets, dtype=np.float32, seed: int = 0) -> LoDTensor:
+  """A LoDTensor of normal random rows ``[rows, *features]`` with this LoD."""
+  rng = np.random.default_rng(seed)
+  values = rng.normal(size=(sum(lengths[-1]), *features)).astype(dtype)
+  return LoDTensor.from_lengths(values, lengths, buckets=buckets)
+
+
+def last_level(x: LoDTensor) -> list[np.ndarray]:
+  """The real sequences of the last level, in order (host)."""
+  offsets = np.asarray(x.offsets[-1])[: int(x.num_sequences(-1)) + 1]
+  values = np.asarray(x.values)
+  return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.size - 1)]

@@ -23,6 +23,7 @@ from tests.helpers import (
   buffer_reference,
   lod_tensors,
   lod_tensors_with_slack,
+  make_case,
 )
 
 # -- cases -------------------------------------------------------------------------
@@ -42,10 +43,7 @@ CASES = {
 
 
 def _make(name: str, dtype=np.float32, seed: int = 0) -> LoDTensor:
-  lengths, features, buckets = CASES[name]
-  rng = np.random.default_rng(seed)
-  values = rng.normal(size=(sum(lengths[-1]), *features)).astype(dtype)
-  return LoDTensor.from_lengths(values, lengths, buckets=buckets)
+  return make_case(*CASES[name], dtype=dtype, seed=seed)
 
 
 def _lod(lengths, buckets=None):

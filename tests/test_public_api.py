@@ -27,6 +27,33 @@ FOUNDATION = {
 }
 
 
+# The sequence ops (a contract: later layers call them by these names).
+SEQUENCE_OPS = {
+  "lod_reset",
+  "sequence_concat",
+  "sequence_conv",
+  "sequence_enumerate",
+  "sequence_erase",
+  "sequence_expand",
+  "sequence_expand_as",
+  "sequence_first_step",
+  "sequence_last_step",
+  "sequence_mask",
+  "sequence_pad",
+  "sequence_pool",
+  "sequence_reshape",
+  "sequence_reverse",
+  "sequence_scatter",
+  "sequence_slice",
+  "sequence_softmax",
+  "sequence_unpad",
+}
+
+
+def test_sequence_ops_are_public():
+  assert set(jaxlod.ops.__all__) >= SEQUENCE_OPS
+
+
 def _public_names():
   for module in PUBLIC_MODULES:
     for name in importlib.import_module(module).__all__:

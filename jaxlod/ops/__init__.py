@@ -1,23 +1,64 @@
-"""Pure functions on LoDTensors: rank tables, the array ops and dynamic_rnn.
+"""Pure functions on LoDTensors: rank tables, array ops, dynamic_rnn and the
+sequence ops.
 
 Fluid's LoDRankTable, lod_tensor_to_array, array_to_lod_tensor,
 reorder_lod_tensor_by_rank and shrink_rnn_memory, with static shapes and
-gather-only backward passes; and DynamicRNN (``while`` + ``while_grad``) as
-`dynamic_rnn`, a phased loop with a custom VJP.
+gather-only backward passes; DynamicRNN (``while`` + ``while_grad``) as
+`dynamic_rnn`, a phased loop with a custom VJP; and Paddle's ``sequence_*``
+ops on static capacities, jittable and differentiable.
 """
 
 from jaxlod.ops._array import array_to_lod, lod_to_array, reorder_by_rank, shrink_memory
+from jaxlod.ops._expand import (
+  sequence_concat,
+  sequence_erase,
+  sequence_expand,
+  sequence_expand_as,
+  sequence_slice,
+)
+from jaxlod.ops._pad import (
+  sequence_mask,
+  sequence_pad,
+  sequence_reverse,
+  sequence_unpad,
+)
+from jaxlod.ops._pool import (
+  sequence_first_step,
+  sequence_last_step,
+  sequence_pool,
+  sequence_softmax,
+)
 from jaxlod.ops._rank import RankTable, default_ladder, normalize_ladder, rank_table
+from jaxlod.ops._reshape import lod_reset, sequence_reshape, sequence_scatter
 from jaxlod.ops._rnn import dynamic_rnn
+from jaxlod.ops._window import sequence_conv, sequence_enumerate
 
 __all__ = [
   "RankTable",
   "array_to_lod",
   "default_ladder",
   "dynamic_rnn",
+  "lod_reset",
   "lod_to_array",
   "normalize_ladder",
   "rank_table",
   "reorder_by_rank",
+  "sequence_concat",
+  "sequence_conv",
+  "sequence_enumerate",
+  "sequence_erase",
+  "sequence_expand",
+  "sequence_expand_as",
+  "sequence_first_step",
+  "sequence_last_step",
+  "sequence_mask",
+  "sequence_pad",
+  "sequence_pool",
+  "sequence_reshape",
+  "sequence_reverse",
+  "sequence_scatter",
+  "sequence_slice",
+  "sequence_softmax",
+  "sequence_unpad",
   "shrink_memory",
 ]
