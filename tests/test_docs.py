@@ -1,0 +1,25 @@
+"""The examples of the docs pages run and print what the pages say."""
+
+import doctest
+import pathlib
+
+import pytest
+
+DOCS = sorted((pathlib.Path(__file__).parent.parent / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
+def test_docs_examples(page):
+  result = doctest.testfile(
+    str(page), module_relative=False, optionflags=doctest.ELLIPSIS, verbose=False
+  )
+  assert result.attempted > 0, f"{page.name} has no examples"
+  assert result.failed == 0, f"{result.failed} example(s) failed in {page.name}"
+
+
+def test_ops_page_lists_every_sequence_op():
+  from tests.test_public_api import SEQUENCE_OPS
+
+  text = (pathlib.Path(__file__).parent.parent / "docs" / "ops.md").read_text()
+  missing = [name for name in sorted(SEQUENCE_OPS) if f"`{name}(" not in text]
+  assert not missing, f"docs/ops.md does not list {missing}"
