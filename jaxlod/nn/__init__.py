@@ -1,3 +1,24 @@
-"""Flax modules over `jaxlod.ops` (Linen here, NNX in `jaxlod.nn.nnx`)."""
+"""Flax (Linen) layers over `jaxlod.ops`: recurrent layers, attention over LoD
+memories and encoder-decoders. NNX versions live in `jaxlod.nn.nnx`."""
 
-__all__: list[str] = []
+from jaxlod.nn._attention import (
+  AdditiveAttention,
+  CosineAttention,
+  DotAttention,
+  GeneralAttention,
+)
+from jaxlod.nn._rnn import Bidirectional, DynamicRNN, HierarchicalEncoder, StackedRNN
+from jaxlod.nn._seq2seq import AttentionDecoder, Seq2Seq
+
+__all__ = [
+  "AdditiveAttention",
+  "AttentionDecoder",
+  "Bidirectional",
+  "CosineAttention",
+  "DotAttention",
+  "DynamicRNN",
+  "GeneralAttention",
+  "HierarchicalEncoder",
+  "Seq2Seq",
+  "StackedRNN",
+]

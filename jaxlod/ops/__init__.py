@@ -9,6 +9,7 @@ ops on static capacities, jittable and differentiable.
 """
 
 from jaxlod.ops._array import array_to_lod, lod_to_array, reorder_by_rank, shrink_memory
+from jaxlod.ops._attention import masked_attention
 from jaxlod.ops._expand import (
   sequence_concat,
   sequence_erase,
@@ -40,6 +41,7 @@ __all__ = [
   "dynamic_rnn",
   "lod_reset",
   "lod_to_array",
+  "masked_attention",
   "normalize_ladder",
   "rank_table",
   "reorder_by_rank",

@@ -1,0 +1,408 @@
+"""Linen recurrent layers over LoDTensors: DynamicRNN and its combinators."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxlod._lod import LoDTensor
+from jaxlod.ops._pool import _check_pool_type, sequence_pool
+from jaxlod.ops._rnn import dynamic_rnn
+
+
+def check_lod_input(x: Any, name: str = "x") -> LoDTensor:
+  """Returns `x`; raises `TypeError` naming `name` unless it is a LoDTensor."""
+  if not isinstance(x, LoDTensor):
+    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  return x
+
+
+def cell_step(cell: nn.Module, carry: Any, x_row: Any) -> Callable:
+  """A pure step ``(carry, x_t) -> (carry, y_t)`` over the cell's parameters.
+
+  `cell` is a bound submodule. While initializing, it is called once on one
+  row (`carry` and `x_row` give the shapes) so that its parameters exist;
+  the returned function applies an unbound copy to them, so `dynamic_rnn`
+  can trace it inside its loop and send gradients to the parameters.
+  """
+  if cell.is_initializing():
+    cell(jax.tree.map(lambda a: a[:1], carry), x_row)
+  variables = cell.variables
+  unbound = cell.clone(parent=None)
+
+  def step(c, x_t):
+    return unbound.apply(variables, c, x_t)
+
+  return step
+
+
+class DynamicRNN(nn.Module):
+  """Runs a Flax recurrent cell over every sequence of a LoDTensor, padding-free.
+
+  A thin layer over `jaxlod.ops.dynamic_rnn`: the cell's parameters are
+  shared across steps and live under ``cell``, the same tree as
+  ``flax.linen.RNN(cell)``, so weights move between the two. It runs over the
+  last LoD level of its input (a 2-level input runs over the level-1
+  sequences; see `HierarchicalEncoder`). Where ``flax.linen.RNN`` with
+  ``seq_lengths`` runs every row to the padded length, this runs each
+  sequence for exactly its own steps: the outputs at real rows and the final
+  carries are the same, and an empty sequence keeps its initial carry.
+
+  Attributes:
+    cell: any Flax recurrent cell (``nn.LSTMCell``, ``nn.OptimizedLSTMCell``,
+      ``nn.GRUCell``, ``nn.SimpleCell``, ``nn.MGUCell``, or a user's cell
+      with ``initialize_carry(rng, input_shape)`` and ``__call__(carry, x) ->
+      (carry, y)``).
+    reverse: run each sequence from its own last row to its first.
+    return_carry: also return the final carry.
+    remat: recompute steps in the backward pass (see `dynamic_rnn`).
+
+  Example:
+    >>> import numpy as np, jax, flax.linen as nn
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn import DynamicRNN
+    >>> x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))])
+    >>> rnn = DynamicRNN(nn.GRUCell(4))
+    >>> params = rnn.init(jax.random.key(0), x)
+    >>> y = rnn.apply(params, x)
+    >>> y.values.shape, y.recursive_lengths()
+    ((4, 4), [[3, 1]])
+  """
+
+  cell: nn.Module
+  reverse: bool = False
+  return_carry: bool = False
+  remat: bool = False
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    init_key: jax.Array | None = None,
+    reverse: bool | None = None,
+    return_carry: bool | None = None,
+  ) -> Any:
+    """Runs the cell over the last level of `x`.
+
+    Args:
+      x: a LoDTensor ``values [token_capacity, *features]``.
+      initial_carry: a carry whose leaves are ``[count_capacity, ...]`` in
+        `x`'s order; by default ``cell.initialize_carry(init_key, (count,
+        *features))``.
+      init_key: the key for `initialize_carry` (default ``key(0)``; most
+        cells ignore it).
+      reverse: overrides the attribute (`Bidirectional` uses it).
+      return_carry: overrides the attribute.
+
+    Returns:
+      The outputs, a LoDTensor with `x`'s LoD (padding rows zero); with
+      `return_carry`, the pair ``(final_carry, outputs)`` as
+      ``flax.linen.RNN`` returns it, the carry in `x`'s order.
+
+    Raises:
+      TypeError: if `x` is not a LoDTensor, or `initial_carry` is `None` and
+        the cell has no `initialize_carry`.
+      ValueError: from `dynamic_rnn`, e.g. for an `initial_carry` whose
+        leading dimension is not the count capacity.
+    """
+    x = check_lod_input(x)
+    reverse = self.reverse if reverse is None else reverse
+    return_carry = self.return_carry if return_carry is None else return_carry
+    count = x.capacity.sequences[-1]
+    if initial_carry is None:
+      if not hasattr(self.cell, "initialize_carry"):
+        raise TypeError(
+          f"Expected `cell` ({type(self.cell).__name__}) to have "
+          "`initialize_carry(rng, input_shape)`; otherwise pass `initial_carry`."
+        )
+      key = jax.random.key(0) if init_key is None else init_key
+      initial_carry = self.cell.initialize_carry(key, (count, *x.feature_shape))
+    x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
+    step = cell_step(self.cell, initial_carry, x_row)
+    outputs, carry = dynamic_rnn(
+      lambda c, x_t, _: step(c, x_t),
+      x,
+      init_carry=initial_carry,
+      reverse=reverse,
+      remat=self.remat,
+    )
+    return (carry, outputs) if return_carry else outputs
+
+
+# -- combinators -----------------------------------------------------------------
+
+
+def _concatenate(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Concatenates two arrays along the last axis (the default `merge_fn`)."""
+  return jnp.concatenate([a, b], axis=-1)
+
+
+def _is_lod(x: Any) -> bool:
+  return isinstance(x, LoDTensor)
+
+
+def _zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
+  """`x`'s LoD over `values` ``[token_capacity, ...]``, padding rows set to 0."""
+  real = jnp.arange(x.capacity.tokens) < x.num_rows
+  real = real.reshape(real.shape + (1,) * (jnp.ndim(values) - 1))
+  return x.with_values(jnp.where(real, values, jnp.zeros((), values.dtype)))
+
+
+class Bidirectional(nn.Module):
+  """Runs one RNN forward and one backward over each sequence; merges the rows.
+
+  ``flax.linen.Bidirectional`` over LoDTensors. The backward RNN is called
+  with ``reverse=True``, so it runs each sequence from its own last row: no
+  padding reaches either direction, and its outputs come back in the input's
+  row order, aligned with the forward ones. Parameters live under
+  ``forward_rnn`` and ``backward_rnn``, the tree of
+  ``flax.linen.Bidirectional``; passing the same module twice shares them.
+
+  Attributes:
+    forward_rnn: a module called as ``rnn(x, initial_carry=, init_key=,
+      reverse=False, return_carry=True) -> (carry, outputs)``, e.g. a
+      `DynamicRNN`.
+    backward_rnn: the same kind of module, called with ``reverse=True``.
+    merge_fn: ``merge_fn(forward [token_capacity, *f], backward
+      [token_capacity, *g]) -> [token_capacity, *h]`` on the rows;
+      ``None`` (default) concatenates on the last axis.
+    return_carry: also return the final carries ``(forward, backward)``.
+
+  Example:
+    >>> import numpy as np, jax, flax.linen as nn
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn import Bidirectional, DynamicRNN
+    >>> x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))])
+    >>> birnn = Bidirectional(DynamicRNN(nn.GRUCell(4)), DynamicRNN(nn.GRUCell(4)))
+    >>> params = birnn.init(jax.random.key(0), x)
+    >>> y = birnn.apply(params, x)
+    >>> y.values.shape, y.recursive_lengths()
+    ((4, 8), [[3, 1]])
+  """
+
+  forward_rnn: nn.Module
+  backward_rnn: nn.Module
+  merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+  return_carry: bool = False
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    init_key: jax.Array | None = None,
+    return_carry: bool | None = None,
+  ) -> Any:
+    """Runs both directions over the last level of `x` and merges their rows.
+
+    Args:
+      x: a LoDTensor ``values [token_capacity, *features]``.
+      initial_carry: a pair ``(forward, backward)`` of carries whose leaves
+        are ``[count_capacity, ...]`` in `x`'s order; by default each RNN
+        initializes its own.
+      init_key: split in two, one key per direction, for the RNNs'
+        `initialize_carry`.
+      return_carry: overrides the attribute.
+
+    Returns:
+      The merged outputs, a LoDTensor with `x`'s LoD (padding rows zero);
+      with `return_carry`, ``((forward_carry, backward_carry), outputs)``.
+
+    Raises:
+      TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
+    """
+    x = check_lod_input(x)
+    return_carry = self.return_carry if return_carry is None else return_carry
+    key_forward = key_backward = None
+    if init_key is not None:
+      key_forward, key_backward = jax.random.split(init_key)
+    carry_forward = carry_backward = None
+    if initial_carry is not None:
+      if not (isinstance(initial_carry, tuple | list) and len(initial_carry) == 2):
+        raise TypeError(
+          "Expected `initial_carry` to be a pair (forward_carry, backward_carry), "
+          f"got {type(initial_carry).__name__}."
+        )
+      carry_forward, carry_backward = initial_carry
+    carry_forward, forward = self.forward_rnn(
+      x,
+      initial_carry=carry_forward,
+      init_key=key_forward,
+      reverse=False,
+      return_carry=True,
+    )
+    carry_backward, backward = self.backward_rnn(
+      x,
+      initial_carry=carry_backward,
+      init_key=key_backward,
+      reverse=True,
+      return_carry=True,
+    )
+    merge = _concatenate if self.merge_fn is None else self.merge_fn
+    outputs = jax.tree.map(
+      lambda f, b: _zero_padding(x, merge(f.values, b.values)),
+      forward,
+      backward,
+      is_leaf=_is_lod,
+    )
+    carry = (carry_forward, carry_backward)
+    return (carry, outputs) if return_carry else outputs
+
+
+class StackedRNN(nn.Module):
+  """Layers of RNNs applied in turn, with dropout on the rows between layers.
+
+  A multi-layer RNN over LoDTensors: each layer is any module taking a
+  LoDTensor to a LoDTensor with the same LoD (a `DynamicRNN`, a
+  `Bidirectional`, ...). Between two layers (not after the last) the rows go
+  through ``flax.linen.Dropout(dropout_rate)``, which draws from the
+  ``'dropout'`` rng when not deterministic. Dropout keeps zero rows zero, so
+  padding rows stay zero. Parameters live under ``layers_0``,
+  ``layers_1``, ...
+
+  Attributes:
+    layers: the layers, first to last.
+    dropout_rate: the probability of dropping a value between layers, in
+      ``[0, 1]``.
+    return_carry: also return each layer's final carry (every layer must then
+      accept ``return_carry=True`` and return ``(carry, outputs)``).
+
+  Example:
+    >>> import numpy as np, jax, flax.linen as nn
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn import DynamicRNN, StackedRNN
+    >>> x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))])
+    >>> rnn = StackedRNN(
+    ...   [DynamicRNN(nn.LSTMCell(4)), DynamicRNN(nn.LSTMCell(4))], dropout_rate=0.5
+    ... )
+    >>> params = rnn.init(jax.random.key(0), x)
+    >>> rngs = {"dropout": jax.random.key(1)}
+    >>> y = rnn.apply(params, x, deterministic=False, rngs=rngs)
+    >>> y.values.shape
+    (4, 4)
+  """
+
+  layers: Sequence[nn.Module]
+  dropout_rate: float = 0.0
+  return_carry: bool = False
+
+  @nn.compact
+  def __call__(
+    self,
+    x: LoDTensor,
+    *,
+    deterministic: bool = True,
+    return_carry: bool | None = None,
+  ) -> Any:
+    """Applies the layers in turn.
+
+    Args:
+      x: a LoDTensor ``values [token_capacity, *features]``.
+      deterministic: when `False`, apply dropout between layers (needs the
+        ``'dropout'`` rng).
+      return_carry: overrides the attribute.
+
+    Returns:
+      The last layer's outputs, a LoDTensor with `x`'s LoD; with
+      `return_carry`, ``(carries, outputs)`` where `carries` holds each
+      layer's final carry, first layer first.
+
+    Raises:
+      TypeError: if `x` is not a LoDTensor.
+      ValueError: for no layers or a `dropout_rate` outside ``[0, 1]``.
+    """
+    x = check_lod_input(x)
+    return_carry = self.return_carry if return_carry is None else return_carry
+    if len(self.layers) == 0:
+      raise ValueError("Expected `layers` to hold at least one layer, got none.")
+    if not 0.0 <= self.dropout_rate <= 1.0:
+      raise ValueError(f"Expected `dropout_rate` in [0, 1], got {self.dropout_rate!r}.")
+    carries = []
+    for i, layer in enumerate(self.layers):
+      if i > 0:
+        dropout = nn.Dropout(self.dropout_rate, deterministic=deterministic)
+        x = x.with_values(dropout(x.values))
+      if return_carry:
+        carry, x = layer(x, return_carry=True)
+        carries.append(carry)
+      else:
+        x = layer(x)
+      x = check_lod_input(x, f"the output of layer {i}")
+    return (tuple(carries), x) if return_carry else x
+
+
+class HierarchicalEncoder(nn.Module):
+  """A nested RNN over a 2-level LoDTensor: inner RNN, pooling, outer RNN.
+
+  Fluid's nested RNN (the RNNOp design's 2-level LoD), level by level: `inner`
+  runs over each level-1 sequence (e.g. the words of a sentence),
+  `jaxlod.ops.sequence_pool` turns each into one row (an empty one gives
+  zeros), and `outer` runs over the rows of each level-0 sequence (the
+  sentences of a paragraph). Parameters live under ``inner`` and ``outer``.
+
+  With a `Bidirectional` inner RNN, ``"last"`` pools the backward direction
+  after its first step only; ``"average"`` or ``"max"`` see both directions
+  whole.
+
+  Attributes:
+    inner: a module ``inner(x, return_carry=False) -> LoDTensor`` over the
+      last level, e.g. a `DynamicRNN` or a `Bidirectional`.
+    outer: a module ``outer(x, return_carry=...)`` over a 1-level LoDTensor,
+      e.g. a `DynamicRNN`.
+    pool_type: the `jaxlod.ops.sequence_pool` type: ``"sum"``,
+      ``"average"``, ``"sqrt"``, ``"max"``, ``"min"``, ``"first"`` or
+      ``"last"`` (default).
+    return_carry: also return the outer RNN's final carry.
+
+  Example:
+    >>> import numpy as np, jax, flax.linen as nn
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn import DynamicRNN, HierarchicalEncoder
+    >>> words = np.ones((6, 2))  # 2 paragraphs: 2 sentences, then 1
+    >>> x = LoDTensor.from_lengths(words, [[2, 1], [3, 1, 2]])
+    >>> inner, outer = DynamicRNN(nn.GRUCell(4)), DynamicRNN(nn.GRUCell(5))
+    >>> encoder = HierarchicalEncoder(inner, outer)
+    >>> params = encoder.init(jax.random.key(0), x)
+    >>> y = encoder.apply(params, x)
+    >>> y.values.shape, y.recursive_lengths()
+    ((3, 5), [[2, 1]])
+  """
+
+  inner: nn.Module
+  outer: nn.Module
+  pool_type: str = "last"
+  return_carry: bool = False
+
+  def __call__(self, x: LoDTensor, *, return_carry: bool | None = None) -> Any:
+    """Encodes each level-1 sequence, then each level-0 sequence of them.
+
+    Args:
+      x: a 2-level LoDTensor ``values [token_capacity, *features]``.
+      return_carry: overrides the attribute.
+
+    Returns:
+      The outer outputs, a 1-level LoDTensor with `x`'s level 0 as its LoD,
+      one row per level-1 sequence (``values [level-1 count capacity,
+      *outer_features]``); with `return_carry`, ``(outer_carry, outputs)``.
+
+    Raises:
+      TypeError: if `x` is not a LoDTensor.
+      ValueError: if `x` does not have 2 LoD levels, or for an unknown
+        `pool_type`.
+    """
+    x = check_lod_input(x)
+    return_carry = self.return_carry if return_carry is None else return_carry
+    if x.num_levels != 2:
+      raise ValueError(
+        "Expected `x` to have 2 LoD levels (level 0: outer sequences of level-1 "
+        f"sequences; level 1: sequences of rows), got {x.num_levels}."
+      )
+    _check_pool_type(self.pool_type)
+    inner = check_lod_input(self.inner(x, return_carry=False), "the inner output")
+    pooled = sequence_pool(inner, self.pool_type)
+    return self.outer(pooled, return_carry=return_carry)
