@@ -9,7 +9,7 @@ import pytest
 
 import jaxlod
 
-PUBLIC_MODULES = ["jaxlod", "jaxlod.ops"]
+PUBLIC_MODULES = ["jaxlod", "jaxlod.ops", "jaxlod.nn", "jaxlod.nn.nnx"]
 
 # The foundation's names; later layers may add more to `__all__`.
 FOUNDATION = {
@@ -23,6 +23,28 @@ FOUNDATION = {
     "rank_table",
     "reorder_by_rank",
     "shrink_memory",
+  },
+  # The Flax layer's names (a contract).
+  "jaxlod.nn": {
+    "AdditiveAttention",
+    "AttentionDecoder",
+    "Bidirectional",
+    "CosineAttention",
+    "DotAttention",
+    "DynamicRNN",
+    "GeneralAttention",
+    "HierarchicalEncoder",
+    "Seq2Seq",
+    "StackedRNN",
+  },
+  "jaxlod.nn.nnx": {
+    "AdditiveAttention",
+    "AttentionDecoder",
+    "Bidirectional",
+    "CosineAttention",
+    "DotAttention",
+    "DynamicRNN",
+    "GeneralAttention",
   },
 }
 

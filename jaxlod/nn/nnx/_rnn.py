@@ -1,0 +1,275 @@
+"""NNX recurrent layers over LoDTensors: DynamicRNN and Bidirectional."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlod._lod import LoDTensor
+from jaxlod.ops._rnn import dynamic_rnn
+
+
+def check_lod_input(x: Any, name: str = "x") -> LoDTensor:
+  """Returns `x` if it is a LoDTensor; raises a TypeError naming it otherwise."""
+  if not isinstance(x, LoDTensor):
+    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  return x
+
+
+def functional_call(module: nnx.Module, method: str = "__call__") -> Callable:
+  """A pure function running ``module.<method>`` on a snapshot of its state.
+
+  The module is split into its graph definition and state once; each call
+  merges a fresh copy, so the function can be traced inside `dynamic_rnn`'s
+  loop. The state's arrays are closed over, so gradients reach them under
+  `nnx.grad` (or `jax.grad` of the split state).
+
+  Raises:
+    ValueError: (when called) if the method updates the module's state, e.g.
+      ``nnx.Dropout`` drawing from its RNG stream or ``nnx.BatchNorm``
+      updating its statistics: inside the loop such updates would be lost
+      and every step would reuse the same random key.
+  """
+  graphdef, state = nnx.split(module)
+  before = jax.tree.leaves(state)
+
+  def call(*args, **kwargs):
+    copy = nnx.merge(graphdef, state, copy=True)
+    out = getattr(copy, method)(*args, **kwargs)
+    after = jax.tree_util.tree_leaves_with_path(nnx.state(copy))
+    changed = [
+      jax.tree_util.keystr(path)
+      for i, (path, new) in enumerate(after)
+      if i >= len(before) or new is not before[i]
+    ]
+    if changed:
+      raise ValueError(
+        f"Expected {type(module).__name__}.{method} to leave its state unchanged "
+        f"inside the loop, but it updates {', '.join(changed)}. The loop runs it "
+        "functionally, so updates would be lost and random keys reused at every "
+        "step: apply dropout outside the recurrent layer (or with "
+        "`deterministic=True`) and keep normalization statistics fixed."
+      )
+    return out
+
+  return call
+
+
+def initialize_carry(
+  cell: nnx.Module, input_shape: tuple[int, ...], rngs: Any = None
+) -> Any:
+  """``cell.initialize_carry(input_shape, rngs)``, with ``nnx.Rngs(0)`` by default.
+
+  Flax's cells draw their default (zero) carry from an RNG stream; a fixed
+  one keeps the default carry deterministic and the module stateless.
+  """
+  return cell.initialize_carry(input_shape, nnx.Rngs(0) if rngs is None else rngs)
+
+
+def _is_lod(x: Any) -> bool:
+  return isinstance(x, LoDTensor)
+
+
+def _concatenate(a: jax.Array, b: jax.Array) -> jax.Array:
+  return jnp.concatenate([a, b], axis=-1)
+
+
+class DynamicRNN(nnx.Module):
+  """Runs an NNX recurrent cell over every sequence of a LoDTensor, padding-free.
+
+  The NNX twin of `jaxlod.nn.DynamicRNN`, a thin layer over
+  `jaxlod.ops.dynamic_rnn`: the cell is split into its graph definition and
+  state and merged inside the loop's step, so its parameters are shared
+  across steps and receive gradients under `nnx.grad`, `nnx.jit` and
+  `nnx.Optimizer`. The cell lives under ``cell``, as in ``flax.nnx.RNN``:
+  the same cell object can run in both and gives the same outputs at real
+  positions. The cell runs functionally: state it updates inside the step
+  (RNG counts, batch statistics) is not written back.
+
+  Args:
+    cell: an NNX recurrent cell (``nnx.LSTMCell``, ``nnx.OptimizedLSTMCell``,
+      ``nnx.GRUCell``, ``nnx.SimpleCell``) or a user's cell with
+      ``initialize_carry(input_shape, rngs)`` and ``__call__(carry, x) ->
+      (carry, y)`` treating rows independently.
+    reverse: run each sequence from its own last row to its first.
+    return_carry: also return the final carry.
+    remat: recompute steps in the backward pass (see `dynamic_rnn`).
+
+  Example:
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn.nnx import DynamicRNN
+    >>> seqs = [np.ones((3, 2), np.float32), np.ones((1, 2), np.float32)]
+    >>> x = LoDTensor.from_sequences(seqs)
+    >>> rnn = DynamicRNN(nnx.GRUCell(2, 4, rngs=nnx.Rngs(0)))
+    >>> y = nnx.jit(lambda rnn, x: rnn(x))(rnn, x)
+    >>> y.values.shape, y.recursive_lengths()
+    ((4, 4), [[3, 1]])
+  """
+
+  def __init__(
+    self,
+    cell: nnx.Module,
+    *,
+    reverse: bool = False,
+    return_carry: bool = False,
+    remat: bool = False,
+  ):
+    self.cell = cell
+    self.reverse = reverse
+    self.return_carry = return_carry
+    self.remat = remat
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    reverse: bool | None = None,
+    return_carry: bool | None = None,
+  ) -> Any:
+    """Runs the cell over the last level of `x`.
+
+    Args:
+      x: a LoDTensor ``values [token_capacity, *features]``.
+      initial_carry: a carry whose leaves are ``[count_capacity, ...]`` in
+        `x`'s order; by default ``cell.initialize_carry((count_capacity,
+        *features), rngs)``.
+      rngs: the RNGs for `initialize_carry` (default ``nnx.Rngs(0)``).
+      reverse: overrides the attribute (`Bidirectional` uses it).
+      return_carry: overrides the attribute.
+
+    Returns:
+      The outputs, a LoDTensor with `x`'s LoD; with `return_carry`, the pair
+      ``(final_carry, outputs)`` as ``flax.nnx.RNN`` returns it, the final
+      carry in `x`'s order (an empty sequence keeps its initial carry).
+
+    Raises:
+      TypeError: if `x` is not a LoDTensor.
+      ValueError: for an `initial_carry` whose leaves do not have leading
+        dimension ``count_capacity`` (from `dynamic_rnn`).
+    """
+    x = check_lod_input(x)
+    reverse = self.reverse if reverse is None else reverse
+    return_carry = self.return_carry if return_carry is None else return_carry
+    if initial_carry is None:
+      shape = (x.capacity.sequences[-1], *x.feature_shape)
+      initial_carry = initialize_carry(self.cell, shape, rngs)
+    cell = functional_call(self.cell)
+    outputs, carry = dynamic_rnn(
+      lambda c, x_t, _: cell(c, x_t),
+      x,
+      init_carry=initial_carry,
+      reverse=reverse,
+      remat=self.remat,
+    )
+    return (carry, outputs) if return_carry else outputs
+
+
+class Bidirectional(nnx.Module):
+  """Runs two recurrent layers over a LoDTensor, one in each direction.
+
+  The NNX twin of `jaxlod.nn.Bidirectional`, over LoDTensors as
+  ``flax.nnx.Bidirectional`` is over padded arrays. The backward layer is
+  called with ``reverse=True``: it runs each sequence from its own last row,
+  so no padding leaks into either direction, and its outputs come back in
+  the input's row order. Both outputs are merged row by row.
+
+  Args:
+    forward_rnn: a layer called as ``forward_rnn(x, carry, rngs=,
+      reverse=False, return_carry=True) -> (carry, outputs)``, e.g. a
+      `DynamicRNN`.
+    backward_rnn: the same kind of layer, called with ``reverse=True``.
+    merge_fn: ``merge_fn(forward [tokens, f], backward [tokens, g]) ->
+      [tokens, h]`` on the values; concatenation on the last axis by
+      default. Rows past the last sequence are set to zero after merging.
+    return_carry: also return the final carries.
+
+  Example:
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn.nnx import Bidirectional, DynamicRNN
+    >>> seqs = [np.ones((3, 2), np.float32), np.ones((1, 2), np.float32)]
+    >>> x = LoDTensor.from_sequences(seqs)
+    >>> rngs = nnx.Rngs(0)
+    >>> layer = Bidirectional(
+    ...   DynamicRNN(nnx.GRUCell(2, 4, rngs=rngs)),
+    ...   DynamicRNN(nnx.GRUCell(2, 3, rngs=rngs)),
+    ... )
+    >>> layer(x).values.shape
+    (4, 7)
+  """
+
+  def __init__(
+    self,
+    forward_rnn: nnx.Module,
+    backward_rnn: nnx.Module,
+    *,
+    merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    return_carry: bool = False,
+  ):
+    self.forward_rnn = forward_rnn
+    self.backward_rnn = backward_rnn
+    self.merge_fn = merge_fn
+    self.return_carry = return_carry
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: tuple[Any, Any] | None = None,
+    *,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    return_carry: bool | None = None,
+  ) -> Any:
+    """Runs both directions over the last level of `x` and merges their rows.
+
+    Args:
+      x: a LoDTensor ``values [token_capacity, *features]``.
+      initial_carry: a pair ``(forward_carry, backward_carry)`` whose leaves
+        are ``[count_capacity, ...]`` in `x`'s order; by default each layer
+        initializes its own.
+      rngs: passed to both layers for their `initialize_carry`.
+      return_carry: overrides the attribute.
+
+    Returns:
+      The merged outputs, a LoDTensor with `x`'s LoD (padding rows zero);
+      with `return_carry`, ``((forward_carry, backward_carry), outputs)``.
+
+    Raises:
+      TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
+    """
+    x = check_lod_input(x)
+    return_carry = self.return_carry if return_carry is None else return_carry
+    forward_carry = backward_carry = None
+    if initial_carry is not None:
+      if not (isinstance(initial_carry, tuple | list) and len(initial_carry) == 2):
+        raise TypeError(
+          "Expected `initial_carry` to be a pair (forward_carry, backward_carry), "
+          f"got {type(initial_carry).__name__}."
+        )
+      forward_carry, backward_carry = initial_carry
+    forward_final, forward = self.forward_rnn(
+      x, forward_carry, rngs=rngs, reverse=False, return_carry=True
+    )
+    backward_final, backward = self.backward_rnn(
+      x, backward_carry, rngs=rngs, reverse=True, return_carry=True
+    )
+    merge = _concatenate if self.merge_fn is None else self.merge_fn
+    real = jnp.arange(x.capacity.tokens) < x.num_rows
+
+    def merged(f: LoDTensor, b: LoDTensor) -> LoDTensor:
+      values = merge(f.values, b.values)
+      mask = real.reshape(real.shape + (1,) * (values.ndim - 1))
+      return x.with_values(jnp.where(mask, values, 0))
+
+    outputs = jax.tree.map(merged, forward, backward, is_leaf=_is_lod)
+    if return_carry:
+      return (forward_final, backward_final), outputs
+    return outputs
