@@ -12,13 +12,7 @@ import jax.numpy as jnp
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._pool import _check_pool_type, sequence_pool
 from jaxlod.ops._rnn import dynamic_rnn
-
-
-def check_lod_input(x: Any, name: str = "x") -> LoDTensor:
-  """Returns `x`; raises `TypeError` naming `name` unless it is a LoDTensor."""
-  if not isinstance(x, LoDTensor):
-    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
-  return x
+from jaxlod.ops._segment import check_lod
 
 
 def cell_step(cell: nn.Module, carry: Any, x_row: Any) -> Callable:
@@ -110,7 +104,7 @@ class DynamicRNN(nn.Module):
       ValueError: from `dynamic_rnn`, e.g. for an `initial_carry` whose
         leading dimension is not the count capacity.
     """
-    x = check_lod_input(x)
+    x = check_lod(x, "x")
     reverse = self.reverse if reverse is None else reverse
     return_carry = self.return_carry if return_carry is None else return_carry
     count = x.capacity.sequences[-1]
@@ -216,7 +210,7 @@ class Bidirectional(nn.Module):
     Raises:
       TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
     """
-    x = check_lod_input(x)
+    x = check_lod(x, "x")
     return_carry = self.return_carry if return_carry is None else return_carry
     key_forward = key_backward = None
     if init_key is not None:
@@ -316,7 +310,7 @@ class StackedRNN(nn.Module):
       TypeError: if `x` is not a LoDTensor.
       ValueError: for no layers or a `dropout_rate` outside ``[0, 1]``.
     """
-    x = check_lod_input(x)
+    x = check_lod(x, "x")
     return_carry = self.return_carry if return_carry is None else return_carry
     if len(self.layers) == 0:
       raise ValueError("Expected `layers` to hold at least one layer, got none.")
@@ -332,7 +326,7 @@ class StackedRNN(nn.Module):
         carries.append(carry)
       else:
         x = layer(x)
-      x = check_lod_input(x, f"the output of layer {i}")
+      x = check_lod(x, f"the output of layer {i}")
     return (tuple(carries), x) if return_carry else x
 
 
@@ -395,7 +389,7 @@ class HierarchicalEncoder(nn.Module):
       ValueError: if `x` does not have 2 LoD levels, or for an unknown
         `pool_type`.
     """
-    x = check_lod_input(x)
+    x = check_lod(x, "x")
     return_carry = self.return_carry if return_carry is None else return_carry
     if x.num_levels != 2:
       raise ValueError(
@@ -403,6 +397,6 @@ class HierarchicalEncoder(nn.Module):
         f"sequences; level 1: sequences of rows), got {x.num_levels}."
       )
     _check_pool_type(self.pool_type)
-    inner = check_lod_input(self.inner(x, return_carry=False), "the inner output")
+    inner = check_lod(self.inner(x, return_carry=False), "the inner output")
     pooled = sequence_pool(inner, self.pool_type)
     return self.outer(pooled, return_carry=return_carry)

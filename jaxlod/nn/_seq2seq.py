@@ -19,10 +19,10 @@ from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
 from jaxlod.nn._attention import check_memory_lod
-from jaxlod.nn._rnn import _zero_padding, check_lod_input
+from jaxlod.nn._rnn import _zero_padding
 from jaxlod.ops._pool import sequence_pool
 from jaxlod.ops._rnn import dynamic_rnn
-from jaxlod.ops._segment import check_integer
+from jaxlod.ops._segment import check_integer, check_lod
 
 
 def _check_vectors(x: LoDTensor, name: str, doc: str) -> None:
@@ -34,7 +34,7 @@ def _check_vectors(x: LoDTensor, name: str, doc: str) -> None:
 
 def _check_memory(memory: Any, tgt: LoDTensor) -> LoDTensor:
   """`memory` must hold one sequence per `tgt` sequence, as vectors."""
-  memory = check_memory_lod(check_lod_input(memory, "memory"))
+  memory = check_memory_lod(check_lod(memory, "memory"))
   count, wanted = memory.capacity.sequences[0], tgt.capacity.sequences[-1]
   if count != wanted:
     raise ValueError(
@@ -58,7 +58,7 @@ def _check_memory(memory: Any, tgt: LoDTensor) -> LoDTensor:
 
 def _embed(embed: nn.Module, ids: Any, name: str) -> LoDTensor:
   """Embeds a LoDTensor of ids ``[tokens]`` or ``[tokens, 1]``."""
-  ids = check_lod_input(ids, name)
+  ids = check_lod(ids, name)
   values = ids.values
   if values.ndim == 2 and values.shape[1] == 1:
     values = values[:, 0]
@@ -185,7 +185,7 @@ class AttentionDecoder(nn.Module):
       `initial_carry` (or the default), paired with a zero context
       ``[count_capacity, features]`` when `input_feeding`.
     """
-    memory = check_memory_lod(check_lod_input(memory, "memory"))
+    memory = check_memory_lod(check_lod(memory, "memory"))
     if initial_carry is None:
       initial_carry = self._zero_cell_carry(memory, input_features)
     if not self.input_feeding:
@@ -265,7 +265,7 @@ class AttentionDecoder(nn.Module):
         `jit` through `jax.experimental.checkify`); for rows that are not
         vectors, or widths the attention rejects.
     """
-    tgt = check_lod_input(tgt, "tgt")
+    tgt = check_lod(tgt, "tgt")
     _check_vectors(tgt, "tgt", "[token_capacity, input_features]")
     memory = _check_memory(memory, tgt)
     keys = self.precompute(memory)

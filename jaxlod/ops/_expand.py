@@ -37,11 +37,6 @@ from jaxlod.ops._array import _masked_take
 # -- private helpers -------------------------------------------------------------
 
 
-def _take(src: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
-  """``src[index]`` along axis 0, zeros where not `valid`; safe on empty `src`."""
-  return _masked_take(src, index, valid)
-
-
 def _fit_offsets(offsets: jax.Array, count: int) -> jax.Array:
   """Offsets ``[c + 1]`` cut or edge-padded to ``[count + 1]`` (eager use)."""
   if offsets.shape[0] >= count + 1:
@@ -65,7 +60,7 @@ def _repeat_rows(
 ) -> LoDTensor:
   """Sequence ``i`` is row ``i`` of `x` repeated ``lengths[i]`` times."""
   layout = _segment.rows_of(_segment.offsets_from_lengths(lengths), cap.tokens)
-  values = _take(x, layout.segment, layout.valid)
+  values = _masked_take(x, layout.segment, layout.valid)
   return _segment.build(values, [lengths], num_outer, cap)
 
 
@@ -118,11 +113,11 @@ def _copy_sequences(
 ) -> LoDTensor:
   """``repeats[i]`` copies of the sequence ``i`` of ``(values, offsets)``."""
   copies = _segment.rows_of(_segment.offsets_from_lengths(repeats), cap.sequences[0])
-  lengths = _take(jnp.diff(offsets), copies.segment, copies.valid)
-  starts = _take(offsets[:-1], copies.segment, copies.valid)
+  lengths = _masked_take(jnp.diff(offsets), copies.segment, copies.valid)
+  starts = _masked_take(offsets[:-1], copies.segment, copies.valid)
   layout = _segment.rows_of(_segment.offsets_from_lengths(lengths), cap.tokens)
-  source = _take(starts, layout.segment, layout.valid) + layout.position
-  out = _take(values, source, layout.valid)
+  source = _masked_take(starts, layout.segment, layout.valid) + layout.position
+  out = _masked_take(values, source, layout.valid)
   return _segment.build(out, [lengths], jnp.sum(repeats), cap)
 
 
@@ -342,7 +337,7 @@ def _concat_kernel(
   layout = _segment.rows_of(_segment.offsets_from_lengths(out_lengths), cap.tokens)
   bases = np.cumsum([0] + [v.shape[0] for v in values[:-1]])
   source = _concat_sources(lengths, starts, bases, layout)
-  out = _take(jnp.concatenate(values, axis=0), source, layout.valid)
+  out = _masked_take(jnp.concatenate(values, axis=0), source, layout.valid)
   return _segment.build(out, [out_lengths], num_outer, cap)
 
 
@@ -555,8 +550,8 @@ def _slice_kernel(x: LoDTensor, offset: jax.Array, length: jax.Array) -> LoDTens
   length = jnp.clip(length, 0, sizes - offset)
   layout = _segment.rows_of(_segment.offsets_from_lengths(length), x.capacity.tokens)
   starts = x.offsets[-1][:-1] + offset
-  source = _take(starts, layout.segment, layout.valid) + layout.position
-  values = _take(x.values, source, layout.valid)
+  source = _masked_take(starts, layout.segment, layout.valid) + layout.position
+  values = _masked_take(x.values, source, layout.valid)
   lengths = [x.lengths(level) for level in range(x.num_levels - 1)] + [length]
   return _segment.build(values, lengths, x.num_outer, x.capacity)
 

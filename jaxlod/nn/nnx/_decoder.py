@@ -10,8 +10,9 @@ from flax import nnx
 from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
-from jaxlod.nn.nnx._rnn import check_lod_input, functional_call, initialize_carry
+from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops._rnn import dynamic_rnn
+from jaxlod.ops._segment import check_lod
 
 
 def _memory_shape(memory: Any) -> tuple[int, int, Any]:
@@ -270,8 +271,8 @@ class AttentionDecoder(nnx.Module):
         (or, eagerly, a different number of sequences), a cell whose input
         width does not match, or attention widths that do not match.
     """
-    tgt = check_lod_input(tgt, "tgt")
-    memory = check_lod_input(memory, "memory")
+    tgt = check_lod(tgt, "tgt")
+    memory = check_lod(memory, "memory")
     _check_counts(tgt, memory)
     _, features, _ = _memory_shape(memory)
     self._check_input_width(tgt, features)

@@ -11,13 +11,7 @@ from flax import nnx
 
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._rnn import dynamic_rnn
-
-
-def check_lod_input(x: Any, name: str = "x") -> LoDTensor:
-  """Returns `x` if it is a LoDTensor; raises a TypeError naming it otherwise."""
-  if not isinstance(x, LoDTensor):
-    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
-  return x
+from jaxlod.ops._segment import check_lod
 
 
 def functional_call(module: nnx.Module, method: str = "__call__") -> Callable:
@@ -155,7 +149,7 @@ class DynamicRNN(nnx.Module):
       ValueError: for an `initial_carry` whose leaves do not have leading
         dimension ``count_capacity`` (from `dynamic_rnn`).
     """
-    x = check_lod_input(x)
+    x = check_lod(x, "x")
     reverse = self.reverse if reverse is None else reverse
     return_carry = self.return_carry if return_carry is None else return_carry
     if initial_carry is None:
@@ -245,7 +239,7 @@ class Bidirectional(nnx.Module):
     Raises:
       TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
     """
-    x = check_lod_input(x)
+    x = check_lod(x, "x")
     return_carry = self.return_carry if return_carry is None else return_carry
     forward_carry = backward_carry = None
     if initial_carry is not None:
