@@ -23,6 +23,10 @@ FOUNDATION = {
     "rank_table",
     "reorder_by_rank",
     "shrink_memory",
+    # Decoding (a contract).
+    "Hypotheses",
+    "beam_search",
+    "greedy_decode",
   },
   # The Flax layer's names (a contract).
   "jaxlod.nn": {

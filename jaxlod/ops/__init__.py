@@ -4,12 +4,14 @@ sequence ops.
 Fluid's LoDRankTable, lod_tensor_to_array, array_to_lod_tensor,
 reorder_lod_tensor_by_rank and shrink_rnn_memory, with static shapes and
 gather-only backward passes; DynamicRNN (``while`` + ``while_grad``) as
-`dynamic_rnn`, a phased loop with a custom VJP; and Paddle's ``sequence_*``
-ops on static capacities, jittable and differentiable.
+`dynamic_rnn`, a phased loop with a custom VJP; Paddle's ``sequence_*``
+ops on static capacities, jittable and differentiable; and decoding
+(`greedy_decode`, `beam_search`) as while loops with per-source early exit.
 """
 
 from jaxlod.ops._array import array_to_lod, lod_to_array, reorder_by_rank, shrink_memory
 from jaxlod.ops._attention import masked_attention
+from jaxlod.ops._decode import Hypotheses, beam_search, greedy_decode
 from jaxlod.ops._expand import (
   sequence_concat,
   sequence_erase,
@@ -35,10 +37,13 @@ from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._window import sequence_conv, sequence_enumerate
 
 __all__ = [
+  "Hypotheses",
   "RankTable",
   "array_to_lod",
+  "beam_search",
   "default_ladder",
   "dynamic_rnn",
+  "greedy_decode",
   "lod_reset",
   "lod_to_array",
   "masked_attention",

@@ -82,7 +82,9 @@ def _check_rows(tree: Any, count: int, name: str) -> None:
       )
 
 
-def _prepare_statics(static_inputs: Any, count: int) -> Any:
+def _prepare_statics(
+  static_inputs: Any, count: int, per: str = "input sequence"
+) -> Any:
   """LoDTensors become ``(padded [count, source, ...], lengths [count])``."""
 
   def convert(x):
@@ -90,8 +92,8 @@ def _prepare_statics(static_inputs: Any, count: int) -> Any:
       return jnp.asarray(x)
     if x.capacity.sequences[-1] != count:
       raise ValueError(
-        f"Expected a LoDTensor in `static_inputs` to hold one sequence per input "
-        f"sequence: count capacity {count}, got {x.capacity.sequences[-1]}."
+        f"Expected a LoDTensor in `static_inputs` to hold one sequence per {per}: "
+        f"count capacity {count}, got {x.capacity.sequences[-1]}."
       )
     return x.to_padded()
 

@@ -1,0 +1,295 @@
+"""The decoding loop: per-source search state, update rules and compaction.
+
+Every array of the search state has a leading source axis ``[count, ...]``
+and per-hypothesis arrays a beam axis after it ``[count, k, ...]``. The loop
+runs in phases over a ladder of static source counts: phase ``i`` steps the
+prefix ``[:ladder[i]]`` in a `lax.while_loop` while more than
+``ladder[i + 1]`` sources are live; then a stable permutation moves the live
+sources to the front and the next phase takes a smaller prefix. Finished
+sources inside the current prefix are padding rows of the step (computed,
+and masked out of the state), as in `dynamic_rnn`'s phases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = -jnp.inf
+
+
+class Slots(NamedTuple):
+  """The hypotheses of every source: ``k`` slots each.
+
+  A slot is *dead* (``logp == -inf``: never filled), *live* (extended every
+  step) or *ended* (by `eos` or at the source's max length); ended slots are
+  the results.
+
+  Attributes:
+    tokens: int32 ``[count, k, length_capacity]``, the tokens so far (`eos`
+      excluded), zeros past `length`.
+    last: int32 ``[count, k]``, the step's next input token.
+    logp: ``[count, k]``, the summed log-probabilities (`eos` included).
+    length: int32 ``[count, k]``, tokens in `tokens`.
+    ended: bool ``[count, k]``.
+    eos: bool ``[count, k]``, ended by `eos` (its step counts in the length
+      penalty).
+  """
+
+  tokens: jax.Array
+  last: jax.Array
+  logp: jax.Array
+  length: jax.Array
+  ended: jax.Array
+  eos: jax.Array
+
+
+class State(NamedTuple):
+  """The loop state, in slot order (a permutation of the sources)."""
+
+  slots: Slots
+  carry: Any  # leaves [count, k, ...]
+  statics: Any  # leaves [count, k, ...], read only
+  done: jax.Array  # bool [count]
+  max_length: jax.Array  # int32 [count], at most length_capacity
+  source: jax.Array  # int32 [count], the caller's index of each slot
+
+
+def initial_slots(
+  count: int, k: int, length_capacity: int, num_sources: jax.Array, bos: int, dtype
+) -> Slots:
+  """Slot 0 of every real source starts live at log-probability 0."""
+  real = jnp.arange(count) < num_sources
+  first = jnp.arange(k) == 0
+  logp = jnp.where(real[:, None] & first[None, :], 0.0, NEG_INF).astype(dtype)
+  return Slots(
+    tokens=jnp.zeros((count, k, length_capacity), jnp.int32),
+    last=jnp.full((count, k), bos, jnp.int32),
+    logp=logp,
+    length=jnp.zeros((count, k), jnp.int32),
+    ended=jnp.zeros((count, k), bool),
+    eos=jnp.zeros((count, k), bool),
+  )
+
+
+def penalty(length: jax.Array, alpha: float, dtype) -> jax.Array:
+  """GNMT's length penalty ``((5 + length) / 6) ** alpha`` (Wu et al. 2016)."""
+  if alpha == 0:
+    return jnp.ones(length.shape, dtype)
+  return ((5.0 + length.astype(dtype)) / 6.0) ** alpha
+
+
+def scores(slots: Slots, alpha: float) -> jax.Array:
+  """Normalized scores ``[count, k]`` of ended slots; ``-inf`` elsewhere."""
+  steps = slots.length + slots.eos.astype(jnp.int32)
+  value = slots.logp / penalty(steps, alpha, slots.logp.dtype)
+  return jnp.where(slots.ended & (slots.logp > NEG_INF), value, NEG_INF)
+
+
+def _gather(a: jax.Array, parent: jax.Array) -> jax.Array:
+  """``a[s, parent[s, j]]`` for arrays ``[S, k, ...]``."""
+  index = parent.reshape(parent.shape + (1,) * (a.ndim - 2))
+  return jnp.take_along_axis(a, index, axis=1)
+
+
+def _write(tokens: jax.Array, token: jax.Array, at: jax.Array, where: jax.Array):
+  """Writes ``token [S, k]`` at position `at` of the slots where `where`."""
+  hit = (jnp.arange(tokens.shape[-1]) == at)[None, None, :] & where[..., None]
+  return jnp.where(hit, token[..., None], tokens)
+
+
+def beam_update(
+  slots: Slots,
+  log_probs: jax.Array,
+  t: jax.Array,
+  max_length: jax.Array,
+  *,
+  eos_id: int,
+  alpha: float,
+  num_results: int,
+) -> tuple[Slots, jax.Array, jax.Array]:
+  """One beam step: Paddle's ``beam_search`` over ended and extended slots.
+
+  The candidates of a source are its ended slots (kept as they are, ahead of
+  extensions on ties) and every token after each live slot, scored by summed
+  log-probability; the best ``k`` become the new slots. An extension by
+  `eos` ends its slot; so does any extension that reaches the source's max
+  length.
+
+  Args:
+    slots: the `Slots` of ``S`` sources.
+    log_probs: ``[S, k, vocab]`` the step's log-probabilities.
+    t: the step index (tokens generated so far by every live slot).
+    max_length: int32 ``[S]``.
+    eos_id, alpha, num_results: see `jaxlod.ops.beam_search`.
+
+  Returns:
+    ``(slots, parent [S, k], done [S])``: `parent` is the old slot each new
+    slot comes from (to reorder the carry); `done` per source, see `finished`.
+  """
+  size, k, vocab = log_probs.shape
+  live = ~slots.ended & (slots.logp > NEG_INF)
+  extend = jnp.where(live[..., None], slots.logp[..., None] + log_probs, NEG_INF)
+  keep = jnp.where(slots.ended, slots.logp, NEG_INF)
+  candidates = jnp.concatenate([keep, extend.reshape(size, k * vocab)], axis=1)
+  value, index = lax.top_k(candidates, k)
+  kept = index < k
+  parent = jnp.where(kept, index, (index - k) // vocab)
+  token = jnp.where(kept, eos_id, (index - k) % vocab).astype(jnp.int32)
+  alive = value > NEG_INF
+  is_eos = ~kept & (token == eos_id) & alive
+  grows = ~kept & ~is_eos & alive
+  length = _gather(slots.length, parent)
+  new = Slots(
+    tokens=_write(_gather(slots.tokens, parent), token, t, grows),
+    last=jnp.where(grows, token, eos_id).astype(jnp.int32),
+    logp=value,
+    length=length + grows.astype(jnp.int32),
+    ended=kept | is_eos | (grows & (t + 1 >= max_length[:, None])),
+    eos=jnp.where(kept, _gather(slots.eos, parent), is_eos),
+  )
+  return new, parent, finished(new, max_length, alpha, num_results)
+
+
+def finished(
+  slots: Slots, max_length: jax.Array, alpha: float, num_results: int
+) -> jax.Array:
+  """Per source: no live slot, or no live slot can beat the results.
+
+  A live slot's descendants score at most ``logp / penalty(max_length)``
+  (log-probabilities are at most 0 and the penalty grows with the length),
+  so once that bound is below the `num_results`-th best ended score, and
+  that many slots have ended, going on cannot change the results: the
+  candidates of live slots then sum below every one of those ended slots,
+  which therefore keep their places.
+  """
+  live = ~slots.ended & (slots.logp > NEG_INF)
+  ended = scores(slots, alpha)
+  worst_kept = lax.top_k(ended, num_results)[0][:, -1]
+  best_live = jnp.max(jnp.where(live, slots.logp, NEG_INF), axis=1)
+  bound = best_live / penalty(max_length, alpha, slots.logp.dtype)
+  return ~jnp.any(live, axis=1) | (bound < worst_kept)
+
+
+def greedy_update(
+  slots: Slots, log_probs: jax.Array, t: jax.Array, max_length: jax.Array, *, eos_id
+) -> tuple[Slots, None, jax.Array]:
+  """One greedy step: each source takes its most likely token (``k == 1``)."""
+  step = log_probs[:, 0, :]
+  token = jnp.argmax(step, axis=-1).astype(jnp.int32)[:, None]
+  gain = jnp.take_along_axis(step, token, axis=-1)
+  is_eos = token == eos_id
+  grows = ~is_eos
+  ended = is_eos | (t + 1 >= max_length[:, None])
+  new = Slots(
+    tokens=_write(slots.tokens, token, t, grows),
+    last=jnp.where(grows, token, eos_id).astype(jnp.int32),
+    logp=slots.logp + gain.astype(slots.logp.dtype),
+    length=slots.length + grows.astype(jnp.int32),
+    ended=ended,
+    eos=is_eos,
+  )
+  return new, None, ended[:, 0]
+
+
+# -- the loop ----------------------------------------------------------------------
+
+
+Update = Callable[
+  [Slots, jax.Array, jax.Array, jax.Array], tuple[Slots, jax.Array | None, jax.Array]
+]
+Step = Callable[[Any, jax.Array, Any], tuple[Any, jax.Array]]
+
+
+def _rows(size: int, active: jax.Array, new: Any, old: Any) -> Any:
+  """Sources where `active` take `new`; the others keep `old`."""
+
+  def pick(a, b):
+    return jnp.where(active.reshape((size,) + (1,) * (a.ndim - 1)), a, b)
+
+  return jax.tree.map(pick, new, old)
+
+
+def _advance(state: State, t: jax.Array, step: Step, update: Update) -> State:
+  """One step of every source in `state` (a prefix of ``S`` sources)."""
+  size, k = state.slots.logp.shape
+
+  def flat(a):
+    return a.reshape((size * k,) + a.shape[2:])
+
+  def unflat(a):
+    return a.reshape((size, k) + a.shape[1:])
+
+  new_carry, log_probs = step(
+    jax.tree.map(flat, state.carry),
+    flat(state.slots.last),
+    jax.tree.map(flat, state.statics),
+  )
+  slots, parent, done = update(
+    state.slots, unflat(log_probs).astype(state.slots.logp.dtype), t, state.max_length
+  )
+  carry = jax.tree.map(unflat, new_carry)
+  if parent is not None:
+    carry = jax.tree.map(lambda a: _gather(a, parent), carry)
+  active = ~state.done
+  return state._replace(
+    slots=_rows(size, active, slots, state.slots),
+    carry=_rows(size, active, carry, state.carry),
+    done=state.done | done,
+  )
+
+
+def _take(state: State, index: Any) -> State:
+  """The sources at `index` (a slice or an int array) of every field."""
+  return jax.tree.map(lambda a: a[index], state)
+
+
+def _put(full: State, prefix: State) -> State:
+  """`full` with its first sources replaced by `prefix`.
+
+  A concatenation, not an in-place update: with ``a.at[:n].set(p)`` (or
+  `lax.dynamic_update_slice`) here, XLA on CPU (jaxlib 0.10.2) returned
+  wrong results for ladders of three or more phases under `jit` (eager was
+  right). The in-place update fusion reads the buffer it is writing (slice,
+  then gather, then an in-place update of the same buffer), the pattern of
+  openxla/xla#49176; ``--xla_cpu_use_fusion_emitters=false`` also avoids it.
+  ``test_compaction_never_changes_results`` covers it.
+  """
+  return jax.tree.map(lambda a, p: jnp.concatenate([p, a[p.shape[0] :]]), full, prefix)
+
+
+def run(
+  state: State,
+  step: Step,
+  update: Update,
+  ladder: tuple[int, ...],
+  length_capacity: int,
+) -> State:
+  """Steps every source until it is done; returns the state in caller order.
+
+  Phase ``i`` runs while more than ``ladder[i + 1]`` sources are live, on the
+  prefix ``[:ladder[i]]``; between phases the live sources move to the front
+  (a stable permutation: their relative order is kept).
+  """
+  t = jnp.zeros((), jnp.int32)
+  for i, size in enumerate(ladder):
+    smaller = ladder[i + 1] if i + 1 < len(ladder) else 0
+    prefix = _take(state, slice(0, size))
+
+    def cond(loop, smaller=smaller):
+      prefix, t = loop
+      return (jnp.sum(~prefix.done) > smaller) & (t < length_capacity)
+
+    def body(loop):
+      prefix, t = loop
+      return _advance(prefix, t, step, update), t + 1
+
+    prefix, t = lax.while_loop(cond, body, (prefix, t))
+    if i + 1 < len(ladder):
+      prefix = _take(prefix, jnp.argsort(prefix.done, stable=True))
+    state = _put(state, prefix)
+  return _take(state, jnp.argsort(state.source))
