@@ -15,11 +15,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
 from jaxlod.nn._attention import check_memory_lod
 from jaxlod.nn._rnn import _zero_padding
+from jaxlod.ops._decode import Hypotheses, beam_search, greedy_decode
 from jaxlod.ops._pool import sequence_pool
 from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._segment import check_integer, check_lod
@@ -319,9 +321,10 @@ class Seq2Seq(nn.Module):
   sequence_pool(encoder outputs, "average")))`` per carry leaf (parameters
   ``carry_bridge/leaf_i``); otherwise the cell's zero carry.
 
-  For decoding loops: `encode`, `initial_state`, `precompute` and
-  `decode_step` (one step from token ids to logits), each through
-  ``model.apply(variables, ..., method=...)``.
+  `generate` decodes sources with `jaxlod.ops.beam_search` or
+  `jaxlod.ops.greedy_decode`. For other decoding loops: `encode`,
+  `initial_state`, `precompute` and `decode_step` (one step from token ids
+  to logits), each through ``model.apply(variables, ..., method=...)``.
 
   Attributes:
     src_vocab: number of source token ids.
@@ -434,6 +437,94 @@ class Seq2Seq(nn.Module):
       carry, self.tgt_embed(tokens), memory, lengths, keys
     )
     return carry, self.output(y), weights
+
+  def generate(
+    self,
+    src: LoDTensor,
+    method: str = "beam",
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_length: int | jax.typing.ArrayLike,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    num_results: int | None = None,
+    length_capacity: int | None = None,
+    ladder: Any = None,
+    compact: bool = True,
+  ) -> Hypotheses:
+    """Decodes every source: beam search or greedy, each source stopping early.
+
+    The encoder's outputs (and the attention's keys) are a static input of
+    the decoder step, the external memory; each step maps the previous
+    tokens to ``log_softmax`` of the logits. Call it on bound variables:
+    ``model.apply(variables, src, "beam", method="generate", bos_id=...,
+    ...)`` (`method` is positional there: `apply` has its own).
+
+    Args:
+      src: a LoDTensor of int source ids, values ``[src_token_capacity]``
+        or ``[src_token_capacity, 1]``; its padding sequences get no
+        hypotheses.
+      method: ``"beam"`` (`jaxlod.ops.beam_search`) or ``"greedy"``
+        (`jaxlod.ops.greedy_decode`).
+      bos_id, eos_id, max_length, length_capacity, ladder, compact: see
+        `jaxlod.ops.beam_search`.
+      beam_size, length_penalty, num_results: beam search only (greedy
+        decoding keeps one hypothesis scored by its summed
+        log-probability).
+
+    Returns:
+      `jaxlod.ops.Hypotheses` in `src`'s order: token ids as a 2-level
+      LoDTensor (source -> hypotheses -> tokens, `eos` excluded) and one
+      score per hypothesis.
+
+    Raises:
+      ValueError: for an unknown `method`, `bos_id` or `eos_id` outside
+        ``[0, tgt_vocab)``, and as `beam_search` does.
+    """
+    if method not in ("beam", "greedy"):
+      raise ValueError(f'Expected `method` to be "beam" or "greedy", got {method!r}.')
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+      # `nn.Embed` would give NaN rows for an id past the table, silently.
+      if isinstance(value, int | np.integer) and not 0 <= value < self.tgt_vocab:
+        raise ValueError(
+          f"Expected `{name}` in [0, {self.tgt_vocab}) (`tgt_vocab`), got {value}."
+        )
+    if self.is_initializing():
+      raise ValueError(
+        "Seq2Seq.generate needs parameters: initialize the model with `init` on "
+        "(src, tgt_in), then call `apply(variables, src, method='generate', ...)`."
+      )
+    memory = self.encode(src)
+    keys = self.precompute(memory)
+    carry = self.initial_state(memory)
+    decode_step = _pure_method(self, "decode_step")
+
+    def step_fn(carry, tokens, static):
+      (memory, lengths), keys = static
+      keys = None if keys is None else keys[0]
+      carry, logits, _ = decode_step(carry, tokens, memory, lengths, keys)
+      return carry, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+    common = dict(
+      bos_id=bos_id,
+      eos_id=eos_id,
+      max_length=max_length,
+      static_inputs=(memory, keys),
+      length_capacity=length_capacity,
+      ladder=ladder,
+      compact=compact,
+    )
+    if method == "greedy":
+      return greedy_decode(step_fn, carry, **common)
+    return beam_search(
+      step_fn,
+      carry,
+      beam_size=beam_size,
+      length_penalty=length_penalty,
+      num_results=num_results,
+      **common,
+    )
 
   def __call__(self, src: LoDTensor, tgt_in: LoDTensor) -> LoDTensor:
     """Teacher-forced logits of every target position.

@@ -1,0 +1,145 @@
+"""Seq2Seq.generate: the decoding ops over the encoder's outputs as external
+memory, checked against teacher-forced scoring of the same hypotheses."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlod import Buckets, LoDTensor
+from jaxlod.ops import beam_search
+from tests.test_nn_seq2seq import (
+  _seq2seq,
+  _seq2seq_batch,
+  _seq2seq_params,
+)
+
+BOS, EOS, MAX_LENGTH = 0, 1, 5
+TGT_BUCKETS = Buckets.fixed(tokens=24, sequences=4, time=6)
+
+
+@functools.partial(jax.jit, static_argnames=("method", "beam_size", "alpha"))
+def generate(params, src, method="beam", beam_size=3, alpha=0.6):
+  return _seq2seq().apply(
+    params,
+    src,
+    method,
+    method="generate",
+    bos_id=BOS,
+    eos_id=EOS,
+    max_length=MAX_LENGTH,
+    beam_size=beam_size,
+    length_penalty=alpha,
+  )
+
+
+def teacher_forced_scores(params, src, hyps, alpha):
+  """``scores[i][r]`` of hypothesis ``hyps[i][r]`` by teacher forcing: its
+  summed log-probs (with `eos` when it ended before the max length),
+  length-penalized."""
+  model = _seq2seq()
+  scores = [[] for _ in hyps]
+  for rank in range(len(hyps[0])):
+    tgt_in, tgt_out = [], []
+    for source in hyps:
+      tokens = source[rank]
+      ended = len(tokens) < MAX_LENGTH
+      tgt_out.append(np.array(tokens + [EOS] if ended else tokens, np.int32))
+      tgt_in.append(np.array([BOS] + tokens[: len(tgt_out[-1]) - 1], np.int32))
+    batch = LoDTensor.from_sequences(tgt_in, buckets=TGT_BUCKETS, dtype=np.int32)
+    logits = jax.jit(model.apply)(params, src, batch)
+    for i, lp in enumerate(logits.to_list()):
+      logp = np.asarray(jax.nn.log_softmax(lp, axis=-1))
+      total = logp[np.arange(len(tgt_out[i])), tgt_out[i]].sum()
+      scores[i].append(total / ((5 + len(tgt_out[i])) / 6) ** alpha)
+  return scores
+
+
+def test_beam_scores_are_the_teacher_forced_scores():
+  params = _seq2seq_params()
+  src, _, _ = _seq2seq_batch()
+  out = generate(params, src)
+  hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
+  scores = out.scores.to_list()
+  # Every source gets beam_size hypotheses, the empty source included.
+  assert [len(h) for h in hyps] == [3, 3, 3, 3]
+  expected = teacher_forced_scores(params, src, hyps, 0.6)
+  np.testing.assert_allclose(np.array(scores), np.array(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_generate_is_beam_search_over_the_decode_step():
+  params = _seq2seq_params()
+  src, _, _ = _seq2seq_batch()
+  model = _seq2seq()
+  memory = model.apply(params, src, method="encode")
+  keys = model.apply(params, memory, method="precompute")
+  carry = model.apply(params, memory, method="initial_state")
+
+  def step(carry, tokens, static):
+    (memory, lengths), (keys, _) = static
+    carry, logits, _ = model.apply(
+      params, carry, tokens, memory, lengths, keys, method="decode_step"
+    )
+    return carry, jax.nn.log_softmax(logits, axis=-1)
+
+  expected = beam_search(
+    step,
+    carry,
+    beam_size=3,
+    bos_id=BOS,
+    eos_id=EOS,
+    max_length=MAX_LENGTH,
+    static_inputs=(memory, keys),
+  )
+  out = generate(params, src)
+  assert out.ids.recursive_lengths() == expected.ids.recursive_lengths()
+  np.testing.assert_array_equal(out.ids.values, expected.ids.values)
+  for a, e in zip(out.scores.to_list(), expected.scores.to_list(), strict=True):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_is_beam_size_one():
+  params = _seq2seq_params()
+  src, _, _ = _seq2seq_batch()
+  greedy = generate(params, src, method="greedy")
+  beam = generate(params, src, beam_size=1, alpha=0.0)
+  assert greedy.ids.recursive_lengths() == beam.ids.recursive_lengths()
+  np.testing.assert_array_equal(greedy.ids.values, beam.ids.values)
+  np.testing.assert_allclose(greedy.scores.values, beam.scores.values, rtol=1e-6)
+
+
+def test_generate_compiles_once_per_capacity():
+  params = _seq2seq_params()
+  src, _, _ = _seq2seq_batch()
+  rng = np.random.default_rng(0)
+  other = src.with_values(
+    jnp.asarray(rng.integers(0, 7, size=src.values.shape), jnp.int32)
+  )
+  before = generate._cache_size()
+  generate(params, src, beam_size=2)
+  generate(params, other, beam_size=2)
+  assert generate._cache_size() == before + 1
+
+
+def test_generate_errors():
+  params = _seq2seq_params()
+  src, tgt_in, _ = _seq2seq_batch()
+  model = _seq2seq()
+  with pytest.raises(
+    ValueError, match=r'`method` to be "beam" or "greedy", got \'top-k\''
+  ):
+    model.apply(
+      params, src, "top-k", method="generate", bos_id=0, eos_id=1, max_length=3
+    )
+  with pytest.raises(ValueError, match=r"generate needs parameters"):
+    model.init(
+      jax.random.key(0), src, method="generate", bos_id=0, eos_id=1, max_length=3
+    )
+  with pytest.raises(ValueError, match=r"`eos_id` in \[0, 6\)"):
+    model.apply(params, src, method="generate", bos_id=0, eos_id=6, max_length=3)
+  with pytest.raises(ValueError, match=r"`bos_id` in \[0, 6\) \(`tgt_vocab`\), got 6"):
+    model.apply(params, src, method="generate", bos_id=6, eos_id=1, max_length=3)
