@@ -1,0 +1,283 @@
+"""Beam-search decoding time: per-source early exit against a batch-wide stop.
+
+One attention encoder-decoder, one batch, decoded twice by
+`jaxlod.nn.Seq2Seq.generate` (beam 4, one result per source):
+
+* ``jaxlod``: the default ``compact=True``. A source leaves the loop when it
+  is done; between phases the live sources are compacted to a prefix and the
+  loop moves to a smaller static size (64, 32, 16, ... sources), so the cost
+  follows the live sources.
+* ``batchwide``: ``compact=False``, one phase at full size: every source is
+  stepped until all are done (the batch-wide stop of Flax's ``examples/wmt``
+  loop), done sources frozen so the results are the same.
+
+The model: embeddings (256), an LSTM encoder (256), an LSTM decoder (256)
+with additive (Bahdanau) attention over the encoder outputs, its initial
+carry bridged from the pooled encoder outputs, an output projection,
+vocabularies of 1000; random weights from ``init`` (seed 0), untrained.
+The batch: 64 sources, 58 short (6 to 10 tokens) and 6 five times longer
+(30 to 50 tokens), in random order, at a fixed capacity so each arm compiles
+once.
+
+Output lengths are set, not learned. Each source may generate twice its
+length (``max_length`` per source, ``length_capacity`` 100), and the ``eos``
+logit of the random model is lowered by 100 (its bias in the ``output``
+layer), so eos is never chosen and every hypothesis runs to its source's max
+length: output lengths are skewed like the sources (most 12 to 20 tokens, a
+few 60 to 100). The JSON reports them (``output_lengths``, of the best
+hypotheses). (At this seed the unshifted random model never picks eos
+either; the shift makes it certain.) A trained model would end at
+data-dependent places; the timing depends only on where each source stops.
+
+Time: the median of interleaved runs of both arms in one process, each a
+jitted call blocked on its results; compile (lower and compile, ahead of
+time) is timed separately. ``identical``: token ids and offsets exactly
+equal and scores within 1e-5 (absolute); ``met``: a speedup of at least
+1.5 and identical results. ``decode_steps``: from a separate run of the
+same model whose decoder step reports its batch size through
+`jax.debug.callback` (not timed).
+
+Usage: ``python benchmarks/decode.py [--repeats N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxlod
+from jaxlod import Buckets, LoDTensor
+from jaxlod.examples._timing import measure_interleaved
+from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
+
+HIDDEN = 256
+EMBED = 256
+UNITS = 256
+VOCAB = 1000
+BOS, EOS = 1, 2  # source tokens are drawn from [3, VOCAB)
+EOS_SHIFT = -100.0  # added to the eos bias of the output layer
+BATCH = 64
+NUM_LONG = 6
+SHORT = (6, 10)  # source lengths, inclusive
+LONG_FACTOR = 5
+OUTPUT_FACTOR = 2  # max_length = OUTPUT_FACTOR * source length
+BEAM = 4
+LENGTH_CAPACITY = OUTPUT_FACTOR * LONG_FACTOR * SHORT[1]
+BUCKETS = Buckets.fixed(tokens=1024, sequences=BATCH, time=LONG_FACTOR * SHORT[1])
+SCORE_TOLERANCE = 1e-5
+TARGET = 1.5
+
+# -- the batch and the model --------------------------------------------------------
+
+
+def source_lengths(seed: int = 0) -> np.ndarray:
+  """Skewed lengths: most short, `NUM_LONG` of them `LONG_FACTOR` times longer."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(SHORT[0], SHORT[1] + 1, BATCH)
+  long = rng.choice(BATCH, NUM_LONG, replace=False)
+  lengths[long] *= LONG_FACTOR
+  return lengths
+
+
+def make_batch(seed: int = 0) -> tuple[LoDTensor, jax.Array]:
+  """Source ids and each source's max output length ``[BATCH]``."""
+  lengths = source_lengths(seed)
+  rng = np.random.default_rng(seed + 1)
+  seqs = [rng.integers(EOS + 1, VOCAB, n).astype(np.int32) for n in lengths]
+  src = LoDTensor.from_sequences(seqs, buckets=BUCKETS, dtype=np.int32)
+  return src, jnp.asarray(OUTPUT_FACTOR * lengths, jnp.int32)
+
+
+def make_model(cls: type[Seq2Seq] = Seq2Seq) -> Seq2Seq:
+  return cls(
+    src_vocab=VOCAB,
+    tgt_vocab=VOCAB,
+    embed_dim=EMBED,
+    encoder=DynamicRNN(nn.LSTMCell(HIDDEN)),
+    decoder=AttentionDecoder(nn.LSTMCell(HIDDEN), AdditiveAttention(UNITS)),
+  )
+
+
+def init_params(src: LoDTensor) -> Any:
+  """Random weights, with the eos logit lowered by `EOS_SHIFT`."""
+  params = make_model().init(jax.random.key(0), src, src)
+  bias = params["params"]["output"]["bias"]
+  params["params"]["output"]["bias"] = bias.at[EOS].add(EOS_SHIFT)
+  return params
+
+
+def decoder(compact: bool, cls: type[Seq2Seq] = Seq2Seq):
+  """The jitted decoding call of one arm: ``(params, src, max_length) -> ids``."""
+  model = make_model(cls)
+
+  def generate(params, src, max_length):
+    return model.apply(
+      params,
+      src,
+      "beam",
+      method="generate",
+      bos_id=BOS,
+      eos_id=EOS,
+      max_length=max_length,
+      length_capacity=LENGTH_CAPACITY,
+      beam_size=BEAM,
+      num_results=1,
+      compact=compact,
+    )
+
+  return jax.jit(generate)
+
+
+ARMS = {"jaxlod": True, "batchwide": False}
+
+# -- measurements -------------------------------------------------------------------
+
+
+class _CountingSeq2Seq(Seq2Seq):
+  """`Seq2Seq` whose decoder step reports its batch size (rows: sources x beams)."""
+
+  def decode_step(self, carry, tokens, memory, lengths, keys=None):
+    rows = jnp.shape(tokens)[0]
+    jax.debug.callback(lambda: _STEP_ROWS.append(rows))
+    return super().decode_step(carry, tokens, memory, lengths, keys)
+
+
+_STEP_ROWS: list[int] = []
+
+
+def count_steps(params: Any, src: LoDTensor, max_length: jax.Array) -> dict[str, Any]:
+  """Loop steps and source steps of each arm, from an instrumented run."""
+  out = {}
+  for arm, compact in ARMS.items():
+    _STEP_ROWS.clear()
+    jax.block_until_ready(decoder(compact, _CountingSeq2Seq)(params, src, max_length))
+    jax.effects_barrier()
+    out[arm] = {
+      "loop_steps": len(_STEP_ROWS),
+      "source_steps": sum(_STEP_ROWS) // BEAM,
+      "step_sizes": sorted(set(r // BEAM for r in _STEP_ROWS), reverse=True),
+    }
+  return out
+
+
+def compare(a: Any, b: Any) -> dict[str, Any]:
+  """Exact ids and offsets, scores within `SCORE_TOLERANCE` (absolute)."""
+  same_ids = bool(np.array_equal(a.ids.values, b.ids.values)) and all(
+    np.array_equal(x, y) for x, y in zip(a.ids.offsets, b.ids.offsets, strict=True)
+  )
+  same_ids &= int(a.ids.num_outer) == int(b.ids.num_outer)
+  diff = float(np.max(np.abs(np.asarray(a.scores.values - b.scores.values))))
+  return {
+    "identical": same_ids and diff <= SCORE_TOLERANCE,
+    "ids_equal": same_ids,
+    "score_max_abs_diff": diff,
+    "score_max_abs": float(np.max(np.abs(np.asarray(a.scores.values)))),
+  }
+
+
+def summary(lengths: np.ndarray) -> dict[str, Any]:
+  return {
+    "mean": float(lengths.mean()),
+    "p50": float(np.median(lengths)),
+    "p90": float(np.percentile(lengths, 90)),
+    "max": int(lengths.max()),
+    "min": int(lengths.min()),
+  }
+
+
+def output_lengths(hyps: Any) -> dict[str, Any]:
+  """Lengths of the best hypothesis of each source (eos excluded)."""
+  return summary(np.asarray([len(h[0]) for h in hyps.ids.to_list()]))
+
+
+def machine_info() -> dict[str, Any]:
+  return {
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
+    "flax": flax.__version__,
+    "jaxlod": jaxlod.__version__,
+    "backend": jax.default_backend(),
+    "load_average_at_start": list(os.getloadavg()),
+  }
+
+
+def run(repeats: int) -> dict[str, Any]:
+  start = time.perf_counter()
+  machine = machine_info()
+  src, max_length = make_batch()
+  params = init_params(src)
+  compiled, compile_s = {}, {}
+  for arm, compact in ARMS.items():
+    tic = time.perf_counter()
+    compiled[arm] = decoder(compact).lower(params, src, max_length).compile()
+    compile_s[arm] = time.perf_counter() - tic
+  calls = {
+    arm: (lambda arm=arm: compiled[arm](params, src, max_length), jax.block_until_ready)
+    for arm in ARMS
+  }
+  times = measure_interleaved(calls, repeats)
+  results = {arm: compiled[arm](params, src, max_length) for arm in ARMS}
+  jaxlod_s = times["jaxlod"]["median_s"]
+  batchwide_s = times["batchwide"]["median_s"]
+  same = compare(results["jaxlod"], results["batchwide"])
+  report: dict[str, Any] = {
+    "jaxlod_s": jaxlod_s,
+    "batchwide_s": batchwide_s,
+    "speedup": batchwide_s / jaxlod_s,
+    "identical": same["identical"],
+    "target": TARGET,
+    "met": batchwide_s / jaxlod_s >= TARGET and same["identical"],
+    "ids_equal": same["ids_equal"],
+    "score_max_abs_diff": same["score_max_abs_diff"],
+    "score_max_abs": same["score_max_abs"],
+    "score_tolerance": SCORE_TOLERANCE,
+    "compile_s": compile_s,
+    "times_s": {arm: times[arm]["times_s"] for arm in ARMS},
+    "decode_steps": count_steps(params, src, max_length),
+    "output_lengths": output_lengths(results["jaxlod"]),
+    "source_lengths": summary(source_lengths()),
+    "setup": {
+      "model": f"Seq2Seq LSTM {HIDDEN}, additive attention {UNITS}, embed {EMBED}, "
+      f"vocab {VOCAB}/{VOCAB}, random weights (seed 0)",
+      "eos_bias_shift": EOS_SHIFT,
+      "batch": BATCH,
+      "beam_size": BEAM,
+      "num_results": 1,
+      "max_length": f"{OUTPUT_FACTOR} x source length",
+      "length_capacity": LENGTH_CAPACITY,
+    },
+    "machine": machine,
+    "repeats": repeats,
+  }
+  report["wall_s"] = time.perf_counter() - start
+  return report
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--json", type=Path, default=None, help="also write here")
+  args = parser.parse_args(argv)
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  text = json.dumps(run(args.repeats), indent=2)
+  print(text)
+  if args.json is not None:
+    args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
