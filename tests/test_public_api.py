@@ -9,7 +9,7 @@ import pytest
 
 import jaxlod
 
-PUBLIC_MODULES = ["jaxlod", "jaxlod.ops", "jaxlod.nn", "jaxlod.nn.nnx"]
+PUBLIC_MODULES = ["jaxlod", "jaxlod.ops", "jaxlod.nn", "jaxlod.nn.nnx", "jaxlod.data"]
 
 # The foundation's names; later layers may add more to `__all__`.
 FOUNDATION = {
@@ -50,6 +50,7 @@ FOUNDATION = {
     "DynamicRNN",
     "GeneralAttention",
   },
+  "jaxlod.data": {"Batch", "Batcher"},
 }
 
 

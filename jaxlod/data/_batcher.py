@@ -1,0 +1,456 @@
+"""A host-side batcher: length bucketing under fixed capacities, with prefetch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxlod._buckets import Buckets
+from jaxlod._lod import LoDTensor
+from jaxlod.data._prefetch import prefetch as _prefetch
+from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
+
+_THREAD_NAME = "jaxlod.data.Batcher"
+
+
+class Batch(NamedTuple):
+  """One batch of a `Batcher`: F fields packed as LoDTensors, with rank tables.
+
+  Attributes:
+    fields: F one-level LoDTensors, one per field. Field ``f`` holds the
+      batch's examples' field ``f`` in the order of `indices`: values
+      ``[token_capacity_f, *features_f]`` in the examples' dtype, on the
+      fixed capacities of the field's `Buckets`.
+    tables: F `RankTable`s, ``rank_table(fields[f], ladder=ladder)``.
+    indices: int64 ``[n]``, the example indices of the batch, in field order.
+    epoch: the epoch of the batch.
+    step: the batch's position in the stream of all epochs, counted from the
+      first batch of epoch 0.
+    num_tokens: real rows summed over the fields (padding excluded).
+  """
+
+  fields: tuple[LoDTensor, ...]
+  tables: tuple[RankTable, ...]
+  indices: np.ndarray
+  epoch: int
+  step: int
+  num_tokens: int
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}.")
+  if value < minimum:
+    raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value}.")
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+  """Every example's rows of one field, packed, and the field's capacities.
+
+  Attributes:
+    values: ``[total_rows, *features]``, example ``i``'s rows are
+      ``values[starts[i]:starts[i + 1]]``.
+    starts: int64 ``[num_examples + 1]``.
+    tokens: the fixed token capacity.
+    sequences: the fixed count capacity (LoD level 0).
+    time: the fixed time capacity (LoD level 0).
+  """
+
+  values: np.ndarray
+  starts: np.ndarray
+  tokens: int
+  sequences: int
+  time: int
+
+  def pack(self, indices: np.ndarray) -> LoDTensor:
+    """The examples `indices` of this field as a LoDTensor of NumPy arrays."""
+    starts, stops = self.starts[indices], self.starts[indices + 1]
+    lengths = stops - starts
+    offsets = np.zeros(self.sequences + 1, np.int32)
+    offsets[1 : indices.size + 1] = np.cumsum(lengths)
+    offsets[indices.size + 1 :] = offsets[indices.size]
+    rows = int(offsets[indices.size])
+    gather = np.arange(rows) + np.repeat(starts - offsets[: indices.size], lengths)
+    values = np.zeros((self.tokens, *self.values.shape[1:]), self.values.dtype)
+    values[:rows] = self.values[gather]
+    return LoDTensor(
+      values, (offsets,), np.asarray(indices.size, np.int32), (self.time,)
+    )
+
+
+def _field_buckets(buckets: Any, num_fields: int) -> list[Buckets]:
+  """One `Buckets.fixed` per field, checked."""
+  if isinstance(buckets, Buckets):
+    named = [("buckets", buckets)] * num_fields
+  elif isinstance(buckets, Sequence) and not isinstance(buckets, str):
+    if len(buckets) != num_fields:
+      raise ValueError(
+        f"Expected one Buckets per field ({num_fields}) in `buckets`, got "
+        f"{len(buckets)}."
+      )
+    named = [(f"buckets[{f}]", b) for f, b in enumerate(buckets)]
+  else:
+    raise TypeError(
+      f"Expected `buckets` to be a Buckets or a sequence of them, got {buckets!r}."
+    )
+  for name, b in named:
+    if not isinstance(b, Buckets):
+      raise TypeError(f"Expected `{name}` to be a Buckets, got {b!r}.")
+    if b.policy != "fixed":
+      raise ValueError(
+        f"Expected `{name}` to be Buckets.fixed(...), so that every batch has "
+        f"the same capacities and a jitted step compiles once; got policy "
+        f"{b.policy!r}."
+      )
+    if b.capacity(0, "sequences") < 1:
+      raise ValueError(
+        f"Expected `{name}` to hold at least one sequence, got a sequences "
+        "capacity of 0."
+      )
+  return [b for _, b in named]
+
+
+def _as_arrays(examples: Sequence[Any]) -> list[list[np.ndarray]]:
+  """The examples as F lists of arrays (one list per field), checked."""
+  if not hasattr(examples, "__len__") or not hasattr(examples, "__getitem__"):
+    raise TypeError(
+      f"Expected `examples` to be a sequence of examples, got "
+      f"{type(examples).__name__}."
+    )
+  if len(examples) == 0:
+    raise ValueError("Expected `examples` to hold at least one example, got none.")
+  columns = None
+  for i in range(len(examples)):
+    example = examples[i]
+    if not isinstance(example, tuple | list):
+      raise TypeError(
+        f"Expected example {i} to be a tuple of fields, got {type(example).__name__}."
+      )
+    if columns is None:
+      if not example:
+        raise ValueError("Expected example 0 to have at least one field, got none.")
+      columns = [[] for _ in example]
+    if len(example) != len(columns):
+      raise ValueError(
+        f"Expected every example to have {len(columns)} fields like example 0, "
+        f"got {len(example)} in example {i}."
+      )
+    for column, value in zip(columns, example, strict=True):
+      column.append(np.asarray(value))
+  return columns
+
+
+def _pack_field(f: int, arrays: list[np.ndarray], buckets: Buckets) -> _Field:
+  """Field `f` of every example in one array, after checking ranks and dtypes."""
+  for i, a in enumerate(arrays):
+    if a.ndim == 0:
+      raise ValueError(
+        f"Expected field {f} of example {i} to have rank >= 1 ([length, "
+        "*features]), got a scalar."
+      )
+  nonempty = [i for i, a in enumerate(arrays) if a.shape[0] > 0]
+  first = nonempty[0] if nonempty else 0
+  features = arrays[first].shape[1:]
+  for i in nonempty:
+    if arrays[i].shape[1:] != features:
+      raise ValueError(
+        f"Expected field {f} of example {i} to have feature shape {features} "
+        f"like example {first}, got {arrays[i].shape[1:]}."
+      )
+  dtypes = {arrays[i].dtype for i in nonempty} or {arrays[first].dtype}
+  dtype = np.result_type(*dtypes)
+  if dtype.kind not in "biufc":
+    raise TypeError(
+      f"Expected field {f} to hold numbers, got dtype {dtype} (example {first})."
+    )
+  lengths = np.array([a.shape[0] for a in arrays], np.int64)
+  values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)
+  return _Field(
+    values=values.astype(dtype, copy=False),
+    starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+    tokens=buckets.capacity(0, "tokens"),
+    sequences=buckets.capacity(0, "sequences"),
+    time=buckets.capacity(0, "time"),
+  )
+
+
+def _check_fits(lengths: np.ndarray, fields: list[_Field], budget: int) -> None:
+  """Raises for the first example that no batch can hold."""
+  time = np.array([field.time for field in fields])
+  tokens = np.array([field.tokens for field in fields])
+  costs = lengths.max(axis=1)
+  over_time, over_tokens = lengths > time, lengths > tokens
+  over = over_time.any(axis=1) | over_tokens.any(axis=1) | (costs > budget)
+  bad = np.flatnonzero(over)
+  if not bad.size:
+    return
+  i = int(bad[0])
+  for over, limit, caps in ((over_time, "time", time), (over_tokens, "token", tokens)):
+    for f in np.flatnonzero(over[i]):
+      raise ValueError(
+        f"Example {i} has length {lengths[i, f]} in field {f}, more than its "
+        f"{limit} capacity {caps[f]}."
+      )
+  raise ValueError(
+    f"Example {i} has cost {costs[i]} (its longest field), more than the token "
+    f"budget {budget}."
+  )
+
+
+def _greedy_batches(
+  order: np.ndarray, weights: np.ndarray, limits: np.ndarray, count: int, window: int
+) -> list[np.ndarray]:
+  """Cuts `order` into batches greedily, never across a window boundary.
+
+  Args:
+    order: int64 ``[n]`` example indices in packing order.
+    weights: ``[n_examples, K]`` non-negative sizes of each example.
+    limits: ``[K]``, the largest sum of each size in a batch; every example
+      fits alone.
+    count: the most examples in a batch.
+    window: batches hold examples of one window ``order[w * window:(w + 1) *
+      window]``.
+
+  Returns:
+    The batches, in order: a new one starts when the next example would take
+    any sum over its limit, the count over `count`, or cross a window.
+  """
+  n = order.size
+  cums = np.zeros((weights.shape[1], n + 1), np.int64)
+  cums[:, 1:] = np.cumsum(weights[order], axis=0).T
+  batches, start = [], 0
+  while start < n:
+    stop = min(start + count, (start // window + 1) * window, n)
+    for k in range(cums.shape[0]):
+      fits = np.searchsorted(cums[k], cums[k, start] + limits[k], side="right") - 1
+      stop = min(stop, int(fits))
+    batches.append(order[start:stop])
+    start = stop
+  return batches
+
+
+class Batcher:
+  """Batches of similar-length examples on fixed capacities, built ahead.
+
+  Each epoch follows a *plan* drawn from ``np.random.default_rng([seed,
+  epoch])``: the examples are permuted, cut into windows of `window`
+  examples, and each window is sorted by cost (stable; an example's cost is
+  the length of its longest field). Each window is then cut greedily, in
+  that order, into batches: a new batch starts when the next example would
+  take a field over its token or sequence capacity, or the batch's cost
+  over `token_budget`. Batches never span two windows. Last, the order of
+  the batches is shuffled. With ``shuffle=False`` neither the examples nor
+  the batches are permuted (windows are consecutive runs of the given
+  order, still sorted by cost) and every epoch has the same plan; use
+  ``window=1`` to keep the given order exactly (one example per batch).
+
+  The plan depends only on the examples, the capacities, `token_budget`,
+  `window`, `shuffle`, `seed` and the epoch: never on `prefetch` or on the
+  step where iteration started, so a run resumed with
+  ``iterate(start_step=s)`` sees the batches that an uninterrupted run saw
+  from step ``s`` on. Every example appears exactly once per epoch; an
+  example that no batch can hold raises at construction.
+
+  Every field's `Buckets` is fixed, so each field's LoDTensor has the same
+  shapes in every batch and a jitted step compiles once. Batches are built
+  with NumPy (values, offsets, rank tables) on a daemon thread, `prefetch`
+  batches ahead, and (with `device_put`) sent to JAX's default device there,
+  so the transfer overlaps the step.
+
+  Args:
+    examples: a sequence of examples, each a tuple of F fields; a field is
+      an array-like ``[length, *features]`` (for example 1-D token ids).
+      Every example has the same F; field ``f`` has one feature shape and
+      keeps the examples' dtype (Python ints become int64, which JAX stores
+      as int32 unless x64 is on).
+    buckets: a `Buckets.fixed` for every field, or a sequence of F of them.
+      Level 0 of each gives the field's token, sequence and time capacities.
+    token_budget: the largest sum of costs in a batch; by default the
+      smallest token capacity of the fields. Caps a batch's work below the
+      capacities.
+    window: examples per sorting window, >= 1.
+    shuffle: permute the examples and the batches in each epoch.
+    seed: a non-negative int; the same seed gives the same batches.
+    prefetch: batches built ahead on the worker thread; 0 builds them in the
+      caller's thread, without a worker.
+    ladder: static batch sizes of the rank tables' phases (see `rank_table`);
+      by default `default_ladder` of each field's sequence capacity.
+    device_put: put each batch's fields and tables on JAX's default device
+      (``jax.device_put``) as it is built; False keeps NumPy arrays.
+
+  Raises:
+    ValueError: for no examples, examples with differing field counts, a
+      field of rank 0 or of differing feature shapes, buckets that are not
+      fixed or not one per field, an out-of-range setting, or an example
+      that no batch can hold (naming its index, its length and the limit).
+    TypeError: for arguments of the wrong type, or a field of non-numeric
+      dtype.
+
+  Example:
+    >>> from jaxlod import Buckets
+    >>> from jaxlod.data import Batcher
+    >>> examples = [([1] * n, [2] * (n + 1)) for n in (3, 1, 4, 1, 5)]
+    >>> batcher = Batcher(
+    ...   examples, Buckets.fixed(tokens=8, sequences=4, time=6), shuffle=False
+    ... )
+    >>> [p.tolist() for p in batcher.plan(0)]
+    [[1, 3, 0], [2], [4]]
+    >>> batch = next(iter(batcher.epoch(0)))
+    >>> batch.fields[1].recursive_lengths(), batch.num_tokens
+    ([[2, 2, 4]], 13)
+  """
+
+  def __init__(
+    self,
+    examples: Sequence[Sequence[Any]],
+    buckets: Buckets | Sequence[Buckets],
+    *,
+    token_budget: int | None = None,
+    window: int = 1024,
+    shuffle: bool = True,
+    seed: int = 0,
+    prefetch: int = 2,
+    ladder: Sequence[int] | None = None,
+    device_put: bool = True,
+  ):
+    self._window = _check_int("window", window, 1)
+    self._prefetch = _check_int("prefetch", prefetch, 0)
+    self._seed = _check_int("seed", seed, 0)
+    if token_budget is not None:
+      token_budget = _check_int("token_budget", token_budget, 1)
+    self._shuffle = bool(shuffle)
+    self._device_put = bool(device_put)
+    columns = _as_arrays(examples)
+    field_buckets = _field_buckets(buckets, len(columns))
+    self._fields = [
+      _pack_field(f, arrays, b)
+      for f, (arrays, b) in enumerate(zip(columns, field_buckets, strict=True))
+    ]
+    self._ladders = [normalize_ladder(f.sequences, ladder) for f in self._fields]
+    self._lengths = np.stack([np.diff(f.starts) for f in self._fields], axis=1)
+    if token_budget is None:
+      token_budget = min(f.tokens for f in self._fields)
+    self._token_budget = token_budget
+    _check_fits(self._lengths, self._fields, token_budget)
+    self._costs = self._lengths.max(axis=1)
+    self._counts: dict[int, int] = {}
+
+  @property
+  def num_examples(self) -> int:
+    """The number of examples."""
+    return int(self._lengths.shape[0])
+
+  @property
+  def token_budget(self) -> int:
+    """The largest sum of example costs in a batch."""
+    return self._token_budget
+
+  def plan(self, epoch: int) -> list[np.ndarray]:
+    """The batches of `epoch`, as example indices.
+
+    Args:
+      epoch: an int >= 0.
+
+    Returns:
+      One int64 ``[n_b]`` array of example indices per batch, in the order
+      the epoch yields them; every example appears in exactly one.
+    """
+    epoch = _check_int("epoch", epoch, 0)
+    n = self.num_examples
+    if self._shuffle:
+      rng = np.random.default_rng([self._seed, epoch])
+      order = rng.permutation(n)
+    else:
+      order = np.arange(n)
+    windows = np.arange(n) // self._window
+    order = order[np.lexsort((self._costs[order], windows))]
+    weights = np.concatenate([self._lengths, self._costs[:, None]], axis=1)
+    limits = np.array([f.tokens for f in self._fields] + [self._token_budget])
+    count = min(f.sequences for f in self._fields)
+    batches = _greedy_batches(order, weights, limits, count, self._window)
+    if self._shuffle:
+      batches = [batches[j] for j in rng.permutation(len(batches))]
+    self._counts[epoch] = len(batches)
+    return batches
+
+  def batches_per_epoch(self, epoch: int) -> int:
+    """``len(plan(epoch))``; with shuffling it may differ across epochs."""
+    epoch = _check_int("epoch", epoch, 0)
+    if not self._shuffle:
+      epoch = 0
+    if epoch not in self._counts:
+      self.plan(epoch)
+    return self._counts[epoch]
+
+  def _first_step(self, epoch: int) -> int:
+    return sum(self.batches_per_epoch(e) for e in range(epoch))
+
+  def _locate(self, step: int) -> tuple[int, int]:
+    """(epoch, batch within the epoch) of a global step."""
+    if not self._shuffle:
+      return divmod(step, self.batches_per_epoch(0))
+    epoch = 0
+    while step >= self.batches_per_epoch(epoch):
+      step -= self.batches_per_epoch(epoch)
+      epoch += 1
+    return epoch, step
+
+  def _build(self, epoch: int, step: int, indices: np.ndarray) -> Batch:
+    fields = tuple(field.pack(indices) for field in self._fields)
+    ladders = self._ladders
+    tables = tuple(
+      rank_table(x, ladder=ladder) for x, ladder in zip(fields, ladders, strict=True)
+    )
+    if self._device_put:
+      fields, tables = jax.device_put((fields, tables))
+    num_tokens = int(self._lengths[indices].sum())
+    return Batch(fields, tables, indices, epoch, step, num_tokens)
+
+  def _epoch_batches(self, epoch: int, first: int, step: int) -> Iterator[Batch]:
+    for indices in self.plan(epoch)[first:]:
+      yield self._build(epoch, step, indices)
+      step += 1
+
+  def _stream(self, start_step: int) -> Iterator[Batch]:
+    epoch, first = self._locate(start_step)
+    step = start_step
+    while True:
+      for batch in self._epoch_batches(epoch, first, step):
+        yield batch
+        step += 1
+      epoch, first = epoch + 1, 0
+
+  def epoch(self, epoch: int) -> Iterator[Batch]:
+    """The batches of one epoch, in plan order, built `prefetch` ahead.
+
+    Closing the iterator (``break`` out of the loop, ``close()``, or
+    dropping it) stops the worker thread. An error raised while building a
+    batch is raised here.
+
+    Args:
+      epoch: an int >= 0.
+    """
+    epoch = _check_int("epoch", epoch, 0)
+    step = self._first_step(epoch)
+    return _prefetch(
+      lambda: self._epoch_batches(epoch, 0, step), self._prefetch, _THREAD_NAME
+    )
+
+  def iterate(self, start_step: int = 0) -> Iterator[Batch]:
+    """Batches of epochs 0, 1, 2, ... without end, from `start_step` on.
+
+    A run that stopped after `s` steps resumes with ``iterate(start_step=s)``:
+    the batches are those an uninterrupted run would have yielded next,
+    across epoch boundaries. Closing the iterator stops the worker thread.
+
+    Args:
+      start_step: batches to skip (they are planned, never built), >= 0.
+    """
+    start_step = _check_int("start_step", start_step, 0)
+    return _prefetch(lambda: self._stream(start_step), self._prefetch, _THREAD_NAME)
