@@ -1,0 +1,156 @@
+"""The notebooks run from top to bottom, in time, and are stored clean.
+
+Each notebook runs in a fresh ``python3`` kernel whose working directory is
+the notebook's folder, as Jupyter runs it (the notebooks find the repository
+root from there, so they also run from the root). A cell error fails the
+test with that cell's traceback; so does a notebook that runs past
+`TIME_LIMIT_S` in all, or prints a Python warning.
+"""
+
+import math
+import pathlib
+import re
+import time
+
+import nbformat
+import pytest
+from nbformat import v4
+
+NOTEBOOKS = pathlib.Path(__file__).parent.parent / "notebooks"
+EXPECTED = (
+  "01_lod_tour.ipynb",
+  "02_dynamic_rnn.ipynb",
+  "03_seq2seq_attention.ipynb",
+  "04_performance.ipynb",
+)
+# Expected but not written yet: its run is skipped while the file is missing.
+PENDING = ("03_seq2seq_attention.ipynb",)
+TIME_LIMIT_S = 180.0
+FOUND = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+WARNING = re.compile(r"\b\w*Warning: ")
+
+
+def _stderr_text(nb: nbformat.NotebookNode) -> str:
+  return ANSI.sub(
+    "",
+    "".join(
+      out.get("text", "")
+      for cell in nb.cells
+      if cell.cell_type == "code"
+      for out in cell.outputs
+      if out.output_type == "stream" and out.name == "stderr"
+    ),
+  )
+
+
+def execute(path: pathlib.Path, limit_s: float) -> float:
+  """Runs the notebook at `path` in its folder; fails the test on any problem.
+
+  Returns:
+    The seconds it took, kernel start included.
+  """
+  from nbclient import NotebookClient
+  from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+  nb = nbformat.read(path, as_version=4)
+  name = f"{path.parent.name}/{path.name}"
+  start = time.perf_counter()
+
+  def remaining_s(cell) -> int:
+    # nbclient's timeout is per cell; each cell gets what the others left.
+    return max(1, math.ceil(limit_s - (time.perf_counter() - start)))
+
+  client = NotebookClient(
+    nb,
+    timeout_func=remaining_s,
+    kernel_name="python3",
+    resources={"metadata": {"path": str(path.parent)}},
+  )
+  try:
+    client.execute()
+  except CellTimeoutError:
+    pytest.fail(
+      f"{name} ran past its {limit_s:.0f} s limit ({time.perf_counter() - start:.1f} s)"
+    )
+  except CellExecutionError as error:
+    pytest.fail(f"{name} failed:\n{ANSI.sub('', str(error))}")
+  elapsed = time.perf_counter() - start
+  if elapsed >= limit_s:
+    pytest.fail(f"{name} took {elapsed:.1f} s, over its {limit_s:.0f} s limit")
+  stderr = _stderr_text(nb)
+  if WARNING.search(stderr):
+    pytest.fail(f"{name} printed warnings:\n{stderr}")
+  return elapsed
+
+
+def test_notebook_set():
+  unexpected = sorted(set(FOUND) - set(EXPECTED))
+  missing = sorted(set(EXPECTED) - set(FOUND) - set(PENDING))
+  assert not unexpected, f"notebooks/ holds unexpected notebooks {unexpected}"
+  assert not missing, f"notebooks/ lacks {missing}"
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_notebook_is_stored_clean(name):
+  nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+  nbformat.validate(nb)
+  assert nb.nbformat == 4, f"{name}: nbformat {nb.nbformat}, expected 4"
+  dirty = [
+    i
+    for i, cell in enumerate(nb.cells)
+    if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+  ]
+  assert not dirty, f"{name}: cells {dirty} hold outputs or execution counts"
+  assert nb.metadata.kernelspec.name == "python3", f"{name}: not a python3 notebook"
+
+
+@pytest.mark.parametrize("name", sorted(set(EXPECTED) | set(FOUND)))
+def test_notebook_runs(name):
+  path = NOTEBOOKS / name
+  if not path.exists():
+    assert name in PENDING, f"notebooks/{name} is missing"
+    pytest.skip(f"notebooks/{name} is not written yet")
+  execute(path, TIME_LIMIT_S)
+
+
+# -- the harness itself ------------------------------------------------------------
+
+
+def _write(folder: pathlib.Path, *sources: str) -> pathlib.Path:
+  path = folder / "scratch.ipynb"
+  nb = v4.new_notebook(cells=[v4.new_code_cell(s) for s in sources])
+  nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3"}
+  nbformat.write(nb, path)
+  return path
+
+
+def test_execute_shows_the_failing_cell(tmp_path):
+  path = _write(tmp_path, "x = 1", "def f():\n  raise ValueError('no such row')\nf()")
+  with pytest.raises(
+    pytest.fail.Exception, match=r"(?s)scratch\.ipynb failed:.*f\(\).*no such row"
+  ):
+    execute(path, 60.0)
+
+
+def test_execute_limits_the_whole_notebook(tmp_path):
+  # Each cell alone is under the limit; together they are not.
+  path = _write(tmp_path, "import time\ntime.sleep(2)", "time.sleep(2)")
+  with pytest.raises(
+    pytest.fail.Exception, match=r"scratch\.ipynb ran past its 3 s limit"
+  ):
+    execute(path, 3.0)
+
+
+def test_execute_runs_in_the_notebook_folder(tmp_path):
+  (tmp_path / "data.txt").write_text("here")
+  path = _write(tmp_path, "assert open('data.txt').read() == 'here'")
+  assert execute(path, 60.0) < 60.0
+
+
+def test_execute_fails_on_warnings(tmp_path):
+  path = _write(tmp_path, "import warnings\nwarnings.warn('stale cache')")
+  with pytest.raises(
+    pytest.fail.Exception, match=r"(?s)printed warnings:.*UserWarning: stale cache"
+  ):
+    execute(path, 60.0)
