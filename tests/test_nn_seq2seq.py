@@ -372,6 +372,23 @@ def test_seq2seq_decode_step_path():
     np.asarray(first)[started], np.asarray(logits.to_padded()[0][:, 0])[started]
   )
 
+  # With `return_weights`: the same logits, and each step's attention weights
+  # (the first equal to the step's), a distribution over the real source rows.
+  with_weights, all_weights = jax.jit(
+    functools.partial(model.apply, return_weights=True)
+  )(params, src, tgt_in)
+  assert_close(with_weights.values, logits.values)
+  assert all_weights.recursive_lengths() == [S2S_TGT_LENGTHS]
+  padded_weights = np.asarray(all_weights.to_padded()[0])
+  assert padded_weights.shape[2] == padded.shape[1]
+  assert_close(padded_weights[started, 0], np.asarray(weights)[started])
+  pairs = zip(S2S_SRC_LENGTHS, S2S_TGT_LENGTHS, strict=True)
+  for i, (n_src, n_tgt) in enumerate(pairs):
+    rows = padded_weights[i, :n_tgt]
+    assert np.all(rows[:, n_src:] == 0.0)
+    if n_src:
+      assert_close(rows.sum(axis=1), np.ones(n_tgt), rtol=1e-5, atol=1e-6)
+
 
 # -- bad input ---------------------------------------------------------------------
 

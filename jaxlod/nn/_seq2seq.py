@@ -526,7 +526,9 @@ class Seq2Seq(nn.Module):
       **common,
     )
 
-  def __call__(self, src: LoDTensor, tgt_in: LoDTensor) -> LoDTensor:
+  def __call__(
+    self, src: LoDTensor, tgt_in: LoDTensor, *, return_weights: bool = False
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
     """Teacher-forced logits of every target position.
 
     Args:
@@ -535,10 +537,15 @@ class Seq2Seq(nn.Module):
       tgt_in: a LoDTensor of int decoder input ids (the target shifted
         right), values ``[token_capacity]`` or ``[token_capacity, 1]``, one
         sequence per `src` sequence.
+      return_weights: also return the decoder's attention weights (e.g. to
+        draw which letters each output step attends to).
 
     Returns:
       A LoDTensor with `tgt_in`'s LoD and values ``[token_capacity,
-      tgt_vocab]``; padding rows are zeros.
+      tgt_vocab]``; padding rows are zeros. With `return_weights`, the pair
+      ``(logits, weights)``, weights a LoDTensor with `tgt_in`'s LoD and
+      values ``[token_capacity, src_time_capacity]`` (row ``t`` of a target
+      sequence: its weights over the source positions).
 
     Raises:
       TypeError: for ids that are not LoDTensors of integers.
@@ -548,5 +555,10 @@ class Seq2Seq(nn.Module):
     """
     memory = self.encode(src)
     tgt = _embed(self.tgt_embed, tgt_in, "tgt_in")
-    outputs = self.decoder(tgt, memory, self._cell_carry(memory))
+    outputs = self.decoder(
+      tgt, memory, self._cell_carry(memory), return_weights=return_weights
+    )
+    if return_weights:
+      outputs, weights = outputs
+      return _zero_padding(outputs, self.output(outputs.values)), weights
     return _zero_padding(outputs, self.output(outputs.values))
