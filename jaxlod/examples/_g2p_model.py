@@ -1,0 +1,328 @@
+"""The G2P example's model, presets, training step and beam-search decoder.
+
+A bidirectional LSTM reads the letters; an LSTM decoder with additive
+attention over its outputs writes the phonemes (`jaxlod.nn.Seq2Seq`). The
+jitted functions are cached per setting, so a run and its resumption in
+one process (the tests) compile once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxlod import Buckets, LoDTensor
+from jaxlod.nn import (
+  AdditiveAttention,
+  AttentionDecoder,
+  Bidirectional,
+  DynamicRNN,
+  Seq2Seq,
+)
+
+# Ids of the target vocabulary's markers (see `_g2p_data.phone_vocab`).
+BOS_ID, EOS_ID = 0, 1
+NUM_LETTERS = 26
+# Longest CMUdict word kept (28 letters) and pronunciation plus `</s>` (29).
+TIME_CAPACITY = 32
+# A hypothesis may hold its word's letter count plus this many tokens: the
+# largest excess of phonemes over letters in CMUdict is 12 ("fyi", 15
+# phonemes), plus one for `</s>`.
+LENGTH_MARGIN = 13
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Settings of a run; `MODEL_FIELDS` must match to resume a checkpoint.
+
+  Attributes:
+    stress: keep the vowels' stress digits (69 phonemes instead of 39).
+    embed_dim: width of the letter and phoneme embeddings.
+    hidden: LSTM width of each encoder direction and of the decoder.
+    attention_units: width of the additive attention's scoring layer.
+    encoder_layers: stacked bidirectional LSTM layers.
+    dropout: dropout rate on the encoder's inputs, between its layers and on
+      its outputs (0 disables it).
+    max_words: keep only this many words of the lexicon, evenly spaced in
+      sorted order (`None`: all of them).
+    batch_words: the most words in a training batch (count capacity).
+    batch_tokens: token capacity of each field of a training batch; a batch
+      of long words holds fewer than `batch_words` words.
+    steps: training steps in all (a resumed run continues to this count).
+    learning_rate: peak Adam learning rate.
+    warmup_steps: linear warm-up from 0 to the peak.
+    final_lr_fraction: the cosine decay ends at this fraction of the peak.
+    clip_norm: gradient clipping by global norm.
+    eval_every: steps between dev evaluations and checkpoints.
+    dev_words: dev words scored at each periodic evaluation (evenly spaced
+      in sorted order; `None`: all). The final table uses every word.
+    beam: beam size of the evaluations.
+    decode_words: the most words in a decoding batch (count capacity).
+    seed: initialization, dropout and batch order.
+  """
+
+  stress: bool = False
+  embed_dim: int = 64
+  hidden: int = 128
+  attention_units: int = 128
+  encoder_layers: int = 1
+  dropout: float = 0.0
+  max_words: int | None = None
+  batch_words: int = 64
+  batch_tokens: int = 640
+  steps: int = 5000
+  learning_rate: float = 3e-3
+  warmup_steps: int = 100
+  final_lr_fraction: float = 0.02
+  clip_norm: float = 5.0
+  eval_every: int = 1000
+  dev_words: int | None = None
+  beam: int = 4
+  decode_words: int = 128
+  seed: int = 0
+
+
+# The fields a checkpoint's parameters and batch order depend on.
+MODEL_FIELDS = (
+  "stress",
+  "embed_dim",
+  "hidden",
+  "attention_units",
+  "encoder_layers",
+  "max_words",
+  "batch_words",
+  "batch_tokens",
+  "seed",
+)
+
+PRESETS = {
+  # A few hundred words, a dozen steps, a small model (the tests): the run is
+  # mostly compilation.
+  "tiny": Config(
+    embed_dim=8,
+    hidden=16,
+    attention_units=16,
+    max_words=400,
+    batch_words=4,
+    batch_tokens=48,
+    steps=12,
+    warmup_steps=2,
+    eval_every=6,
+    beam=2,
+    decode_words=8,
+  ),
+  # About 10 minutes on 2 CPU cores, data to table: 2.8 epochs of the 1,759
+  # batches of the train split.
+  "default": Config(),
+  # The best quality the model reaches: wider, two encoder layers, dropout,
+  # 23 epochs.
+  "full": Config(
+    embed_dim=128,
+    hidden=256,
+    attention_units=256,
+    encoder_layers=2,
+    dropout=0.3,
+    steps=40000,
+    learning_rate=2e-3,
+    warmup_steps=500,
+    eval_every=2000,
+  ),
+}
+
+
+class Encoder(nn.Module):
+  """Stacked bidirectional LSTMs over a LoDTensor, with dropout on the rows.
+
+  Dropout (rate `dropout`, the ``'dropout'`` rng) hits the inputs, the rows
+  between layers and the outputs; zero padding rows stay zero.
+
+  Attributes:
+    hidden: LSTM width of each direction (outputs are ``2 * hidden`` wide).
+    layers: number of bidirectional layers.
+    dropout: the dropout rate.
+    deterministic: no dropout (evaluation).
+  """
+
+  hidden: int
+  layers: int = 1
+  dropout: float = 0.0
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: LoDTensor) -> LoDTensor:
+    """Encodes `x` (values ``[tokens, features]``) to ``[tokens, 2 * hidden]``."""
+    drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
+    for i in range(self.layers):
+      x = x.with_values(drop(x.values))
+      x = Bidirectional(
+        DynamicRNN(nn.LSTMCell(self.hidden)),
+        DynamicRNN(nn.LSTMCell(self.hidden)),
+        name=f"layer_{i}",
+      )(x)
+    return x.with_values(drop(x.values))
+
+
+def build_model(config: Config, num_phones: int, train: bool = False) -> Seq2Seq:
+  """The model of `config`; `train` turns dropout on (same parameters)."""
+  return Seq2Seq(
+    src_vocab=NUM_LETTERS,
+    tgt_vocab=num_phones,
+    embed_dim=config.embed_dim,
+    encoder=Encoder(
+      config.hidden, config.encoder_layers, config.dropout, deterministic=not train
+    ),
+    decoder=AttentionDecoder(
+      nn.LSTMCell(config.hidden), AdditiveAttention(config.attention_units)
+    ),
+  )
+
+
+def batch_buckets(words: int, tokens: int | None = None) -> Buckets:
+  """Fixed capacities of one field of a batch (default: 10 tokens a word)."""
+  tokens = 10 * words if tokens is None else tokens
+  return Buckets.fixed(tokens=tokens, sequences=words, time=TIME_CAPACITY)
+
+
+def learning_rate(config: Config, step: int) -> float:
+  """Linear warm-up, then cosine decay to ``final_lr_fraction`` of the peak."""
+  peak = config.learning_rate
+  if step < config.warmup_steps:
+    return peak * (step + 1) / config.warmup_steps
+  span = max(config.steps - config.warmup_steps, 1)
+  progress = min((step - config.warmup_steps) / span, 1.0)
+  floor = config.final_lr_fraction
+  return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def optimizer(config: Config) -> optax.GradientTransformation:
+  """Clipping and Adam's scaling; the step multiplies by ``-learning_rate``."""
+  return optax.chain(optax.clip_by_global_norm(config.clip_norm), optax.scale_by_adam())
+
+
+def token_loss(logits: LoDTensor, targets: LoDTensor) -> jax.Array:
+  """Mean cross-entropy over the real target tokens.
+
+  Args:
+    logits: values ``[token_capacity, vocab]``, the teacher-forced logits.
+    targets: int values ``[token_capacity]`` with the LoD of `logits`.
+
+  Returns:
+    A float32 scalar: the summed cross-entropy of the real rows over their
+    number (padding rows count for nothing).
+  """
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+    logits.values.astype(jnp.float32), targets.values
+  )
+  real = jnp.arange(targets.capacity.tokens) < targets.num_rows
+  return jnp.sum(jnp.where(real, loss, 0.0)) / jnp.maximum(targets.num_rows, 1)
+
+
+# The settings the compiled functions depend on.
+_COMPILED_FIELDS = (
+  "embed_dim",
+  "hidden",
+  "attention_units",
+  "encoder_layers",
+  "dropout",
+  "clip_norm",
+)
+
+
+def _compiled_key(config: Config) -> tuple:
+  """A cache key: ``(name, value)`` of the `_COMPILED_FIELDS`."""
+  return tuple((name, getattr(config, name)) for name in _COMPILED_FIELDS)
+
+
+@functools.lru_cache(maxsize=8)
+def _init(key: tuple, num_phones: int) -> Callable:
+  config = Config(**dict(key))
+  model = build_model(config, num_phones)
+  buckets = batch_buckets(2, 2 * TIME_CAPACITY)
+  src = LoDTensor.from_sequences([[0, 1], [2]], buckets=buckets)
+  tgt = LoDTensor.from_sequences([[BOS_ID, 2], [BOS_ID]], buckets=buckets)
+
+  @jax.jit
+  def init(rng):
+    params = model.init(rng, src, tgt)
+    return params, optimizer(config).init(params)
+
+  return init
+
+
+def init_state(config: Config, num_phones: int, abstract: bool = False) -> tuple:
+  """Initial ``(params, opt_state)`` from `config.seed`.
+
+  With `abstract`, their shapes and dtypes only (``jax.ShapeDtypeStruct``
+  leaves, nothing compiled or computed): a template to restore into.
+  """
+  init = _init(_compiled_key(config), num_phones)
+  rng = jax.random.key(config.seed)
+  return jax.eval_shape(init, rng) if abstract else init(rng)
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(key: tuple, num_phones: int) -> Callable:
+  config = Config(**dict(key))
+  model = build_model(config, num_phones, train=True)
+  tx = optimizer(config)
+
+  def loss_fn(params, rng, src, tgt_in, tgt_out):
+    logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
+    return token_loss(logits, tgt_out)
+
+  @jax.jit
+  def step(params, opt_state, lr, rng, src, tgt_in, tgt_out):
+    loss, grads = jax.value_and_grad(loss_fn)(params, rng, src, tgt_in, tgt_out)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    updates = jax.tree.map(lambda u: -lr * u, updates)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def train_step(config: Config, num_phones: int) -> Callable:
+  """The jitted step ``(params, opt_state, lr, rng, src, tgt_in, tgt_out) ->
+  (params, opt_state, loss)``; `lr` a float scalar, `rng` a key for dropout."""
+  return _train_step(_compiled_key(config), num_phones)
+
+
+@functools.lru_cache(maxsize=8)
+def _decoder(key: tuple, num_phones: int, beam: int) -> Callable:
+  model = build_model(Config(**dict(key)), num_phones)
+
+  @jax.jit
+  def decode(params, src):
+    # One phase at the full count (no compaction): each extra phase is another
+    # copy of the step to compile, and a batch holds words of similar lengths.
+    ladder = (src.capacity.sequences[0],)
+    hyps = model.apply(
+      params,
+      src,
+      "beam",
+      method="generate",
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      max_length=src.lengths() + LENGTH_MARGIN,
+      length_capacity=src.capacity.time[0] + LENGTH_MARGIN,
+      beam_size=beam,
+      num_results=1,
+      ladder=ladder,
+    )
+    return hyps.ids
+
+  return decode
+
+
+def decoder(config: Config, num_phones: int, beam: int) -> Callable:
+  """The jitted beam search ``(params, src) -> ids``: the best hypothesis of
+  each source word, a 2-level LoDTensor (word -> 1 hypothesis -> phoneme ids,
+  `</s>` excluded). A hypothesis holds at most the word's letters plus
+  `LENGTH_MARGIN` tokens."""
+  return _decoder(_compiled_key(config), num_phones, beam)

