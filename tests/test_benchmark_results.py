@@ -1,0 +1,66 @@
+"""The committed benchmark runs hold the keys their issues name.
+
+`notebooks/04_performance.ipynb` plots these files; this checks they are
+there and complete, so the notebook's plots run in CI.
+"""
+
+import json
+import pathlib
+
+import pytest
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RNN_MODE_KEYS = {
+  "jaxlod_s",
+  "flax_capacity_s",
+  "flax_exact_s",
+  "floor_s",
+  "torch_packed_s",
+  "speedup_vs_flax_capacity",
+  "speedup_vs_flax_exact",
+  "ratio_to_floor",
+  "speedup_vs_torch",
+}
+
+
+def _load(name: str) -> dict:
+  path = RESULTS / f"{name}.json"
+  if not path.is_file():
+    pytest.fail(
+      f"{path} is missing: run `python benchmarks/{name}.py --json "
+      f"benchmarks/results/{name}.json`."
+    )
+  return json.loads(path.read_text())
+
+
+def test_rnn_results_have_every_workload_and_key():
+  rnn = _load("rnn")
+  assert {"cpu_count", "load_average_at_start"} <= set(rnn["machine"])
+  assert set(rnn["workloads"]) == {"W1", "W2", "W3"}
+  for name, workload in rnn["workloads"].items():
+    for mode in ("train", "forward"):
+      assert set(workload[mode]) >= RNN_MODE_KEYS, (name, mode)
+      times = workload[mode]
+      assert times["speedup_vs_flax_capacity"] == pytest.approx(
+        times["flax_capacity_s"] / times["jaxlod_s"]
+      )
+      assert times["ratio_to_floor"] == pytest.approx(
+        times["jaxlod_s"] / times["floor_s"]
+      )
+    assert "jaxlod_train_fixed_capacity_100_batches" in workload["compiles"]
+
+
+def test_attention_results():
+  attention = _load("attention")
+  for arm in ("jaxlod", "padded_expansion"):
+    assert {"temp_bytes", "peak_rss_bytes", "step_s"} <= set(attention[arm])
+  assert attention["memory_ratio"] == pytest.approx(
+    attention["padded_expansion"]["temp_bytes"] / attention["jaxlod"]["temp_bytes"]
+  )
+
+
+def test_decode_results():
+  decode = _load("decode")
+  assert {"jaxlod_s", "batchwide_s", "speedup", "identical"} <= set(decode)
+  assert decode["speedup"] == pytest.approx(decode["batchwide_s"] / decode["jaxlod_s"])
+  assert isinstance(decode["identical"], bool)
