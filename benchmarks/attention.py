@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -38,16 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jaxlod
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples._timing import measure_interleaved
+from jaxlod.examples._timing import machine_info, measure_interleaved
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 
 HIDDEN = 256
@@ -218,19 +214,6 @@ def measure_time(repeats: int) -> dict[str, Any]:
     "loss": {"jaxlod": float(loss_a), "padded_expansion": float(loss_b)},
     "grad_max_abs_diff": max(jax.tree.leaves(diff)),
     "grad_max_abs": scale,
-  }
-
-
-def machine_info() -> dict[str, Any]:
-  return {
-    "platform": platform.platform(),
-    "python": platform.python_version(),
-    "cpu_count": os.cpu_count(),
-    "jax": jax.__version__,
-    "flax": flax.__version__,
-    "jaxlod": jaxlod.__version__,
-    "backend": jax.default_backend(),
-    "load_average_at_start": list(os.getloadavg()),
   }
 
 

@@ -44,21 +44,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxlod
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples._timing import measure_interleaved
+from jaxlod.examples._timing import machine_info, measure_interleaved
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 
 HIDDEN = 256
@@ -199,19 +195,6 @@ def summary(lengths: np.ndarray) -> dict[str, Any]:
 def output_lengths(hyps: Any) -> dict[str, Any]:
   """Lengths of the best hypothesis of each source (eos excluded)."""
   return summary(np.asarray([len(h[0]) for h in hyps.ids.to_list()]))
-
-
-def machine_info() -> dict[str, Any]:
-  return {
-    "platform": platform.platform(),
-    "python": platform.python_version(),
-    "cpu_count": os.cpu_count(),
-    "jax": jax.__version__,
-    "flax": flax.__version__,
-    "jaxlod": jaxlod.__version__,
-    "backend": jax.default_backend(),
-    "load_average_at_start": list(os.getloadavg()),
-  }
 
 
 def run(repeats: int) -> dict[str, Any]:

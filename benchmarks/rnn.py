@@ -54,14 +54,12 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -73,6 +71,7 @@ except ImportError:  # Run from a checkout without installing it.
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import jaxlod
 import jaxlod.ops
+from jaxlod.examples._timing import machine_info as _machine_info
 from jaxlod.examples._timing import measure_interleaved
 
 try:
@@ -610,23 +609,10 @@ def run_workload(w: Workload, repeats: int) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-  import jaxlib
-
-  return {
-    "platform": platform.platform(),
-    "processor": platform.processor() or platform.machine(),
-    "python": platform.python_version(),
-    "cpu_count": os.cpu_count(),
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "flax": flax.__version__,
-    "numpy": np.__version__,
-    "torch": torch and torch.__version__,
-    "torch_threads": torch and torch.get_num_threads(),
-    "backend": jax.default_backend(),
-    "device_kind": jax.devices()[0].device_kind,
-    "load_average_at_start": list(os.getloadavg()),
-  }
+  return _machine_info(
+    torch=torch and torch.__version__,
+    torch_threads=torch and torch.get_num_threads(),
+  )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -52,3 +52,36 @@ def measure_interleaved(
       "times_s": times[name],
     }
   return result
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+  """The machine and library versions a timing ran with, plus `extra`.
+
+  ``load_average_at_start`` is the 1, 5 and 15 minute load averages when
+  called: the machine is shared, so a benchmark records how busy it was.
+  """
+  import os
+  import platform
+
+  import flax
+  import jax
+  import jaxlib
+  import numpy as np
+
+  import jaxlod
+
+  return {
+    "platform": platform.platform(),
+    "processor": platform.processor() or platform.machine(),
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "flax": flax.__version__,
+    "numpy": np.__version__,
+    "jaxlod": jaxlod.__version__,
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    **extra,
+    "load_average_at_start": list(os.getloadavg()),
+  }
