@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jex_core
@@ -174,8 +173,8 @@ class SavePlan:
   """How a phase stores its per-step data for the backward pass.
 
   Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and goes to
-  its step's rows of a schedule-layout buffer ``[saved_rows, width]`` shared
-  by all phases, leaves of one dtype side by side. Otherwise (a residual whose
+  its step's rows of its own schedule-layout buffer ``[saved_rows, *tail]``,
+  shared by all phases. Otherwise (a residual whose
   leading axis is not the batch) each phase stacks its leaves by step in
   buffers ``[time_capacity, *shape]``.
   """
@@ -306,44 +305,20 @@ def _step_vjp(spec, phase, data, c, x):
   return _merge(outs, aux, spec.carry_float + spec.y_float), vjp
 
 
-def _groups(plan: SavePlan) -> dict[Any, list[int]]:
-  """Stored leaves grouped by dtype (row layout: one buffer per dtype)."""
-  groups: dict[Any, list[int]] = {}
-  for i, (_, dtype) in enumerate(plan.shapes):
-    groups.setdefault(jnp.dtype(dtype), []).append(i)
-  return groups
+def _store(row_layout, buffers, t, offset, leaves):
+  """Stores a step's leaves at its rows (row layout) or at index `t`."""
+  if row_layout:
+    return [_put(buf, offset, leaf) for buf, leaf in zip(buffers, leaves, strict=True)]
+  return [
+    lax.dynamic_update_slice(buf, leaf[None], _start(t, buf.ndim))
+    for buf, leaf in zip(buffers, leaves, strict=True)
+  ]
 
 
-def _width(shape: tuple[int, ...]) -> int:
-  return int(np.prod(shape[1:], dtype=np.int64))
-
-
-def _store(plan, row_layout, buffers, t, offset, leaves):
-  """Stores a step's leaves: row layout packs them side by side per dtype."""
-  if not row_layout:
-    return [
-      lax.dynamic_update_slice(buf, leaf[None], _start(t, buf.ndim))
-      for buf, leaf in zip(buffers, leaves, strict=True)
-    ]
-  stored = []
-  for buf, members in zip(buffers, _groups(plan).values(), strict=True):
-    rows = [leaves[i].reshape(leaves[i].shape[0], -1) for i in members]
-    stored.append(_put(buf, offset, jnp.concatenate(rows, axis=1)))
-  return stored
-
-
-def _load(plan, row_layout, buffers, t, offset, size):
-  if not row_layout:
-    return [lax.dynamic_index_in_dim(buf, t, keepdims=False) for buf in buffers]
-  leaves = [None] * len(plan.shapes)
-  for buf, members in zip(buffers, _groups(plan).values(), strict=True):
-    slab, start = _slab(buf, offset, size), 0
-    for i in members:
-      shape = plan.shapes[i][0]
-      width = _width(shape)
-      leaves[i] = slab[:, start : start + width].reshape(size, *shape[1:])
-      start += width
-  return leaves
+def _load(row_layout, buffers, t, offset, size):
+  if row_layout:
+    return [_slab(buf, offset, size) for buf in buffers]
+  return [lax.dynamic_index_in_dim(buf, t, keepdims=False) for buf in buffers]
 
 
 def _forward_phase(spec, phase, plan, row_layout, data, values, state):
@@ -363,7 +338,7 @@ def _forward_phase(spec, phase, plan, row_layout, data, values, state):
       stored = c if plan is not None else []
       inv = _merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
       new_c, y = phase.fn(c, x, inv)
-    buffers = _store(plan, row_layout, buffers, t, saved, stored)
+    buffers = _store(row_layout, buffers, t, saved, stored)
     c = [_mask(active, n, o) for n, o in zip(new_c, c, strict=True)]
     if spec.return_sequences:
       # Rows past the active batch land in the next step's slab, which that
@@ -397,7 +372,7 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
     g_c, g_values, g_statics, g_consts = state
     t = data.first + data.last - 1 - i
     active, offset, saved = data.cells(t)
-    stored = _load(plan, row_layout, buffers, t, saved, b)
+    stored = _load(row_layout, buffers, t, saved, b)
     if plan.per_step is None:
       x = [_slab(v, offset, b) for v in values]
       _, vjp = _step_vjp(spec, phase, data, stored, x)
@@ -439,11 +414,13 @@ def _invariant_residuals(spec, phase, plan, carry, values, data):
 
 
 def _buffers(spec, plan, row_layout):
-  if not row_layout:
-    return [jnp.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
+  # One buffer per leaf: a step's store is then one contiguous row copy each
+  # (packing the leaves side by side in one buffer cost a gather-like fusion
+  # per step; storing the LSTM residuals of benchmark W1 took 1.7x as long).
+  rows = spec.saved_rows if row_layout else spec.time
   return [
-    jnp.zeros((spec.saved_rows, sum(_width(plan.shapes[i][0]) for i in members)), dtype)
-    for dtype, members in _groups(plan).items()
+    jnp.zeros((rows, *shape[1:]) if row_layout else (rows, *shape), dtype)
+    for shape, dtype in plan.shapes
   ]
 
 
