@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -20,9 +21,11 @@ def measure_interleaved(
   """Times several calls side by side on a shared, noisy machine.
 
   Each call runs once (trace and compile) and once more (warm-up), then
-  `repeats` rounds run every call once, starting with a different one each
-  round, so a change in the machine's load, or a cold cache after another
-  framework's call, touches them all alike.
+  `repeats` rounds run every call once, in an order shuffled each round (the
+  same shuffles in every run), so a change in the machine's load touches
+  them all alike and no call always follows the same one: a call that
+  leaves a cold cache or threads still spinning (another framework's thread
+  pool) slows a different neighbour each round.
 
   Args:
     calls: name -> ``(fn, sync)``; ``sync(fn())`` must wait for the result
@@ -32,15 +35,22 @@ def measure_interleaved(
   Returns:
     name -> ``{"median_s", "first_call_s", "compile_s", "times_s"}``, where
     ``compile_s`` is the first call's time less the median.
+
+  Raises:
+    ValueError: when `repeats` is less than 1.
   """
+  if repeats < 1:
+    raise ValueError(f"repeats must be at least 1, got {repeats}.")
   first = {name: _timed(fn, sync) for name, (fn, sync) in calls.items()}
   for fn, sync in calls.values():
     sync(fn())
   names = list(calls)
   times: dict[str, list[float]] = {name: [] for name in names}
-  for round_index in range(repeats):
-    shift = round_index % len(names)
-    for name in names[shift:] + names[:shift]:
+  shuffler = random.Random(0)
+  for _ in range(repeats):
+    order = list(names)
+    shuffler.shuffle(order)
+    for name in order:
       times[name].append(_timed(*calls[name]))
   result = {}
   for name in names:

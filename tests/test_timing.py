@@ -1,0 +1,57 @@
+"""`measure_interleaved`: the side-by-side timer of the benchmarks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from jaxlod.examples._timing import measure_interleaved
+
+
+def _recording_calls(names, order):
+  def call(name):
+    def fn():
+      order.append(name)
+      return name
+
+    return fn, lambda result: result
+
+  return {name: call(name) for name in names}
+
+
+def test_every_call_runs_once_per_round_after_compile_and_warm_up():
+  order = []
+  result = measure_interleaved(_recording_calls("abcd", order), repeats=6)
+  assert order[:8] == list("abcdabcd")  # first calls, then warm-ups
+  rounds = [order[8 + 4 * r : 12 + 4 * r] for r in range(6)]
+  assert all(sorted(r) == list("abcd") for r in rounds)
+  assert len(order) == 8 + 24
+  for name in "abcd":
+    assert len(result[name]["times_s"]) == 6
+    assert result[name]["median_s"] >= 0.0
+
+
+def test_no_call_always_follows_the_same_one():
+  # A call that leaves threads spinning or caches cold (another framework's)
+  # must not always slow the same neighbour: predecessors vary by round.
+  order = []
+  measure_interleaved(_recording_calls("abcde", order), repeats=20)
+  timed = order[10:]
+  before = {name: set() for name in "abcde"}
+  for prev, name in itertools.pairwise(timed):
+    before[name].add(prev)
+  for name in "abcde":
+    assert before[name] >= set("abcde") - {name}, (name, before[name])
+
+
+def test_the_order_is_the_same_in_every_run():
+  first, second = [], []
+  measure_interleaved(_recording_calls("abc", first), repeats=5)
+  measure_interleaved(_recording_calls("abc", second), repeats=5)
+  assert first == second
+
+
+def test_repeats_must_be_positive():
+  with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):
+    measure_interleaved(_recording_calls("ab", []), repeats=0)
