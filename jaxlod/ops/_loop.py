@@ -174,9 +174,9 @@ class SavePlan:
 
   Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and goes to
   its step's rows of its own schedule-layout buffer ``[saved_rows, *tail]``,
-  shared by all phases. Otherwise (a residual whose
-  leading axis is not the batch) each phase stacks its leaves by step in
-  buffers ``[time_capacity, *shape]``.
+  shared by all phases. Otherwise (a residual whose leading axis is not the
+  batch) each phase stacks its leaves by step in buffers
+  ``[time_capacity, *shape]``.
   """
 
   slots: tuple[int, ...] | None  # residual mode: per leaf, its buffer or -1
@@ -414,9 +414,10 @@ def _invariant_residuals(spec, phase, plan, carry, values, data):
 
 
 def _buffers(spec, plan, row_layout):
-  # One buffer per leaf: a step's store is then one contiguous row copy each
-  # (packing the leaves side by side in one buffer cost a gather-like fusion
-  # per step; storing the LSTM residuals of benchmark W1 took 1.7x as long).
+  # One buffer per leaf: a step's store is then one contiguous row copy each.
+  # Packing the leaves side by side in one buffer fused a concatenate into
+  # every step's store: storing the LSTM residuals of benchmark W1 took 1.7x
+  # as long.
   rows = spec.saved_rows if row_layout else spec.time
   return [
     jnp.zeros((rows, *shape[1:]) if row_layout else (rows, *shape), dtype)
