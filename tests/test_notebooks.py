@@ -23,8 +23,6 @@ EXPECTED = (
   "03_seq2seq_attention.ipynb",
   "04_performance.ipynb",
 )
-# Expected but not written yet: its run is skipped while the file is missing.
-PENDING: tuple[str, ...] = ()
 TIME_LIMIT_S = 180.0
 FOUND = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -86,7 +84,7 @@ def execute(path: pathlib.Path, limit_s: float) -> float:
 
 def test_notebook_set():
   unexpected = sorted(set(FOUND) - set(EXPECTED))
-  missing = sorted(set(EXPECTED) - set(FOUND) - set(PENDING))
+  missing = sorted(set(EXPECTED) - set(FOUND))
   assert not unexpected, f"notebooks/ holds unexpected notebooks {unexpected}"
   assert not missing, f"notebooks/ lacks {missing}"
 
@@ -108,9 +106,7 @@ def test_notebook_is_stored_clean(name):
 @pytest.mark.parametrize("name", sorted(set(EXPECTED) | set(FOUND)))
 def test_notebook_runs(name):
   path = NOTEBOOKS / name
-  if not path.exists():
-    assert name in PENDING, f"notebooks/{name} is missing"
-    pytest.skip(f"notebooks/{name} is not written yet")
+  assert path.exists(), f"notebooks/{name} is missing"
   execute(path, TIME_LIMIT_S)
 
 
