@@ -242,7 +242,7 @@ def test_decoder_without_jit_and_parameter_tree():
 # -- Seq2Seq ----------------------------------------------------------------------
 
 
-def _seq2seq(bridge=True, kind="additive", input_feeding=True, hidden=HIDDEN):
+def _seq2seq(bridge=True, kind="additive", input_feeding=True, hidden=HIDDEN, **kw):
   return Seq2Seq(
     src_vocab=SRC_VOCAB,
     tgt_vocab=TGT_VOCAB,
@@ -252,6 +252,7 @@ def _seq2seq(bridge=True, kind="additive", input_feeding=True, hidden=HIDDEN):
       nn.LSTMCell(hidden), ATTENTIONS[kind](), input_feeding=input_feeding
     ),
     bridge=bridge,
+    **kw,
   )
 
 
@@ -344,6 +345,64 @@ def test_seq2seq_loss_gradients_match_padded_model(bridge, use_jit):
   names = {"src_embed", "tgt_embed", "encoder", "decoder", "output"}
   assert set(grads["params"]) == names | ({"carry_bridge"} if bridge else set())
   assert_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+
+
+def _apply_capturing(model, params, src, tgt_in, **kwargs):
+  """Logits, and the rows entering and leaving the decoder and entering the
+  output layer (`nn.intercept_methods`)."""
+  seen = {}
+
+  def interceptor(next_fun, args, call_kwargs, context):
+    out = next_fun(*args, **call_kwargs)
+    if context.method_name == "__call__":
+      if isinstance(context.module, AttentionDecoder):
+        seen["decoder_in"], seen["decoder_out"] = args[0].values, out.values
+      elif context.module.name == "output":
+        seen["output_in"] = args[0]
+    return out
+
+  with nn.intercept_methods(interceptor):
+    logits = model.apply(params, src, tgt_in, **kwargs)
+  return logits, {k: np.asarray(v) for k, v in seen.items()}
+
+
+def _assert_dropped(got, want, rate):
+  """Each entry of `got` is 0 or ``want / (1 - rate)``, about `rate` of them 0."""
+  kept = got != 0
+  np.testing.assert_allclose(got[kept], want[kept] / (1 - rate), rtol=1e-5)
+  assert 0.25 < 1 - kept.mean() < 0.75, 1 - kept.mean()
+
+
+def test_seq2seq_dropout_on_target_embeddings_and_decoder_outputs():
+  params = _seq2seq_params()
+  src, tgt_in, _ = _seq2seq_batch()
+  rows = int(tgt_in.num_rows)
+  plain, clean = _apply_capturing(_seq2seq(), params, src, tgt_in)
+  # Deterministic (the default): no rng needed, the same logits.
+  same, _ = _apply_capturing(_seq2seq(dropout=0.5), params, src, tgt_in)
+  np.testing.assert_array_equal(same.values, plain.values)
+
+  model = _seq2seq(dropout=0.5, deterministic=False)
+  logits, seen = _apply_capturing(
+    model, params, src, tgt_in, rngs={"dropout": jax.random.key(3)}
+  )
+  _assert_dropped(seen["decoder_in"][:rows], clean["decoder_in"][:rows], 0.5)
+  _assert_dropped(seen["output_in"][:rows], seen["decoder_out"][:rows], 0.5)
+  for name in ("decoder_in", "output_in"):
+    assert np.all(seen[name][rows:] == 0), name
+  assert np.all(np.asarray(logits.values)[rows:] == 0.0)
+  assert not np.allclose(logits.values[:rows], plain.values[:rows])
+  # Decoding never drops: `generate` gives the same ids with dropout on.
+  kwargs = dict(bos_id=0, eos_id=1, max_length=4, method="generate")
+  ids = [m.apply(params, src, "greedy", **kwargs).ids for m in (model, _seq2seq())]
+  np.testing.assert_array_equal(ids[0].values, ids[1].values)
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0])
+def test_seq2seq_dropout_must_be_a_rate(rate):
+  src, tgt_in, _ = _seq2seq_batch()
+  with pytest.raises(ValueError, match=rf"Expected `dropout` in \[0, 1\), got {rate}"):
+    _seq2seq(dropout=rate).init(jax.random.key(0), src, tgt_in)
 
 
 def _jit_method(model, method):

@@ -319,7 +319,11 @@ class Seq2Seq(nn.Module):
   encoder's outputs, and a dense layer (``output``) maps its outputs to
   logits. With `bridge`, the decoder's initial cell carry is ``tanh(Dense(
   sequence_pool(encoder outputs, "average")))`` per carry leaf (parameters
-  ``carry_bridge/leaf_i``); otherwise the cell's zero carry.
+  ``carry_bridge/leaf_i``); otherwise the cell's zero carry. With `dropout`
+  and ``deterministic=False``, the teacher-forced pass (`__call__`) drops
+  entries of the target embeddings and of the decoder's outputs before
+  ``output`` (the ``'dropout'`` rng); the source side is the encoder's to
+  regularize, and decoding (`generate`, `decode_step`) never drops.
 
   `generate` decodes sources with `jaxlod.ops.beam_search` or
   `jaxlod.ops.greedy_decode`. For other decoding loops: `encode`,
@@ -334,6 +338,10 @@ class Seq2Seq(nn.Module):
       [src_tokens, features]`` keeping the LoD (e.g. `DynamicRNN`).
     decoder: an `AttentionDecoder`.
     bridge: initialize the decoder's carry from the pooled encoder outputs.
+    dropout: dropout rate in ``[0, 1)`` on the target embeddings and the
+      decoder's outputs in `__call__` (0 disables it).
+    deterministic: no dropout (evaluation); with ``False`` and a nonzero
+      `dropout`, `apply` needs ``rngs={'dropout': key}``.
 
   Example:
     >>> import numpy as np, jax, flax.linen as nn
@@ -357,8 +365,13 @@ class Seq2Seq(nn.Module):
   encoder: nn.Module
   decoder: AttentionDecoder
   bridge: bool = True
+  dropout: float = 0.0
+  deterministic: bool = True
 
   def setup(self):
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"Expected `dropout` in [0, 1), got {self.dropout}.")
+    self.drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
     self.src_embed = nn.Embed(self.src_vocab, self.embed_dim)
     self.tgt_embed = nn.Embed(self.tgt_vocab, self.embed_dim)
     if self.bridge:
@@ -555,10 +568,13 @@ class Seq2Seq(nn.Module):
     """
     memory = self.encode(src)
     tgt = _embed(self.tgt_embed, tgt_in, "tgt_in")
+    # Dropout keeps zero padding rows at zero.
+    tgt = tgt.with_values(self.drop(tgt.values))
     outputs = self.decoder(
       tgt, memory, self._cell_carry(memory), return_weights=return_weights
     )
+    weights = None
     if return_weights:
       outputs, weights = outputs
-      return _zero_padding(outputs, self.output(outputs.values)), weights
-    return _zero_padding(outputs, self.output(outputs.values))
+    logits = _zero_padding(outputs, self.output(self.drop(outputs.values)))
+    return logits if weights is None else (logits, weights)
