@@ -144,6 +144,26 @@ def test_token_loss_ignores_padding_rows():
   np.testing.assert_allclose(m.token_loss(logits, targets), np.log(3), rtol=1e-6)
 
 
+def test_token_loss_label_smoothing():
+  import jax.numpy as jnp
+
+  from jaxlod import LoDTensor
+
+  buckets = m.batch_buckets(4, 8)
+  targets = LoDTensor.from_sequences([np.array([1, 2]), np.array([0])], buckets=buckets)
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(8, 5)).astype(np.float32)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  # The target distribution: 0.9 on the label, 0.1 spread over the 5 ids.
+  smooth = np.full((3, 5), 0.1 / 5)
+  smooth[np.arange(3), [1, 2, 0]] += 0.9
+  want = -(smooth * logp[:3]).sum(-1).mean()
+  got = m.token_loss(targets.with_values(jnp.asarray(logits)), targets, 0.1)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  plain = m.token_loss(targets.with_values(jnp.asarray(logits)), targets)
+  np.testing.assert_allclose(plain, -logp[np.arange(3), [1, 2, 0]].mean(), rtol=1e-6)
+
+
 def test_tiny_run_saves_and_resumes(tmp_path, capsys):
   config = m.PRESETS["tiny"]
   flags = ["--preset", "tiny", "--quiet"]
@@ -214,6 +234,17 @@ def test_flags_must_be_positive(capsys):
   args, config = g2p.parse_args(["--preset", "tiny", "--beam", "3", "--no-stress"])
   assert config == dataclasses.replace(m.PRESETS["tiny"], beam=3, stress=False)
   assert args.workdir is None and not args.resume
+
+
+@pytest.mark.parametrize("flag", ["--decoder-dropout", "--label-smoothing"])
+def test_rate_flags(flag, capsys):
+  _, config = g2p.parse_args(["--preset", "full", flag, "0.25"])
+  name = flag[2:].replace("-", "_")
+  assert config == dataclasses.replace(m.PRESETS["full"], **{name: 0.25})
+  for bad in ("1", "-0.5"):
+    with pytest.raises(SystemExit):
+      g2p.parse_args([flag, bad])
+    assert f"{flag} must be in [0, 1), got {float(bad)}" in capsys.readouterr().err
 
 
 def test_docstring_examples():

@@ -50,6 +50,10 @@ class Config:
     encoder_layers: stacked bidirectional LSTM layers.
     dropout: dropout rate on the encoder's inputs, between its layers and on
       its outputs (0 disables it).
+    decoder_dropout: dropout rate on the target embeddings and the decoder's
+      outputs (`jaxlod.nn.Seq2Seq`'s ``dropout``; 0 disables it).
+    label_smoothing: the training loss's target puts this much probability
+      evenly over all phonemes (0: the one-hot target).
     max_words: keep only this many words of the lexicon, evenly spaced in
       sorted order (`None`: all of them).
     batch_words: the most words in a training batch (count capacity).
@@ -74,6 +78,8 @@ class Config:
   attention_units: int = 128
   encoder_layers: int = 1
   dropout: float = 0.0
+  decoder_dropout: float = 0.0
+  label_smoothing: float = 0.0
   max_words: int | None = None
   batch_words: int = 64
   batch_tokens: int = 640
@@ -104,8 +110,12 @@ MODEL_FIELDS = (
 
 PRESETS = {
   # A few hundred words, a dozen steps, a small model (the tests): the run is
-  # mostly compilation.
+  # mostly compilation. Both dropouts and label smoothing are on, so the tests
+  # take every path of the training step.
   "tiny": Config(
+    dropout=0.1,
+    decoder_dropout=0.1,
+    label_smoothing=0.1,
     embed_dim=8,
     hidden=16,
     attention_units=16,
@@ -172,6 +182,8 @@ class Encoder(nn.Module):
 def build_model(config: Config, num_phones: int, train: bool = False) -> Seq2Seq:
   """The model of `config`; `train` turns dropout on (same parameters)."""
   return Seq2Seq(
+    dropout=config.decoder_dropout,
+    deterministic=not train,
     src_vocab=NUM_LETTERS,
     tgt_vocab=num_phones,
     embed_dim=config.embed_dim,
@@ -206,20 +218,28 @@ def optimizer(config: Config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), optax.scale_by_adam())
 
 
-def token_loss(logits: LoDTensor, targets: LoDTensor) -> jax.Array:
+def token_loss(
+  logits: LoDTensor, targets: LoDTensor, label_smoothing: float = 0.0
+) -> jax.Array:
   """Mean cross-entropy over the real target tokens.
 
   Args:
     logits: values ``[token_capacity, vocab]``, the teacher-forced logits.
     targets: int values ``[token_capacity]`` with the LoD of `logits`.
+    label_smoothing: the target distribution is ``1 - label_smoothing`` on
+      the label plus ``label_smoothing / vocab`` on every id.
 
   Returns:
     A float32 scalar: the summed cross-entropy of the real rows over their
     number (padding rows count for nothing).
   """
-  loss = optax.softmax_cross_entropy_with_integer_labels(
-    logits.values.astype(jnp.float32), targets.values
-  )
+  values = logits.values.astype(jnp.float32)
+  if label_smoothing:
+    labels = jax.nn.one_hot(targets.values, values.shape[-1], dtype=jnp.float32)
+    labels = optax.smooth_labels(labels, label_smoothing)
+    loss = optax.softmax_cross_entropy(values, labels)
+  else:
+    loss = optax.softmax_cross_entropy_with_integer_labels(values, targets.values)
   real = jnp.arange(targets.capacity.tokens) < targets.num_rows
   return jnp.sum(jnp.where(real, loss, 0.0)) / jnp.maximum(targets.num_rows, 1)
 
@@ -231,6 +251,8 @@ _COMPILED_FIELDS = (
   "attention_units",
   "encoder_layers",
   "dropout",
+  "decoder_dropout",
+  "label_smoothing",
   "clip_norm",
 )
 
@@ -275,7 +297,7 @@ def _train_step(key: tuple, num_phones: int) -> Callable:
 
   def loss_fn(params, rng, src, tgt_in, tgt_out):
     logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
-    return token_loss(logits, tgt_out)
+    return token_loss(logits, tgt_out, config.label_smoothing)
 
   @jax.jit
   def step(params, opt_state, lr, rng, src, tgt_in, tgt_out):

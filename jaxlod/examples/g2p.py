@@ -287,6 +287,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
   parser.add_argument("--beam", type=int, help="beam size of the evaluations")
   parser.add_argument("--seed", type=int, help="initialization and batch order")
   parser.add_argument("--eval-every", type=int, help="steps between dev evaluations")
+  parser.add_argument(
+    "--decoder-dropout",
+    type=float,
+    help="dropout rate on the target embeddings and decoder outputs",
+  )
+  parser.add_argument(
+    "--label-smoothing", type=float, help="label smoothing of the training loss"
+  )
   parser.add_argument("--examples", type=int, default=10, help="predictions shown")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
@@ -296,6 +304,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     "beam": args.beam,
     "seed": args.seed,
     "eval_every": args.eval_every,
+    "decoder_dropout": args.decoder_dropout,
+    "label_smoothing": args.label_smoothing,
   }
   config = dataclasses.replace(
     m.PRESETS[args.preset], **{k: v for k, v in flags.items() if v is not None}
@@ -304,6 +314,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     if getattr(config, name) < 1:
       flag = "--" + name.replace("_", "-")
       parser.error(f"{flag} must be >= 1, got {getattr(config, name)}")
+  for name in ("decoder_dropout", "label_smoothing"):
+    if not 0.0 <= getattr(config, name) < 1.0:
+      flag = "--" + name.replace("_", "-")
+      parser.error(f"{flag} must be in [0, 1), got {getattr(config, name)}")
   return args, config
 
 
