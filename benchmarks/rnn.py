@@ -11,7 +11,14 @@ batch of variable-length sequences:
   (d) ``floor``: a dense `jax.lax.scan` of the same cell over
       ``ceil(sum(lengths) / batch)`` full steps (no padding at all);
   (e) ``torch_packed``: `torch.nn.LSTM` / `torch.nn.GRU` on a
-      `PackedSequence` (skipped when torch is not importable).
+      `PackedSequence` (skipped when torch is not importable);
+  (f) ``phased_scans``: jaxlod's schedule without jaxlod: one dense
+      `jax.lax.scan` of the cell per phase of the rank table, at the phase's
+      batch size over its steps, on the ranked rows (no masks, no stored
+      rows, no reordering). What the steps themselves cost: jaxlod over it
+      (``ratio_to_phased_scans``) is the loop's own overhead; it over the
+      floor is what running the longest sequence's steps at shrinking
+      batches costs against the floor's fewer, full steps.
 
 Each arm is timed in two modes: ``forward`` (outputs and final carry; torch
 under ``no_grad``) and ``train`` (value and gradient of a loss over the real
@@ -27,8 +34,8 @@ of the workload; ``jaxlod_saved_residuals`` is the same with ``remat=False``
 (the step's VJP residuals saved per step), reported beside it. After
 timing, every arm's forward outputs on real positions, final carry, loss and
 gradients are compared with jaxlod's (``equality``:
-``max_abs_diff_vs_jaxlod`` and friends; the floor computes something else
-and is skipped). Finally the jitted jaxlod training
+``max_abs_diff_vs_jaxlod`` and friends; the floor and the phased scans
+compute something else, unmasked, and are skipped). Finally the jitted jaxlod training
 step is called on 100 distinct random batches under the fixed capacity (only
 lowered when that would take over ``COMPILE_CHECK_CALL_BUDGET_S``) and its
 traces are counted with a counter inside the traced function, beside
@@ -333,6 +340,42 @@ def floor_arm(cell: nn.RNNCellBase, batch: Batch) -> Arm:
   return Arm(jax.jit(forward), _train_step(loss, traces), inputs, None, traces)
 
 
+def phased_scans_arm(cell: nn.RNNCellBase, batch: Batch) -> Arm:
+  table = jax.device_get(batch.table)
+  ranked = batch.padded[np.asarray(table.order)]
+  phases = [
+    (size, int(start), int(end))
+    for size, start, end in zip(
+      table.ladder, table.phase_starts, table.phase_ends, strict=True
+    )
+    if end > start
+  ]
+  # Phase k's rows: [steps, size, features], time-major.
+  inputs = tuple(
+    jnp.asarray(ranked[:size, start:end].transpose(1, 0, 2))
+    for size, start, end in phases
+  )
+
+  def forward(params, *xs):
+    def step(carry, x_t):
+      return cell.apply({"params": params}, carry, x_t)
+
+    carry, ys = zero_carry(cell, batch.padded.shape[0], batch.padded.shape[2]), []
+    for x in xs:
+      prefix = jax.tree.map(lambda c, size=x.shape[1]: c[:size], carry)
+      part, y = jax.lax.scan(step, prefix, x)
+      carry = jax.tree.map(lambda c, p: c.at[: p.shape[0]].set(p), carry, part)
+      ys.append(y)
+    return carry, ys
+
+  def loss(params, *xs):
+    carry, ys = forward(params, *xs)
+    return sum(jnp.sum(jnp.square(y)) for y in ys) + jnp.sum(final_hidden(carry))
+
+  traces = {"train": 0}
+  return Arm(jax.jit(forward), _train_step(loss, traces), inputs, None, traces)
+
+
 # -- torch arm --------------------------------------------------------------------
 
 
@@ -523,6 +566,7 @@ def build_arms(w: Workload, params: Any, batch: Batch) -> dict[str, Arm | None]:
     "flax_exact": flax_arm(cell, batch, batch.longest),
     "floor": floor_arm(cell, batch),
     "torch_packed": torch_arm(w, params, batch) if torch is not None else None,
+    "phased_scans": phased_scans_arm(cell, batch),
   }
 
 
@@ -551,6 +595,10 @@ def summarize(timings: dict) -> dict[str, Any]:
   summary["speedup_vs_torch"] = _ratio(summary["torch_packed_s"], jaxlod_s)
   summary["saved_residuals_ratio_to_floor"] = _ratio(
     summary["jaxlod_saved_residuals_s"], summary["floor_s"]
+  )
+  summary["ratio_to_phased_scans"] = _ratio(jaxlod_s, summary["phased_scans_s"])
+  summary["phased_scans_ratio_to_floor"] = _ratio(
+    summary["phased_scans_s"], summary["floor_s"]
   )
   for key in ("compile_s", "first_call_s", "times_s"):
     summary[key] = {name: t and t[key] for name, t in timings.items()}

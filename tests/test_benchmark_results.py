@@ -20,6 +20,9 @@ RNN_MODE_KEYS = {
   "speedup_vs_flax_exact",
   "ratio_to_floor",
   "speedup_vs_torch",
+  "phased_scans_s",
+  "ratio_to_phased_scans",
+  "phased_scans_ratio_to_floor",
 }
 
 
@@ -46,6 +49,9 @@ def test_rnn_results_have_every_workload_and_key():
       )
       assert times["ratio_to_floor"] == pytest.approx(
         times["jaxlod_s"] / times["floor_s"]
+      )
+      assert times["ratio_to_phased_scans"] == pytest.approx(
+        times["jaxlod_s"] / times["phased_scans_s"]
       )
     assert "jaxlod_train_fixed_capacity_100_batches" in workload["compiles"]
 
