@@ -28,10 +28,11 @@ steady state: one first call (trace and compile, reported as
 then ``--repeats`` rounds in which the arms take turns (so a change in the
 shared machine's load touches them all alike), and each arm's median.
 jaxlod runs with the default ladder and ``remat=True`` (it saves the carries
-and recomputes each step in the backward pass, the faster of its two modes on
-these cells on CPU), on a fixed capacity whose token budget holds every batch
-of the workload; ``jaxlod_saved_residuals`` is the same with ``remat=False``
-(the step's VJP residuals saved per step), reported beside it. After
+and recomputes each step in the backward pass), on a fixed capacity whose
+token budget holds every batch of the workload; ``jaxlod_saved_residuals`` is
+the same with ``remat=False`` (the step's VJP residuals saved per step),
+reported beside it. On these cells on the 2-core CPU neither mode is faster
+from run to run: the two swap places within the machine's noise. After
 timing, every arm's forward outputs on real positions, final carry, loss and
 gradients are compared with jaxlod's (``equality``:
 ``max_abs_diff_vs_jaxlod`` and friends; the floor and the phased scans
