@@ -1,4 +1,4 @@
-"""pytest configuration: reproducible hypothesis profiles."""
+"""pytest configuration: reproducible hypothesis profiles, slow tests first."""
 
 import os
 
@@ -19,3 +19,11 @@ def pytest_configure(config):
     "filterwarnings",
     "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning",
   )
+
+
+def pytest_collection_modifyitems(config, items):
+  # Tests marked slow (15 s or more, mostly compilation) start first, so the
+  # xdist workers, which steal queued tests from each other, finish together
+  # instead of one running a notebook alone at the end.
+  del config
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

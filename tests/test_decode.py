@@ -306,6 +306,7 @@ def test_the_step_runs_on_shrinking_prefixes():
   assert sorted(set(sizes), reverse=True) == [16, 8, 4, 2]
 
 
+@pytest.mark.slow
 def test_sources_stop_at_their_own_length():
   # A model that never emits eos: every hypothesis runs to its max length.
   def no_eos(h, tokens, static):

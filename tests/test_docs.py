@@ -8,6 +8,7 @@ import pytest
 DOCS = sorted((pathlib.Path(__file__).parent.parent / "docs").glob("*.md"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
 def test_docs_examples(page):
   result = doctest.testfile(

@@ -164,6 +164,7 @@ def test_token_loss_label_smoothing():
   np.testing.assert_allclose(plain, -logp[np.arange(3), [1, 2, 0]].mean(), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_tiny_run_saves_and_resumes(tmp_path, capsys):
   config = m.PRESETS["tiny"]
   flags = ["--preset", "tiny", "--quiet"]

@@ -59,6 +59,7 @@ def teacher_forced_scores(params, src, hyps, alpha):
   return scores
 
 
+@pytest.mark.slow
 def test_beam_scores_are_the_teacher_forced_scores():
   params = _seq2seq_params()
   src, _, _ = _seq2seq_batch()

@@ -103,6 +103,7 @@ def test_notebook_is_stored_clean(name):
   assert nb.metadata.kernelspec.name == "python3", f"{name}: not a python3 notebook"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(EXPECTED) | set(FOUND)))
 def test_notebook_runs(name):
   path = NOTEBOOKS / name

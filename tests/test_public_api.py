@@ -134,6 +134,7 @@ def _library_modules():
   return sorted(names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "module", sorted(set(_library_modules()) | set(FOUNDATION_DOCTESTS))
 )
