@@ -347,22 +347,28 @@ def test_seq2seq_loss_gradients_match_padded_model(bridge, use_jit):
   assert_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
 
 
-def _apply_capturing(model, params, src, tgt_in, **kwargs):
-  """Logits, and the rows entering and leaving the decoder and entering the
-  output layer (`nn.intercept_methods`)."""
-  seen = {}
+def _apply_capturing(model, params, src, tgt_in, rng=None):
+  """Jitted logits, and the rows entering and leaving the decoder and entering
+  the output layer (`nn.intercept_methods`); `rng` the dropout key."""
 
-  def interceptor(next_fun, args, call_kwargs, context):
-    out = next_fun(*args, **call_kwargs)
-    if context.method_name == "__call__":
-      if isinstance(context.module, AttentionDecoder):
-        seen["decoder_in"], seen["decoder_out"] = args[0].values, out.values
-      elif context.module.name == "output":
-        seen["output_in"] = args[0]
-    return out
+  def run(params, src, tgt_in, rng):
+    seen = {}
 
-  with nn.intercept_methods(interceptor):
-    logits = model.apply(params, src, tgt_in, **kwargs)
+    def interceptor(next_fun, args, call_kwargs, context):
+      out = next_fun(*args, **call_kwargs)
+      if context.method_name == "__call__":
+        if isinstance(context.module, AttentionDecoder):
+          seen["decoder_in"], seen["decoder_out"] = args[0].values, out.values
+        elif context.module.name == "output":
+          seen["output_in"] = args[0]
+      return out
+
+    rngs = None if rng is None else {"dropout": rng}
+    with nn.intercept_methods(interceptor):
+      logits = model.apply(params, src, tgt_in, rngs=rngs)
+    return logits, seen
+
+  logits, seen = jax.jit(run)(params, src, tgt_in, rng)
   return logits, {k: np.asarray(v) for k, v in seen.items()}
 
 
@@ -383,19 +389,21 @@ def test_seq2seq_dropout_on_target_embeddings_and_decoder_outputs():
   np.testing.assert_array_equal(same.values, plain.values)
 
   model = _seq2seq(dropout=0.5, deterministic=False)
-  logits, seen = _apply_capturing(
-    model, params, src, tgt_in, rngs={"dropout": jax.random.key(3)}
-  )
+  logits, seen = _apply_capturing(model, params, src, tgt_in, jax.random.key(3))
   _assert_dropped(seen["decoder_in"][:rows], clean["decoder_in"][:rows], 0.5)
   _assert_dropped(seen["output_in"][:rows], seen["decoder_out"][:rows], 0.5)
   for name in ("decoder_in", "output_in"):
     assert np.all(seen[name][rows:] == 0), name
   assert np.all(np.asarray(logits.values)[rows:] == 0.0)
   assert not np.allclose(logits.values[:rows], plain.values[:rows])
-  # Decoding never drops: `generate` gives the same ids with dropout on.
-  kwargs = dict(bos_id=0, eos_id=1, max_length=4, method="generate")
-  ids = [m.apply(params, src, "greedy", **kwargs).ids for m in (model, _seq2seq())]
-  np.testing.assert_array_equal(ids[0].values, ids[1].values)
+  # Decoding never drops: the decode step (all `generate` runs) needs no rng
+  # and gives the dropout-free logits.
+  rng = np.random.default_rng(0)
+  memory = rng.normal(size=(4, 6, HIDDEN)).astype(np.float32)
+  carry = (np.ones((4, HIDDEN), np.float32),) * 2, np.ones((4, HIDDEN), np.float32)
+  args = (carry, np.array([0, 2, 3, 5]), memory, np.array([3, 0, 5, 2]))
+  steps = [m.apply(params, *args, method="decode_step") for m in (model, _seq2seq())]
+  np.testing.assert_array_equal(steps[0][1], steps[1][1])
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0])
