@@ -36,11 +36,12 @@ from run to run: the two swap places within the machine's noise. After
 timing, every arm's forward outputs on real positions, final carry, loss and
 gradients are compared with jaxlod's (``equality``:
 ``max_abs_diff_vs_jaxlod`` and friends; the floor and the phased scans
-compute something else, unmasked, and are skipped). Finally the jitted jaxlod training
-step is called on 100 distinct random batches under the fixed capacity (only
-lowered when that would take over ``COMPILE_CHECK_CALL_BUDGET_S``) and its
-traces are counted with a counter inside the traced function, beside
-``_cache_size()`` and the XLA compilations seen.
+compute something else, unmasked, and are skipped). Finally the jitted jaxlod
+training step is called on 100 distinct random batches under the fixed
+capacity (only lowered when that would take over
+``COMPILE_CHECK_CALL_BUDGET_S``) and its traces are counted with a counter
+inside the traced function, beside ``_cache_size()`` and the XLA
+compilations seen.
 
 Workloads: W1 sentences (LSTM 256, batch 64, log-normal lengths, mean about
 30, cap 128), W2 documents (GRU 128, batch 32, long-tailed lengths, mean
