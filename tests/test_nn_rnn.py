@@ -11,6 +11,7 @@ import pytest
 
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import Bidirectional, DynamicRNN, HierarchicalEncoder, StackedRNN
+from jaxlod.ops import rank_table
 from tests.helpers import assert_close
 
 FEATURES, HIDDEN = 3, 4
@@ -187,6 +188,54 @@ def test_dynamic_rnn_without_jit_default_carry_and_padding():
 # -- Bidirectional ---------------------------------------------------------------
 
 
+def _num_phases(fn, *args) -> int:
+  """The `while` loops in the jaxpr of `fn`: one per phase of each loop."""
+  return str(jax.make_jaxpr(fn)(*args)).count("while[")
+
+
+def test_dynamic_rnn_ladder_and_table_reach_the_loop():
+  """`ladder` and a host-built `table` set the phases and change no value."""
+  cell = nn.GRUCell(HIDDEN)
+  x = _batch()
+  carry = _random_carry(cell, COUNT)
+  params = DynamicRNN(cell).init(jax.random.key(1), x)
+  ladder = (6, 3, 1)
+  table = rank_table(x, ladder=ladder)  # On the host, as a data pipeline does.
+
+  def run(rnn, table=None):
+    def f(params, x, carry, table):
+      return rnn.apply(params, x, carry, table=table)
+
+    return jax.jit(f)(params, x, carry, table), _num_phases(f, params, x, carry, table)
+
+  (want_carry, want), default_phases = run(DynamicRNN(cell, return_carry=True))
+  assert default_phases == len(rank_table(x).ladder) != len(ladder)
+  for rnn, table_arg in (
+    (DynamicRNN(cell, ladder=ladder, return_carry=True), None),
+    (DynamicRNN(cell, ladder=ladder, return_carry=True), table),
+    (DynamicRNN(cell, return_carry=True), table),  # The table's own ladder.
+  ):
+    (got_carry, got), phases = run(rnn, table_arg)
+    assert phases == len(ladder)
+    assert_close(got.values, want.values, rtol=1e-6, atol=1e-6)
+    assert_close(got_carry, want_carry, rtol=1e-6, atol=1e-6)
+
+
+def test_dynamic_rnn_rejects_a_table_of_other_data():
+  cell = nn.GRUCell(HIDDEN)
+  x = _batch()
+  params = DynamicRNN(cell).init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"Got both `table` \(ladder \(6, 3, 1\)\) and "):
+    DynamicRNN(cell, ladder=(6, 2)).apply(
+      params, x, table=rank_table(x, ladder=(6, 3, 1))
+    )
+  other = rank_table(_batch(lengths=[1, 2, 3, 4, 5]))
+  with pytest.raises(ValueError, match="The rank table does not describe `inputs`"):
+    DynamicRNN(cell).apply(params, x, table=other)
+  with pytest.raises(TypeError, match="Expected `table` to be a RankTable, got dict"):
+    DynamicRNN(cell).apply(params, x, table={})
+
+
 def _per_sequence_bidirectional(forward_cell, backward_cell, params, seqs):
   """Each sequence alone, at its exact length, through flax.linen.Bidirectional."""
   layer = nn.Bidirectional(
@@ -228,6 +277,24 @@ def test_bidirectional_matches_per_sequence_runs():
       atol=1e-6,
     )
   assert got[1].shape == (0, 2 * HIDDEN + 1)
+
+
+def test_bidirectional_passes_the_table_to_both_directions():
+  forward_cell, backward_cell = nn.GRUCell(HIDDEN), nn.LSTMCell(HIDDEN + 1)
+  x = _batch()
+  birnn = Bidirectional(
+    DynamicRNN(forward_cell), DynamicRNN(backward_cell), return_carry=True
+  )
+  params = birnn.init(jax.random.key(1), x)
+  ladder = (6, 3, 1)
+  table = rank_table(x, ladder=ladder)
+
+  def f(params, x, table):
+    return birnn.apply(params, x, table=table)
+
+  assert _num_phases(f, params, x, table) == 2 * len(ladder)
+  assert _num_phases(f, params, x, None) == 2 * len(rank_table(x).ladder)
+  assert_close(jax.jit(f)(params, x, table), jax.jit(f)(params, x, None), atol=1e-6)
 
 
 def test_bidirectional_merge_fn_initial_carry_and_gradients():

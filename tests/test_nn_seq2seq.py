@@ -20,6 +20,7 @@ from jaxlod.nn import (
   GeneralAttention,
   Seq2Seq,
 )
+from jaxlod.ops import rank_table
 from tests.helpers import assert_close
 
 HIDDEN, FEATURES, INPUTS, UNITS = 4, 4, 3, 5
@@ -237,6 +238,32 @@ def test_decoder_without_jit_and_parameter_tree():
   assert jax.tree.map(np.shape, params["params"]["cell"]) == jax.tree.map(
     np.shape, rnn_params["params"]["cell"]
   )
+
+
+def test_decoder_ladder_and_table_reach_the_loop():
+  """`ladder` and a host-built target `table` set the phases, change nothing."""
+  decoder, params, tgt, memory = _decoder_setup("lstm-dot")
+  ladder = (7, 3, 1)
+  table = rank_table(tgt, ladder=ladder)
+  assert len(rank_table(tgt).ladder) != len(ladder)
+  want = jax.jit(decoder.apply)(params, tgt, memory)
+  for module, table_arg in (
+    (decoder.clone(ladder=ladder), None),
+    (decoder.clone(ladder=ladder), table),
+    (decoder, table),  # The table's own ladder.
+  ):
+
+    def f(params, tgt, memory, table, module=module):
+      return module.apply(params, tgt, memory, table=table)
+
+    jaxpr = str(jax.make_jaxpr(f)(params, tgt, memory, table_arg))
+    assert jaxpr.count("while[") == len(ladder)
+    got = jax.jit(f)(params, tgt, memory, table_arg)
+    assert_close(got.values, want.values, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r"Got both `table` \(ladder \(7, 3, 1\)\)"):
+    decoder.clone(ladder=(7, 2)).apply(params, tgt, memory, table=table)
+  with pytest.raises(ValueError, match="The rank table does not describe `inputs`"):
+    decoder.apply(params, tgt, memory, table=rank_table(memory))
 
 
 # -- Seq2Seq ----------------------------------------------------------------------

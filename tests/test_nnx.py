@@ -23,6 +23,7 @@ from jaxlod.nn.nnx import (
   DynamicRNN,
   GeneralAttention,
 )
+from jaxlod.ops import rank_table
 from tests.helpers import assert_close
 
 FEATURES, HIDDEN, UNITS = 3, 4, 6
@@ -292,6 +293,42 @@ def test_bidirectional_merge_fn_and_initial_carry():
   assert_close(summed.values, np.where(real, expected, 0.0))
 
 
+def _num_phases(fn, *args) -> int:
+  """The `while` loops in the jaxpr of `fn`: one per phase of each loop."""
+  return str(jax.make_jaxpr(fn)(*args)).count("while[")
+
+
+def test_dynamic_rnn_and_bidirectional_ladder_and_table():
+  """`ladder` and a host-built `table` set the phases and change no value."""
+  rngs = nnx.Rngs(0)
+  cell = nnx.GRUCell(FEATURES, HIDDEN, rngs=rngs)
+  ladder = (6, 3, 1)
+  table = rank_table(X, ladder=ladder)  # On the host, as a data pipeline does.
+  default = len(rank_table(X).ladder)
+  assert default != len(ladder)
+
+  def call(layer, x, table):
+    return layer(x, table=table)
+
+  want = DynamicRNN(cell)(X).values
+  for layer, table_arg in (
+    (DynamicRNN(cell, ladder=ladder), None),
+    (DynamicRNN(cell, ladder=ladder), table),
+    (DynamicRNN(cell), table),  # The table's own ladder.
+  ):
+    got = nnx.jit(call)(layer, X, table_arg)
+    assert_close(got.values, want, rtol=1e-6, atol=1e-6)
+    assert _num_phases(lambda x, t, layer=layer: call(layer, x, t), X, table_arg) == 3
+  with pytest.raises(ValueError, match=r"Got both `table` \(ladder \(6, 3, 1\)\)"):
+    DynamicRNN(cell, ladder=(6, 2))(X, table=table)
+
+  backward = DynamicRNN(nnx.LSTMCell(FEATURES, 2, rngs=rngs))
+  both = Bidirectional(DynamicRNN(cell), backward)
+  assert _num_phases(lambda x, t: call(both, x, t), X, table) == 2 * len(ladder)
+  assert _num_phases(lambda x, t: call(both, x, t), X, None) == 2 * default
+  assert_close(nnx.jit(call)(both, X, table).values, both(X).values, atol=1e-6)
+
+
 # -- attentions against NumPy ----------------------------------------------------------
 
 MEMORY_LENGTHS = [3, 0, 5, 1, 2]
@@ -445,7 +482,7 @@ def _reference_decoder(decoder, tgt, memory, init, input_feeding):
   return jnp.swapaxes(ys, 0, 1), jnp.swapaxes(ws, 0, 1)
 
 
-def _decoder(kind, input_feeding, seed=0):
+def _decoder(kind, input_feeding, seed=0, **kwargs):
   rngs = nnx.Rngs(seed)
   features = _width(kind)
   width = FEATURES + (features if input_feeding else 0)
@@ -453,6 +490,7 @@ def _decoder(kind, input_feeding, seed=0):
     nnx.LSTMCell(width, HIDDEN, rngs=rngs),
     _attention(kind, HIDDEN, features, rngs),
     input_feeding=input_feeding,
+    **kwargs,
   )
 
 
@@ -534,6 +572,30 @@ def test_attention_decoder_eager_equals_decoding_with_step():
     _real(jnp.stack(ws, 1), tgt_lengths),
     atol=1e-6,
   )
+
+
+def test_attention_decoder_ladder_and_table():
+  """`ladder` and a host-built target `table` set the phases, change nothing."""
+  memory = _lod(MEMORY_LENGTHS, _width("dot"), MEMORY_BUCKETS, seed=7)
+  decoder = _decoder("dot", False)
+  ladder = (6, 3, 1)
+  table = rank_table(TGT, ladder=ladder)
+  assert len(rank_table(TGT).ladder) != len(ladder)
+  want = decoder(TGT, memory).values
+
+  def call(decoder, tgt, memory, table):
+    return decoder(tgt, memory, table=table)
+
+  for ladder_arg, table_arg in ((ladder, None), (ladder, table), (None, table)):
+    decoder.ladder = ladder_arg
+    got = nnx.jit(call)(decoder, TGT, memory, table_arg)
+    assert_close(got.values, want, rtol=1e-6, atol=1e-6)
+    jaxpr = jax.make_jaxpr(lambda t, d=decoder: call(d, TGT, memory, t))(table_arg)
+    assert str(jaxpr).count("while[") == len(ladder)
+  decoder.ladder = (6, 2)
+  with pytest.raises(ValueError, match=r"Got both `table` \(ladder \(6, 3, 1\)\)"):
+    decoder(TGT, memory, table=table)
+  assert _decoder("dot", False, ladder=[6, 2]).ladder == (6, 2)
 
 
 def test_attention_decoder_trains_with_an_optimizer():

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._pool import _check_pool_type, sequence_pool
+from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._segment import check_lod
 
@@ -54,6 +55,9 @@ class DynamicRNN(nn.Module):
     reverse: run each sequence from its own last row to its first.
     return_carry: also return the final carry.
     remat: recompute steps in the backward pass (see `dynamic_rnn`).
+    ladder: static batch sizes of the loop's phases (see `rank_table`);
+      `None`: the rank table's, by default `default_ladder`. Fewer sizes
+      compile faster; more sizes waste fewer rows.
 
   Example:
     >>> import numpy as np, jax, flax.linen as nn
@@ -71,6 +75,7 @@ class DynamicRNN(nn.Module):
   reverse: bool = False
   return_carry: bool = False
   remat: bool = False
+  ladder: Sequence[int] | None = None
 
   def __call__(
     self,
@@ -80,6 +85,7 @@ class DynamicRNN(nn.Module):
     init_key: jax.Array | None = None,
     reverse: bool | None = None,
     return_carry: bool | None = None,
+    table: RankTable | None = None,
   ) -> Any:
     """Runs the cell over the last level of `x`.
 
@@ -92,6 +98,8 @@ class DynamicRNN(nn.Module):
         cells ignore it).
       reverse: overrides the attribute (`Bidirectional` uses it).
       return_carry: overrides the attribute.
+      table: `x`'s rank table, e.g. built on the host by `jaxlod.data`
+        beside the batch; `None`: built here (see `dynamic_rnn`).
 
     Returns:
       The outputs, a LoDTensor with `x`'s LoD (padding rows zero); with
@@ -102,7 +110,8 @@ class DynamicRNN(nn.Module):
       TypeError: if `x` is not a LoDTensor, or `initial_carry` is `None` and
         the cell has no `initialize_carry`.
       ValueError: from `dynamic_rnn`, e.g. for an `initial_carry` whose
-        leading dimension is not the count capacity.
+        leading dimension is not the count capacity, a `table` of other
+        lengths, or a `table` whose ladder is not `ladder`.
     """
     x = check_lod(x, "x")
     reverse = self.reverse if reverse is None else reverse
@@ -123,6 +132,8 @@ class DynamicRNN(nn.Module):
       x,
       init_carry=initial_carry,
       reverse=reverse,
+      table=table,
+      ladder=self.ladder,
       remat=self.remat,
     )
     return (carry, outputs) if return_carry else outputs
@@ -159,8 +170,8 @@ class Bidirectional(nn.Module):
 
   Attributes:
     forward_rnn: a module called as ``rnn(x, initial_carry=, init_key=,
-      reverse=False, return_carry=True) -> (carry, outputs)``, e.g. a
-      `DynamicRNN`.
+      reverse=False, return_carry=True) -> (carry, outputs)`` (and
+      ``table=`` when the call is given one), e.g. a `DynamicRNN`.
     backward_rnn: the same kind of module, called with ``reverse=True``.
     merge_fn: ``merge_fn(forward [token_capacity, *f], backward
       [token_capacity, *g]) -> [token_capacity, *h]`` on the rows;
@@ -191,6 +202,7 @@ class Bidirectional(nn.Module):
     *,
     init_key: jax.Array | None = None,
     return_carry: bool | None = None,
+    table: RankTable | None = None,
   ) -> Any:
     """Runs both directions over the last level of `x` and merges their rows.
 
@@ -202,6 +214,8 @@ class Bidirectional(nn.Module):
       init_key: split in two, one key per direction, for the RNNs'
         `initialize_carry`.
       return_carry: overrides the attribute.
+      table: `x`'s rank table, given to both RNNs as ``table=`` (both
+        directions rank the same lengths); `None`: not passed.
 
     Returns:
       The merged outputs, a LoDTensor with `x`'s LoD (padding rows zero);
@@ -223,12 +237,16 @@ class Bidirectional(nn.Module):
           f"got {type(initial_carry).__name__}."
         )
       carry_forward, carry_backward = initial_carry
+    # Only a given table is passed on: an RNN of the documented call
+    # signature need not take one.
+    extra = {} if table is None else {"table": table}
     carry_forward, forward = self.forward_rnn(
       x,
       initial_carry=carry_forward,
       init_key=key_forward,
       reverse=False,
       return_carry=True,
+      **extra,
     )
     carry_backward, backward = self.backward_rnn(
       x,
@@ -236,6 +254,7 @@ class Bidirectional(nn.Module):
       init_key=key_backward,
       reverse=True,
       return_carry=True,
+      **extra,
     )
     merge = _concatenate if self.merge_fn is None else self.merge_fn
     outputs = jax.tree.map(

@@ -9,7 +9,7 @@ kept (old PaddlePaddle expanded the decoder states to every source position).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -23,6 +23,7 @@ from jaxlod.nn._attention import check_memory_lod
 from jaxlod.nn._rnn import _zero_padding
 from jaxlod.ops._decode import Hypotheses, beam_search, greedy_decode
 from jaxlod.ops._pool import sequence_pool
+from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._segment import check_integer, check_lod
 
@@ -124,6 +125,8 @@ class AttentionDecoder(nn.Module):
       (default). Otherwise every step's attention residuals (``[b,
       source_capacity, units]`` for additive attention) are stored, which is
       the target x source expansion this decoder avoids.
+    ladder: static batch sizes of the loop's phases (see `rank_table`);
+      `None`: the target rank table's, by default `default_ladder`.
 
   Example:
     >>> import numpy as np, jax, flax.linen as nn
@@ -144,6 +147,7 @@ class AttentionDecoder(nn.Module):
   attention: nn.Module
   input_feeding: bool = False
   remat: bool = True
+  ladder: Sequence[int] | None = None
 
   @nn.nowrap
   def _zero_cell_carry(self, memory: LoDTensor, input_features: int) -> Any:
@@ -242,6 +246,7 @@ class AttentionDecoder(nn.Module):
     initial_carry: Any = None,
     *,
     return_weights: bool = False,
+    table: RankTable | None = None,
   ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
     """Decodes every target sequence against its memory (teacher forcing).
 
@@ -254,6 +259,8 @@ class AttentionDecoder(nn.Module):
       initial_carry: the cell's carry, leaves ``[count_capacity, ...]`` in
         `tgt`'s order (see `initial_state`).
       return_weights: also return the attention weights.
+      table: `tgt`'s rank table, e.g. built on the host by `jaxlod.data`
+        beside the batch; `None`: built here (see `dynamic_rnn`).
 
     Returns:
       A LoDTensor with `tgt`'s LoD and values ``[token_capacity, hidden +
@@ -265,7 +272,8 @@ class AttentionDecoder(nn.Module):
       ValueError: at trace time if `memory`'s count capacity differs from
         `tgt`'s, or eagerly if their real numbers of sequences differ (under
         `jit` through `jax.experimental.checkify`); for rows that are not
-        vectors, or widths the attention rejects.
+        vectors, or widths the attention rejects; from `dynamic_rnn`, for a
+        `table` of other lengths or whose ladder is not `ladder`.
     """
     tgt = check_lod(tgt, "tgt")
     _check_vectors(tgt, "tgt", "[token_capacity, input_features]")
@@ -291,6 +299,8 @@ class AttentionDecoder(nn.Module):
       tgt,
       init_carry=carry,
       static_inputs=(memory, keys),
+      table=table,
+      ladder=self.ladder,
       remat=self.remat,
     )
     return outputs

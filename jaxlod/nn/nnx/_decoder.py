@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -11,6 +12,7 @@ from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
+from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._segment import check_lod
 
@@ -85,6 +87,8 @@ class AttentionDecoder(nnx.Module):
       its residuals would keep per-step attention tensors ``[b,
       source_capacity, units]`` for every step, the expansion this layer
       avoids.
+    ladder: static batch sizes of the loop's phases (see `rank_table`);
+      `None`: the target rank table's, by default `default_ladder`.
 
   Example:
     >>> import numpy as np
@@ -112,11 +116,13 @@ class AttentionDecoder(nnx.Module):
     *,
     input_feeding: bool = False,
     remat: bool = True,
+    ladder: Sequence[int] | None = None,
   ):
     self.cell = cell
     self.attention = attention
     self.input_feeding = input_feeding
     self.remat = remat
+    self.ladder = None if ladder is None else tuple(ladder)
 
   def precompute(self, memory: LoDTensor | jax.typing.ArrayLike) -> Any:
     """The attention's keys for `memory`: ``attention.keys(memory)``.
@@ -246,6 +252,7 @@ class AttentionDecoder(nnx.Module):
     *,
     return_weights: bool = False,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
+    table: RankTable | None = None,
   ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
     """Decodes every target sequence, teacher-forced, attending over its memory.
 
@@ -259,6 +266,8 @@ class AttentionDecoder(nnx.Module):
         With input feeding the previous context starts at zeros.
       return_weights: also return the attention weights.
       rngs: the RNGs for `initialize_carry` (default ``nnx.Rngs(0)``).
+      table: `tgt`'s rank table, e.g. built on the host by `jaxlod.data`
+        beside the batch; `None`: built here (see `dynamic_rnn`).
 
     Returns:
       A LoDTensor with `tgt`'s LoD and values ``[tokens, hidden + features]``
@@ -269,7 +278,9 @@ class AttentionDecoder(nnx.Module):
       TypeError: if `tgt` or `memory` is not a LoDTensor.
       ValueError: for a memory with a different count capacity than `tgt`
         (or, eagerly, a different number of sequences), a cell whose input
-        width does not match, or attention widths that do not match.
+        width does not match, attention widths that do not match, or (from
+        `dynamic_rnn`) a `table` of other lengths or whose ladder is not
+        `ladder`.
     """
     tgt = check_lod(tgt, "tgt")
     memory = check_lod(memory, "memory")
@@ -292,6 +303,8 @@ class AttentionDecoder(nnx.Module):
       tgt,
       init_carry=carry,
       static_inputs={"memory": memory, "keys": keys},
+      table=table,
+      ladder=self.ladder,
       remat=self.remat,
     )
     return outputs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlod._lod import LoDTensor
+from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._segment import check_lod
 
@@ -92,6 +93,9 @@ class DynamicRNN(nnx.Module):
     reverse: run each sequence from its own last row to its first.
     return_carry: also return the final carry.
     remat: recompute steps in the backward pass (see `dynamic_rnn`).
+    ladder: static batch sizes of the loop's phases (see `rank_table`);
+      `None`: the rank table's, by default `default_ladder`. Fewer sizes
+      compile faster; more sizes waste fewer rows.
 
   Example:
     >>> import numpy as np
@@ -113,11 +117,13 @@ class DynamicRNN(nnx.Module):
     reverse: bool = False,
     return_carry: bool = False,
     remat: bool = False,
+    ladder: Sequence[int] | None = None,
   ):
     self.cell = cell
     self.reverse = reverse
     self.return_carry = return_carry
     self.remat = remat
+    self.ladder = None if ladder is None else tuple(ladder)
 
   def __call__(
     self,
@@ -127,6 +133,7 @@ class DynamicRNN(nnx.Module):
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     reverse: bool | None = None,
     return_carry: bool | None = None,
+    table: RankTable | None = None,
   ) -> Any:
     """Runs the cell over the last level of `x`.
 
@@ -138,6 +145,8 @@ class DynamicRNN(nnx.Module):
       rngs: the RNGs for `initialize_carry` (default ``nnx.Rngs(0)``).
       reverse: overrides the attribute (`Bidirectional` uses it).
       return_carry: overrides the attribute.
+      table: `x`'s rank table, e.g. built on the host by `jaxlod.data`
+        beside the batch; `None`: built here (see `dynamic_rnn`).
 
     Returns:
       The outputs, a LoDTensor with `x`'s LoD; with `return_carry`, the pair
@@ -147,7 +156,8 @@ class DynamicRNN(nnx.Module):
     Raises:
       TypeError: if `x` is not a LoDTensor.
       ValueError: for an `initial_carry` whose leaves do not have leading
-        dimension ``count_capacity`` (from `dynamic_rnn`).
+        dimension ``count_capacity``, a `table` of other lengths, or a
+        `table` whose ladder is not `ladder` (from `dynamic_rnn`).
     """
     x = check_lod(x, "x")
     reverse = self.reverse if reverse is None else reverse
@@ -161,6 +171,8 @@ class DynamicRNN(nnx.Module):
       x,
       init_carry=initial_carry,
       reverse=reverse,
+      table=table,
+      ladder=self.ladder,
       remat=self.remat,
     )
     return (carry, outputs) if return_carry else outputs
@@ -177,8 +189,8 @@ class Bidirectional(nnx.Module):
 
   Args:
     forward_rnn: a layer called as ``forward_rnn(x, carry, rngs=,
-      reverse=False, return_carry=True) -> (carry, outputs)``, e.g. a
-      `DynamicRNN`.
+      reverse=False, return_carry=True) -> (carry, outputs)`` (and
+      ``table=`` when the call is given one), e.g. a `DynamicRNN`.
     backward_rnn: the same kind of layer, called with ``reverse=True``.
     merge_fn: ``merge_fn(forward [tokens, f], backward [tokens, g]) ->
       [tokens, h]`` on the values; concatenation on the last axis by
@@ -221,6 +233,7 @@ class Bidirectional(nnx.Module):
     *,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     return_carry: bool | None = None,
+    table: RankTable | None = None,
   ) -> Any:
     """Runs both directions over the last level of `x` and merges their rows.
 
@@ -231,6 +244,8 @@ class Bidirectional(nnx.Module):
         initializes its own.
       rngs: passed to both layers for their `initialize_carry`.
       return_carry: overrides the attribute.
+      table: `x`'s rank table, given to both layers as ``table=`` (both
+        directions rank the same lengths); `None`: not passed.
 
     Returns:
       The merged outputs, a LoDTensor with `x`'s LoD (padding rows zero);
@@ -249,11 +264,14 @@ class Bidirectional(nnx.Module):
           f"got {type(initial_carry).__name__}."
         )
       forward_carry, backward_carry = initial_carry
+    # Only a given table is passed on: a layer of the documented call
+    # signature need not take one.
+    extra = {} if table is None else {"table": table}
     forward_final, forward = self.forward_rnn(
-      x, forward_carry, rngs=rngs, reverse=False, return_carry=True
+      x, forward_carry, rngs=rngs, reverse=False, return_carry=True, **extra
     )
     backward_final, backward = self.backward_rnn(
-      x, backward_carry, rngs=rngs, reverse=True, return_carry=True
+      x, backward_carry, rngs=rngs, reverse=True, return_carry=True, **extra
     )
     merge = _concatenate if self.merge_fn is None else self.merge_fn
     real = jnp.arange(x.capacity.tokens) < x.num_rows
