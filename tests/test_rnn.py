@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.ops import dynamic_rnn, rank_table
+from jaxlod.ops import _packed, dynamic_rnn, rank_table
 from tests.helpers import assert_close
 
 FEATURES, HIDDEN = 3, 4
@@ -242,6 +244,27 @@ def test_remat_gives_the_same_gradients():
     loss, _ = _losses(step, params, x, init_carry, False, remat, (8, 4))
     grads.append(_value_and_grads(loss)(params, x.values, init_carry)[1])
   assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  ("remat", "stored"),
+  # Saved residuals: c and h, and the activations of the four gates and of
+  # tanh(c); sums, products and ``1 - y`` are recomputed. Remat: c and h.
+  [(False, 7), (True, 2)],
+)
+def test_stored_rows_of_an_lstm_share_one_buffer(remat, stored):
+  """What the backward pass keeps per row, in one ``[n, rows, hidden]`` buffer."""
+  step, params, init = CELLS["lstm"](jnp.float32)
+  x = _batch([5, 2, 7, 0, 3], np.float32, Buckets.pow2(minimum=8))
+  table = rank_table(x, ladder=(8, 4))
+  rows = _packed.schedule_rows(x.capacity.tokens, table.time_capacity, table.ladder)
+  loss, _ = _losses(step, params, x, init(jax.random.key(2), 8), False, remat, (8, 4))
+  grad = jax.grad(lambda *args: loss(*args)[0], argnums=(0, 1, 2))
+  jaxpr = str(jax.make_jaxpr(grad)(params, x.values, init(jax.random.key(2), 8)))
+  buffers = re.findall(rf"f32\[(\d+),{rows},{HIDDEN}\]", jaxpr)
+  assert set(buffers) == {str(stored)}
+  # x_t ([b, FEATURES]) is kept beside them only with saved residuals.
+  assert (f"f32[1,{rows},{FEATURES}]" in jaxpr) is not remat
 
 
 # -- static inputs, several inputs, return_sequences -------------------------------

@@ -14,9 +14,12 @@ inputs across steps. With ``remat=False`` the forward pass saves the step's
 VJP residuals: those that depend on the carry or the step input are stored
 per step in the schedule layout of `jaxlod.ops._packed`, those that depend only on
 parameters and static inputs (a concatenated kernel, say) are computed once
-per phase, so nothing of size ``time x weights`` is stored. With
-``remat=True`` it saves only the carries and the backward pass recomputes
-each step.
+per phase, so nothing of size ``time x weights`` is stored. The residuals
+come from the step under `jax.checkpoint` with a policy that keeps matrix
+products and transcendental functions and recomputes cheap elementwise
+ops: an LSTM step keeps its carries, its input and five activations per row
+rather than thirteen leaves. With ``remat=True`` it saves only the carries
+and the backward pass recomputes each step.
 """
 
 from __future__ import annotations
@@ -108,6 +111,20 @@ def step_slots(fn: Callable, num_step_args: int, *args) -> tuple[int, ...]:
   return tuple(slots)
 
 
+# Cheap elementwise and layout primitives: with saved residuals the backward
+# pass recomputes these from the values it keeps (e.g. ``1 - y`` of a
+# sigmoid's derivative) rather than storing their outputs for every row.
+_CHEAP = frozenset({
+  "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "select_n", "copy",
+  "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+  "expand_dims", "slice", "split", "integer_pow", "square",
+})  # fmt: skip
+
+
+def _save_costly(prim, *_, **__) -> bool:
+  return prim.name not in _CHEAP
+
+
 # -- static description --------------------------------------------------------------
 
 
@@ -162,7 +179,9 @@ class LoopSpec:
       new_carry, y = phase.fn(step[:num_carry], step[num_carry:], inv)
       return _split(list(new_carry) + list(y), out_float)
 
-    return f
+    # Saved residuals: keep only what `_save_costly` allows; remat recomputes
+    # the whole step anyway.
+    return f if self.remat else jax.checkpoint(f, policy=_save_costly)
 
 
 # -- what the backward pass needs ------------------------------------------------
@@ -305,19 +324,59 @@ def _step_vjp(spec, phase, data, c, x):
   return _merge(outs, aux, spec.carry_float + spec.y_float), vjp
 
 
-def _store(row_layout, buffers, t, offset, leaves):
-  """Stores a step's leaves at its rows (row layout) or at index `t`."""
-  if row_layout:
-    return [_put(buf, offset, leaf) for buf, leaf in zip(buffers, leaves, strict=True)]
+def _row_groups(plan: SavePlan, rows: int) -> tuple[list, list]:
+  """Row layout: the stored leaves of one row shape and dtype share a buffer.
+
+  Returns per stored leaf ``(buffer, index in it)`` and per buffer its shape
+  ``[count, rows, *tail]`` and dtype. One buffer per leaf would be zero-filled
+  by one broadcast that XLA then copies for each loop-carried buffer (for the
+  LSTM residuals of benchmark W1, 12 copies of 4.6 MB per call).
+  """
+  where, groups = [], {}
+  for shape, dtype in plan.shapes:
+    key = (tuple(shape[1:]), jnp.dtype(dtype))
+    group = groups.setdefault(key, [len(groups), 0])
+    where.append(tuple(group))
+    group[1] += 1
+  return where, [
+    ((count, rows, *tail), dtype) for (tail, dtype), (_, count) in groups.items()
+  ]
+
+
+def _row_start(j: int, offset: jax.Array, ndim: int) -> tuple[jax.Array, ...]:
+  """Index ``(j, offset, 0, ..., 0)`` of one integer type."""
+  offset = jnp.asarray(offset)
+  return (jnp.asarray(j, offset.dtype), *_start(offset, ndim - 1))
+
+
+def _store(where, buffers, t, offset, leaves):
+  """Stores a step's leaves at its rows (row layout: `where` from
+  `_row_groups`) or, when `where` is `None`, at index `t`."""
+  if where is not None:
+    buffers = list(buffers)
+    for (g, j), leaf in zip(where, leaves, strict=True):
+      buf = buffers[g]
+      update = leaf[None].astype(buf.dtype)
+      buffers[g] = lax.dynamic_update_slice(
+        buf, update, _row_start(j, offset, buf.ndim)
+      )
+    return buffers
   return [
     lax.dynamic_update_slice(buf, leaf[None], _start(t, buf.ndim))
     for buf, leaf in zip(buffers, leaves, strict=True)
   ]
 
 
-def _load(row_layout, buffers, t, offset, size):
-  if row_layout:
-    return [_slab(buf, offset, size) for buf in buffers]
+def _load(where, buffers, t, offset, size):
+  if where is not None:
+    return [
+      lax.dynamic_slice(
+        buffers[g],
+        _row_start(j, offset, buffers[g].ndim),
+        (1, size, *buffers[g].shape[2:]),
+      )[0]
+      for g, j in where
+    ]
   return [lax.dynamic_index_in_dim(buf, t, keepdims=False) for buf in buffers]
 
 
@@ -325,6 +384,7 @@ def _forward_phase(spec, phase, plan, row_layout, data, values, state):
   """One phase forward; stores per-step residuals (or carries) when planned."""
   residual_mode = plan is not None and plan.per_step is not None
   b = phase.size
+  where = _row_groups(plan, spec.saved_rows)[0] if row_layout else None
 
   def body(t, state):
     c, ys, buffers = state
@@ -338,7 +398,7 @@ def _forward_phase(spec, phase, plan, row_layout, data, values, state):
       stored = c if plan is not None else []
       inv = _merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
       new_c, y = phase.fn(c, x, inv)
-    buffers = _store(row_layout, buffers, t, saved, stored)
+    buffers = _store(where, buffers, t, saved, stored)
     c = [_mask(active, n, o) for n, o in zip(new_c, c, strict=True)]
     if spec.return_sequences:
       # Rows past the active batch land in the next step's slab, which that
@@ -357,6 +417,7 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
   """
   b = phase.size
   buffers, invariants = saved
+  where = _row_groups(plan, spec.saved_rows)[0] if row_layout else None
   y_zeros = []
   if not spec.return_sequences:
     y_zeros = [
@@ -372,7 +433,7 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
     g_c, g_values, g_statics, g_consts = state
     t = data.first + data.last - 1 - i
     active, offset, saved = data.cells(t)
-    stored = _load(row_layout, buffers, t, saved, b)
+    stored = _load(where, buffers, t, saved, b)
     if plan.per_step is None:
       x = [_slab(v, offset, b) for v in values]
       _, vjp = _step_vjp(spec, phase, data, stored, x)
@@ -414,15 +475,15 @@ def _invariant_residuals(spec, phase, plan, carry, values, data):
 
 
 def _buffers(spec, plan, row_layout):
-  # One buffer per leaf: a step's store is then one contiguous row copy each.
-  # Packing the leaves side by side in one buffer fused a concatenate into
-  # every step's store: storing the LSTM residuals of benchmark W1 took 1.7x
-  # as long.
-  rows = spec.saved_rows if row_layout else spec.time
-  return [
-    jnp.zeros((rows, *shape[1:]) if row_layout else (rows, *shape), dtype)
-    for shape, dtype in plan.shapes
-  ]
+  # Row layout: one buffer per row shape (see `_row_groups`), each leaf at its
+  # own index, so a step's store is one contiguous row copy per leaf. Packing
+  # the leaves side by side along the features fused a concatenate into every
+  # step's store: storing the LSTM residuals of benchmark W1 took 1.7x as long.
+  if row_layout:
+    return [
+      jnp.zeros(shape, dtype) for shape, dtype in _row_groups(plan, spec.saved_rows)[1]
+    ]
+  return [jnp.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
 
 
 def _forward(spec, plans, carry, values, statics, consts, bounds):
