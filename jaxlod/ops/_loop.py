@@ -87,14 +87,18 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def step_slots(fn: Callable, num_step_args: int, *args) -> tuple[int, ...]:
+def step_slots(
+  fn: Callable, num_step_args: int, *args, reloadable: tuple[int, ...] = ()
+) -> tuple[int, ...]:
   """Which output leaves of ``fn(*args)`` depend on its first args.
 
   A dependency walk over the jaxpr of `fn`: inputs are the leaves of the
   first `num_step_args` arguments; an equation's outputs depend on all its
   inputs (conservative). Returns, per output leaf, -1 when it depends on
-  none of them, else a slot number shared by outputs that are the same
-  value (so each is stored once).
+  none of them, ``-2 - k`` when it is, unchanged, the input leaf
+  ``reloadable[k]`` (a flat index among those leaves: the caller can load it
+  again rather than store it), else a slot number shared by outputs that are
+  the same value (so each is stored once).
   """
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   num_leaves = len(jax.tree.leaves(args[:num_step_args]))
@@ -102,9 +106,12 @@ def step_slots(fn: Callable, num_step_args: int, *args) -> tuple[int, ...]:
   for eqn in jaxpr.eqns:
     if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
       dependent.update(eqn.outvars)
+  reload = {jaxpr.invars[i]: -2 - k for k, i in enumerate(reloadable)}
   slots, seen = [], {}
   for v in jaxpr.outvars:
-    if isinstance(v, jex_core.Var) and v in dependent:
+    if isinstance(v, jex_core.Var) and v in reload:
+      slots.append(reload[v])
+    elif isinstance(v, jex_core.Var) and v in dependent:
       slots.append(seen.setdefault(v, len(seen)))
     else:
       slots.append(-1)
@@ -192,19 +199,22 @@ class SavePlan:
   """How a phase stores its per-step data for the backward pass.
 
   Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and goes to
-  its step's rows of its own schedule-layout buffer ``[saved_rows, *tail]``,
-  shared by all phases. Otherwise (a residual whose leading axis is not the
-  batch) each phase stacks its leaves by step in buffers
-  ``[time_capacity, *shape]``.
+  its step's rows of a schedule-layout buffer (see `_row_groups`), shared by
+  all phases. Otherwise (a residual whose leading axis is not the batch) each
+  phase stacks its leaves by step in buffers ``[time_capacity, *shape]``.
+  A residual that is a step input ``x_t`` unchanged is not stored: the
+  backward pass reads it again from the inputs.
   """
 
-  slots: tuple[int, ...] | None  # residual mode: per leaf, its buffer or -1
+  # Residual mode: per leaf, its buffer, -1 (loop-invariant) or -2 - k (step
+  # input leaf k, read again).
+  slots: tuple[int, ...] | None
   tree: Any  # residual mode: tree structure of the VJP function
   shapes: tuple[tuple[tuple[int, ...], Any], ...]  # per buffer, at this phase
 
   @property
   def per_step(self) -> tuple[bool, ...] | None:
-    return None if self.slots is None else tuple(s >= 0 for s in self.slots)
+    return None if self.slots is None else tuple(s != -1 for s in self.slots)
 
   def stacked(self, leaves: list) -> list:
     """The leaves to store, one per buffer."""
@@ -214,10 +224,13 @@ class SavePlan:
         first.setdefault(slot, leaf)
     return [first[i] for i in range(len(self.shapes))]
 
-  def residuals(self, stacked: list, invariants: list) -> list:
-    """All residual leaves from the stored ones and the invariant ones."""
+  def residuals(self, stacked: list, invariants: list, x: list) -> list:
+    """All residual leaves from the stored, invariant and input (`x`) ones."""
     invariants = iter(invariants)
-    return [stacked[s] if s >= 0 else next(invariants) for s in self.slots]
+    return [
+      stacked[s] if s >= 0 else next(invariants) if s == -1 else x[-2 - s]
+      for s in self.slots
+    ]
 
 
 def _residual_leaves(spec: LoopSpec, phase: Phase):
@@ -243,6 +256,13 @@ def _phase_avals(spec: LoopSpec, phase, carry, values, statics, consts):
 
 def make_plans(spec: LoopSpec, carry, values, statics, consts) -> list[SavePlan]:
   """Per phase: what to store per step (from abstract shapes only)."""
+  # Step leaves reach the residual function flattened as (diff_step,
+  # nodiff_step): where each input leaf x_t[k] (after the carry) sits there.
+  step_mask = spec.carry_float + spec.x_float
+  diff, nodiff = _split(list(range(len(step_mask))), step_mask)
+  position = {leaf: j for j, leaf in enumerate(diff + nodiff)}
+  num_carry = len(spec.carry_float)
+  inputs = tuple(position[num_carry + k] for k in range(len(spec.x_float)))
   plans = []
   for phase in spec.phases:
     if spec.remat:
@@ -251,7 +271,7 @@ def make_plans(spec: LoopSpec, carry, values, statics, consts) -> list[SavePlan]
       continue
     avals = _phase_avals(spec, phase, carry, values, statics, consts)
     fn = _residual_leaves(spec, phase)
-    slots = step_slots(fn, 2, *avals)
+    slots = step_slots(fn, 2, *avals, reloadable=inputs)
     leaves = jax.eval_shape(fn, *avals)
     firsts = {}
     for leaf, slot in zip(leaves, slots, strict=True):
@@ -434,11 +454,12 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
     t = data.first + data.last - 1 - i
     active, offset, saved = data.cells(t)
     stored = _load(where, buffers, t, saved, b)
+    x = [_slab(v, offset, b) for v in values]
     if plan.per_step is None:
-      x = [_slab(v, offset, b) for v in values]
       _, vjp = _step_vjp(spec, phase, data, stored, x)
     else:
-      vjp = jax.tree.unflatten(plan.tree, plan.residuals(stored, invariants))
+      residuals = plan.residuals(stored, invariants, x)
+      vjp = jax.tree.unflatten(plan.tree, residuals)
     g_out = [_mask(active, g, jnp.zeros_like(g)) for g in g_c]
     g_out += [_mask(active, _slab(g, offset, b), jnp.zeros((), g.dtype)) for g in g_ys]
     g_step, g_inv = vjp(g_out + y_zeros)

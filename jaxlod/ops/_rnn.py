@@ -231,9 +231,12 @@ def dynamic_rnn(
       writing outputs.
     remat: save only the carries for the backward pass and recompute each
       step (less memory for long sequences); by default the step's VJP
-      residuals are saved. Recomputing costs one more forward step per step
-      but skips filling a buffer of every residual per row; for LSTM and GRU
-      cells on CPU it measured faster (see ``benchmarks/rnn.py``).
+      residuals are saved: the outputs of its matrix products and
+      transcendental functions (an LSTM: its carries and five activations
+      per row), with cheap elementwise ops recomputed and the step input
+      read again. Recomputing costs one more forward step per step but
+      fills a smaller buffer; for LSTM and GRU cells on CPU the two modes
+      measure within noise of each other (see ``benchmarks/rnn.py``).
 
   Returns:
     ``(outputs, final_carry)``: `outputs` has the structure of ``y_t`` with
