@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxlod import LoDTensor
 from jaxlod.examples import _g2p_data as data
 from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
@@ -131,6 +132,34 @@ def test_learning_rate_warms_up_then_decays():
   assert rates[1] == pytest.approx(peak / 2)
   assert rates[3] == pytest.approx(peak * (0.02 + 0.98 * 0.5))
   assert rates[4] > rates[5] == pytest.approx(0.02 * peak)
+
+
+def test_training_ladder_halves_the_batch_words():
+  config = m.Config()
+  assert m.training_ladder(config) == (64, 32, 16, 8)
+  assert m.training_ladder(dataclasses.replace(config, loop_sizes=1)) == (64,)
+  tiny = dataclasses.replace(m.PRESETS["tiny"], loop_sizes=5)
+  assert m.training_ladder(tiny) == (4, 2, 1)
+  with pytest.raises(ValueError, match="Expected `loop_sizes` of at least 1, got 0."):
+    m.training_ladder(dataclasses.replace(config, loop_sizes=0))
+
+
+def test_the_training_step_runs_on_the_ladder():
+  """Each of the encoder's loops and the decoder's: one phase per ladder size."""
+  config = m.PRESETS["tiny"]
+  ladder = m.training_ladder(config)
+  buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
+  src = LoDTensor.from_sequences([[0, 1, 2], [3], [4, 5]], buckets=buckets)
+  tgt = LoDTensor.from_sequences(
+    [[m.BOS_ID, 2], [m.BOS_ID], [m.BOS_ID, 3, 4]], buckets=buckets
+  )
+  params = m.build_model(config, 5).init(jax.random.key(0), src, tgt)
+  model = m.build_model(config, 5, train=True, ladder=ladder)
+  jaxpr = jax.make_jaxpr(
+    lambda p: model.apply(p, src, tgt, rngs={"dropout": jax.random.key(1)})
+  )(params)
+  loops = 2 * config.encoder_layers + 1
+  assert str(jaxpr).count("while[") == loops * len(ladder)
 
 
 def test_token_loss_ignores_padding_rows():

