@@ -17,9 +17,10 @@ parameters and static inputs (a concatenated kernel, say) are computed once
 per phase, so nothing of size ``time x weights`` is stored. The residuals
 come from the step under `jax.checkpoint` with a policy that keeps matrix
 products and transcendental functions and recomputes cheap elementwise
-ops: an LSTM step keeps its carries, its input and five activations per row
-rather than thirteen leaves. With ``remat=True`` it saves only the carries
-and the backward pass recomputes each step.
+ops, and a residual that is the step input unchanged is read again from the
+inputs: an LSTM step keeps its carries and five activations per row rather
+than thirteen leaves. With ``remat=True`` it saves only the carries and the
+backward pass recomputes each step.
 """
 
 from __future__ import annotations
