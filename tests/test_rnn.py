@@ -258,9 +258,10 @@ def test_stored_rows_of_an_lstm_share_one_buffer(remat, stored):
   x = _batch([5, 2, 7, 0, 3], np.float32, Buckets.pow2(minimum=8))
   table = rank_table(x, ladder=(8, 4))
   rows = _packed.schedule_rows(x.capacity.tokens, table.time_capacity, table.ladder)
-  loss, _ = _losses(step, params, x, init(jax.random.key(2), 8), False, remat, (8, 4))
+  init_carry = init(jax.random.key(2), 8)
+  loss, _ = _losses(step, params, x, init_carry, False, remat, (8, 4))
   grad = jax.grad(lambda *args: loss(*args)[0], argnums=(0, 1, 2))
-  jaxpr = str(jax.make_jaxpr(grad)(params, x.values, init(jax.random.key(2), 8)))
+  jaxpr = str(jax.make_jaxpr(grad)(params, x.values, init_carry))
   buffers = re.findall(rf"f32\[(\d+),{rows},{HIDDEN}\]", jaxpr)
   assert set(buffers) == {str(stored)}
   # x_t ([b, FEATURES]), a residual too, is read again from the inputs.
