@@ -27,6 +27,10 @@ steady state: one first call (trace and compile, reported as
 ``first_call_s``; ``compile_s`` is that minus the median), one warm-up call,
 then ``--repeats`` rounds in which the arms take turns (so a change in the
 shared machine's load touches them all alike), and each arm's median.
+``minor_faults_per_call`` is each arm's median count of minor page faults in
+a timed call: XLA:CPU takes a call's temporaries as one block, and a block
+over glibc's mmap threshold (32 MiB at most) comes fresh from the system,
+one fault per page, on every call.
 jaxlod runs as `dynamic_rnn` does by default: the default ladder and
 ``remat=False`` (the step's VJP residuals saved per step), on a fixed
 capacity whose token budget holds every batch of the workload;
@@ -601,7 +605,7 @@ def summarize(timings: dict) -> dict[str, Any]:
   summary["phased_scans_ratio_to_floor"] = _ratio(
     summary["phased_scans_s"], summary["floor_s"]
   )
-  for key in ("compile_s", "first_call_s", "times_s"):
+  for key in ("compile_s", "first_call_s", "times_s", "minor_faults_per_call"):
     summary[key] = {name: t and t[key] for name, t in timings.items()}
   return summary
 

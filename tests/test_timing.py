@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import mmap
 
+import numpy as np
 import pytest
 
 from jaxlod.examples._timing import measure_interleaved
@@ -55,3 +57,21 @@ def test_the_order_is_the_same_in_every_run():
 def test_repeats_must_be_positive():
   with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):
     measure_interleaved(_recording_calls("ab", []), repeats=0)
+
+
+def _write_fresh_pages(size):
+  pages = mmap.mmap(-1, size)
+  np.frombuffer(pages, np.uint8)[:] = 1
+  return pages
+
+
+def test_page_faults_are_counted_per_call():
+  # A call that writes fresh memory takes a fault per page; one that does
+  # not takes (almost) none.
+  calls = {
+    "fresh": (lambda: _write_fresh_pages(16 << 20), lambda pages: pages.close()),
+    "none": (lambda: 1, lambda x: x),
+  }
+  result = measure_interleaved(calls, repeats=3)
+  assert result["fresh"]["minor_faults_per_call"] > 1000  # 4,096 pages
+  assert result["none"]["minor_faults_per_call"] < 100

@@ -9,10 +9,20 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> float:
-  start = time.perf_counter()
+def _minor_faults() -> int:
+  """The process's minor page faults so far (0 where `resource` is missing)."""
+  try:
+    import resource
+  except ImportError:  # not a Unix
+    return 0
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> tuple[float, int]:
+  """Seconds and minor page faults of one call, up to its result."""
+  faults, start = _minor_faults(), time.perf_counter()
   sync(fn())
-  return time.perf_counter() - start
+  return time.perf_counter() - start, _minor_faults() - faults
 
 
 def measure_interleaved(
@@ -33,25 +43,32 @@ def measure_interleaved(
     repeats: number of rounds.
 
   Returns:
-    name -> ``{"median_s", "first_call_s", "compile_s", "times_s"}``, where
-    ``compile_s`` is the first call's time less the median.
+    name -> ``{"median_s", "first_call_s", "compile_s", "times_s",
+    "minor_faults_per_call"}``, where ``compile_s`` is the first call's time
+    less the median and ``minor_faults_per_call`` the median count of the
+    process's minor page faults during a timed call (memory the call's
+    allocator took fresh from the system: each page costs a fault when
+    first written).
 
   Raises:
     ValueError: when `repeats` is less than 1.
   """
   if repeats < 1:
     raise ValueError(f"repeats must be at least 1, got {repeats}.")
-  first = {name: _timed(fn, sync) for name, (fn, sync) in calls.items()}
+  first = {name: _timed(fn, sync)[0] for name, (fn, sync) in calls.items()}
   for fn, sync in calls.values():
     sync(fn())
   names = list(calls)
   times: dict[str, list[float]] = {name: [] for name in names}
+  faults: dict[str, list[int]] = {name: [] for name in names}
   shuffler = random.Random(0)
   for _ in range(repeats):
     order = list(names)
     shuffler.shuffle(order)
     for name in order:
-      times[name].append(_timed(*calls[name]))
+      seconds, count = _timed(*calls[name])
+      times[name].append(seconds)
+      faults[name].append(count)
   result = {}
   for name in names:
     median = statistics.median(times[name])
@@ -60,6 +77,7 @@ def measure_interleaved(
       "first_call_s": first[name],
       "compile_s": max(first[name] - median, 0.0),
       "times_s": times[name],
+      "minor_faults_per_call": statistics.median(faults[name]),
     }
   return result
 
