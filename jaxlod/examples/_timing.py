@@ -8,12 +8,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+try:
+  import resource
+except ImportError:  # not a Unix
+  resource = None
+
 
 def _minor_faults() -> int:
   """The process's minor page faults so far (0 where `resource` is missing)."""
-  try:
-    import resource
-  except ImportError:  # not a Unix
+  if resource is None:
     return 0
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
