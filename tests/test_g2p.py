@@ -1,7 +1,6 @@
 """The G2P example: CMUdict split, vocabularies, error rates, and a tiny run."""
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -133,55 +132,6 @@ def test_learning_rate_warms_up_then_decays():
   assert rates[1] == pytest.approx(peak / 2)
   assert rates[3] == pytest.approx(peak * (0.02 + 0.98 * 0.5))
   assert rates[4] > rates[5] == pytest.approx(0.02 * peak)
-
-
-def test_learning_rate_restarts_at_each_cycle():
-  config = dataclasses.replace(
-    m.PRESETS["default"],
-    steps=3000,
-    warmup_steps=100,
-    learning_rate=2e-3,
-    restarts=((1000, 1e-3), (2000, 5e-4)),
-  )
-  lr = functools.partial(m.learning_rate, config)
-  # The first cycle is the schedule of a run that ends at the first restart.
-  alone = dataclasses.replace(config, steps=1000, restarts=())
-  assert [lr(s) for s in range(0, 1000, 37)] == [
-    m.learning_rate(alone, s) for s in range(0, 1000, 37)
-  ]
-  assert lr(999) == pytest.approx(0.02 * 2e-3, rel=1e-3)
-  # Each restart warms up again to its own peak and decays to its end.
-  assert lr(1000) == pytest.approx(1e-3 / 100)
-  assert lr(1099) == pytest.approx(1e-3)
-  assert lr(1550) == pytest.approx(1e-3 * (0.02 + 0.98 * 0.5))
-  assert lr(1999) == pytest.approx(0.02 * 1e-3, rel=1e-3)
-  assert lr(2099) == pytest.approx(5e-4)
-  assert lr(2999) > lr(5000) == pytest.approx(0.02 * 5e-4)
-
-
-@pytest.mark.parametrize(
-  ("restarts", "message"),
-  [
-    (((0, 1e-3),), r"restart steps that increase within \(0, 3000\), got \[0\]"),
-    (((3000, 1e-3),), r"within \(0, 3000\), got \[3000\]"),
-    (((2000, 1e-3), (1000, 1e-3)), r"got \[2000, 1000\]"),
-    (((1000, 0.0),), r"positive restart peaks, got \[0.0\]"),
-  ],
-)
-def test_learning_rate_rejects_bad_restarts(restarts, message):
-  config = dataclasses.replace(m.PRESETS["default"], steps=3000, restarts=restarts)
-  with pytest.raises(ValueError, match=message):
-    m.learning_rate(config, 0)
-
-
-def test_steps_must_fit_the_presets_restarts(capsys):
-  _, config = g2p.parse_args(["--preset", "full"])
-  assert config.restarts and config.restarts[-1][0] < config.steps
-  with pytest.raises(SystemExit):
-    g2p.parse_args(["--preset", "full", "--steps", "5000"])
-  err = capsys.readouterr().err
-  assert "--steps 5000 does not fit the preset's schedule" in err
-  assert "restart steps that increase within (0, 5000), got [40000]" in err
 
 
 def test_training_ladder_halves_the_batch_words():

@@ -318,10 +318,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     if not 0.0 <= getattr(config, name) < 1.0:
       flag = "--" + name.replace("_", "-")
       parser.error(f"{flag} must be in [0, 1), got {getattr(config, name)}")
-  try:
-    m.learning_rate(config, 0)
-  except ValueError as error:
-    parser.error(f"--steps {config.steps} does not fit the preset's schedule: {error}")
   return args, config
 
 
