@@ -406,6 +406,39 @@ def _assert_dropped(got, want, rate):
   assert 0.25 < 1 - kept.mean() < 0.75, 1 - kept.mean()
 
 
+def test_seq2seq_tables_reach_the_encoder_and_the_decoder():
+  """Host-built rank tables set both loops' phases and change nothing."""
+  model, params = _seq2seq(), _seq2seq_params()
+  src, tgt_in, _ = _seq2seq_batch()
+  want = jax.jit(model.apply)(params, src, tgt_in)
+  src_table = rank_table(src, ladder=(4, 2, 1))
+  tgt_table = rank_table(tgt_in, ladder=(4, 1))
+  assert rank_table(src).ladder == rank_table(tgt_in).ladder == (4,)
+
+  def f(params, src, tgt_in, src_table, tgt_table):
+    return model.apply(params, src, tgt_in, src_table=src_table, tgt_table=tgt_table)
+
+  for tables, loops in (
+    ((src_table, tgt_table), 3 + 2),
+    ((src_table, None), 3 + 1),
+    ((None, tgt_table), 1 + 2),
+  ):
+    jaxpr = str(jax.make_jaxpr(f)(params, src, tgt_in, *tables))
+    assert jaxpr.count("while[") == loops
+    got = jax.jit(f)(params, src, tgt_in, *tables)
+    assert_close(got.values, want.values, rtol=1e-6, atol=1e-6)
+  memory = model.apply(params, src, src_table, method="encode")
+  assert_close(memory.values, model.apply(params, src, method="encode").values)
+  # Tables of other lengths, at the same capacities.
+  other_src = rank_table(_ids([1, 2, 3, 4], SRC_VOCAB, S2S_SRC_BUCKETS, seed=0))
+  other_tgt = rank_table(_ids([1, 1, 1, 1], TGT_VOCAB, S2S_TGT_BUCKETS, seed=0))
+  for tables in ({"src_table": other_src}, {"tgt_table": other_tgt}):
+    with pytest.raises(ValueError, match="The rank table does not describe `inputs`"):
+      model.apply(params, src, tgt_in, **tables)
+  with pytest.raises(ValueError, match="time capacity 5 to be at least the time"):
+    model.apply(params, src, tgt_in, src_table=tgt_table)
+
+
 def test_seq2seq_dropout_on_target_embeddings_and_decoder_outputs():
   params = _seq2seq_params()
   src, tgt_in, _ = _seq2seq_batch()

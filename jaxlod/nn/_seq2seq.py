@@ -388,18 +388,24 @@ class Seq2Seq(nn.Module):
       self.carry_bridge = _CarryBridge()
     self.output = nn.Dense(self.tgt_vocab)
 
-  def encode(self, src: LoDTensor) -> LoDTensor:
+  def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
     """The encoder's outputs over the embedded source: the decoder's memory.
 
     Args:
       src: a LoDTensor of int ids, values ``[src_token_capacity]`` or
         ``[src_token_capacity, 1]``.
+      table: `src`'s rank table (e.g. built on the host by `jaxlod.data`),
+        given to the encoder as ``table=``; `None`: not passed, the encoder
+        builds its own (an encoder given one must take ``table=``, as
+        `DynamicRNN` and `Bidirectional` do).
 
     Returns:
       A LoDTensor with `src`'s LoD, values ``[src_token_capacity,
       features]``.
     """
-    memory = self.encoder(_embed(self.src_embed, src, "src"))
+    # Only a given table is passed on: an encoder need not take one.
+    extra = {} if table is None else {"table": table}
+    memory = self.encoder(_embed(self.src_embed, src, "src"), **extra)
     if not isinstance(memory, LoDTensor):
       raise TypeError(
         f"Expected `encoder` to return a LoDTensor, got {type(memory).__name__}."
@@ -550,7 +556,13 @@ class Seq2Seq(nn.Module):
     )
 
   def __call__(
-    self, src: LoDTensor, tgt_in: LoDTensor, *, return_weights: bool = False
+    self,
+    src: LoDTensor,
+    tgt_in: LoDTensor,
+    *,
+    return_weights: bool = False,
+    src_table: RankTable | None = None,
+    tgt_table: RankTable | None = None,
   ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
     """Teacher-forced logits of every target position.
 
@@ -562,6 +574,11 @@ class Seq2Seq(nn.Module):
         sequence per `src` sequence.
       return_weights: also return the decoder's attention weights (e.g. to
         draw which letters each output step attends to).
+      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
+        the encoder builds its own.
+      tgt_table: `tgt_in`'s rank table for the decoder's loop (see
+        `AttentionDecoder`); `None`: built there. `jaxlod.data.Batcher`
+        builds both on the host with each batch (``Batch.tables``).
 
     Returns:
       A LoDTensor with `tgt_in`'s LoD and values ``[token_capacity,
@@ -574,14 +591,20 @@ class Seq2Seq(nn.Module):
       TypeError: for ids that are not LoDTensors of integers.
       ValueError: at trace time for ids of the wrong shape, `src` and
         `tgt_in` with different count capacities (eagerly, different
-        numbers of sequences), or widths the attention rejects.
+        numbers of sequences), widths the attention rejects, or a table
+        that does not describe its ids (other lengths or capacities) or
+        whose ladder is not its loop's.
     """
-    memory = self.encode(src)
+    memory = self.encode(src, src_table)
     tgt = _embed(self.tgt_embed, tgt_in, "tgt_in")
     # Dropout keeps zero padding rows at zero.
     tgt = tgt.with_values(self.drop(tgt.values))
     outputs = self.decoder(
-      tgt, memory, self._cell_carry(memory), return_weights=return_weights
+      tgt,
+      memory,
+      self._cell_carry(memory),
+      return_weights=return_weights,
+      table=tgt_table,
     )
     weights = None
     if return_weights:
