@@ -216,6 +216,15 @@ def test_batches_round_trip_to_the_examples(device_put):
   assert sorted(seen) == list(range(40))
 
 
+def test_without_device_put_batches_are_host_work_only():
+  """``device_put=False``: fields and tables built with NumPy, no transfer."""
+  batcher = Batcher(random_examples(30), SMALL, prefetch=0, device_put=False)
+  with jax.transfer_guard("disallow"):
+    batches = list(batcher.epoch(0))
+  leaves = jax.tree.leaves([(b.fields, b.tables) for b in batches])
+  assert leaves and all(isinstance(a, np.ndarray | np.generic) for a in leaves)
+
+
 def test_tables_are_the_rank_tables_of_the_fields():
   ladder = (4, 2)
   batcher = Batcher(random_examples(30), SMALL, ladder=ladder, prefetch=0)

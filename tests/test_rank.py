@@ -138,6 +138,28 @@ def test_host_table_is_numpy_and_jit_table_is_jax():
   assert isinstance(jax.jit(rank_table)(x).order, jax.Array)
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_host_table_moves_nothing_to_the_device(level):
+  """A table of NumPy LoD (the data pipeline's) is NumPy work only, and one of
+  device LoD only reads it back: no host-to-device transfer either way."""
+  x = _lod([[1, 2], [5, 1, 1]])
+  host = LoDTensor(
+    np.asarray(x.values),
+    tuple(np.asarray(o) for o in x.offsets),
+    np.asarray(x.num_outer),
+    x.time_capacity,
+  )
+  want = rank_table(x, level=level)
+  with jax.transfer_guard("disallow"):
+    table = rank_table(host, level=level)
+  with jax.transfer_guard_host_to_device("disallow"):
+    again = rank_table(x, level=level)
+  numpy = np.ndarray | np.generic
+  assert all(isinstance(getattr(table, name), numpy) for name in FIELDS)
+  _assert_tables_equal(table, want)
+  _assert_tables_equal(again, want)
+
+
 def test_rank_table_is_a_pytree_with_static_ladder_and_level():
   x = _lod([[1, 2], [3, 0, 1]])
   table = rank_table(x, level=1, ladder=[2])

@@ -218,10 +218,14 @@ def rank_table(
   count_capacity = x.capacity.sequences[level]
   ladder = normalize_ladder(count_capacity, ladder)
   time_capacity = x.time_capacity[level]
-  count = x.num_sequences(level)
-  if is_concrete(offsets, count):
+  # The level's real count: the outer count, or the last offset of the level
+  # above. Read on the host with NumPy (no device op) when concrete.
+  parent = x.num_outer if level == 0 else x.offsets[level - 1]
+  if is_concrete(offsets, parent):
     arrays = _table_arrays(np, np.diff(np.asarray(offsets)), time_capacity, ladder)
-    count = np.asarray(count, np.int32)
+    parent = np.asarray(parent)
+    count = np.asarray(parent if level == 0 else parent[-1], np.int32)
   else:
     arrays = _table_arrays(jnp, jnp.diff(offsets), time_capacity, ladder)
+    count = x.num_sequences(level)
   return RankTable(**arrays, count=count, ladder=ladder, level=level)
