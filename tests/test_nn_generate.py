@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.ops import beam_search
+from jaxlod.ops import beam_search, rank_table
 from tests.test_nn_seq2seq import (
+  S2S_SRC_BUCKETS,
+  SRC_VOCAB,
+  _ids,
   _seq2seq,
   _seq2seq_batch,
   _seq2seq_params,
@@ -124,6 +127,31 @@ def test_generate_compiles_once_per_capacity():
   generate(params, src, beam_size=2)
   generate(params, other, beam_size=2)
   assert generate._cache_size() == before + 1
+
+
+def test_generate_takes_a_host_source_table():
+  """`src_table` sets the encoder's phases and changes no hypothesis."""
+  params, model = _seq2seq_params(), _seq2seq()
+  src, _, _ = _seq2seq_batch()
+  table = rank_table(src, ladder=(4, 2, 1))
+  assert rank_table(src).ladder == (4,)
+  kwargs = dict(bos_id=BOS, eos_id=EOS, max_length=MAX_LENGTH, beam_size=2)
+
+  def f(params, src, table):
+    return model.apply(params, src, method="generate", src_table=table, **kwargs)
+
+  want = jax.jit(f)(params, src, None)
+  got = jax.jit(f)(params, src, table)
+  assert got.ids.recursive_lengths() == want.ids.recursive_lengths()
+  np.testing.assert_array_equal(got.ids.values, want.ids.values)
+  np.testing.assert_allclose(got.scores.values, want.scores.values, rtol=1e-6)
+  # Three encoder phases instead of one (the decoding loop is the same).
+  with_table = str(jax.make_jaxpr(f)(params, src, table)).count("while[")
+  assert with_table == str(jax.make_jaxpr(f)(params, src, None)).count("while[") + 2
+  # A table of other lengths, at the same capacities.
+  other = rank_table(_ids([1, 2, 3, 4], SRC_VOCAB, S2S_SRC_BUCKETS, seed=0))
+  with pytest.raises(ValueError, match="The rank table does not describe `inputs`"):
+    model.apply(params, src, method="generate", src_table=other, **kwargs)
 
 
 def test_generate_errors():

@@ -481,6 +481,7 @@ class Seq2Seq(nn.Module):
     length_capacity: int | None = None,
     ladder: Any = None,
     compact: bool = True,
+    src_table: RankTable | None = None,
   ) -> Hypotheses:
     """Decodes every source: beam search or greedy, each source stopping early.
 
@@ -501,6 +502,9 @@ class Seq2Seq(nn.Module):
       beam_size, length_penalty, num_results: beam search only (greedy
         decoding keeps one hypothesis scored by its summed
         log-probability).
+      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
+        the encoder builds its own. The decoding loop's phases are set by
+        `ladder`.
 
     Returns:
       `jaxlod.ops.Hypotheses` in `src`'s order: token ids as a 2-level
@@ -524,7 +528,7 @@ class Seq2Seq(nn.Module):
         "Seq2Seq.generate needs parameters: initialize the model with `init` on "
         "(src, tgt_in), then call `apply(variables, src, method='generate', ...)`."
       )
-    memory = self.encode(src)
+    memory = self.encode(src, src_table)
     keys = self.precompute(memory)
     carry = self.initial_state(memory)
     decode_step = _pure_method(self, "decode_step")
