@@ -194,6 +194,60 @@ def test_token_loss_label_smoothing():
   np.testing.assert_allclose(plain, -logp[np.arange(3), [1, 2, 0]].mean(), rtol=1e-6)
 
 
+def _tiny_batch(config):
+  buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
+  src = LoDTensor.from_sequences([[0, 1, 2], [3], [4, 5]], buckets=buckets)
+  tgt_in = LoDTensor.from_sequences(
+    [[m.BOS_ID, 2], [m.BOS_ID], [m.BOS_ID, 3, 4]], buckets=buckets
+  )
+  tgt_out = LoDTensor.from_sequences(
+    [[2, m.EOS_ID], [m.EOS_ID], [3, 4, m.EOS_ID]], buckets=buckets
+  )
+  return src, tgt_in, tgt_out
+
+
+def test_ema_of_the_parameters():
+  """With `ema_decay`, the state carries ``ema = d * ema + (1 - d) * params``
+  after each step, from the initial parameters; evaluations read it."""
+  config = dataclasses.replace(m.PRESETS["tiny"], ema_decay=0.75)
+  num_phones = 6
+  params, opt_state = m.init_state(config, num_phones)
+  assert isinstance(opt_state, m.Averaged)
+  step = m.train_step(config, num_phones)
+  want = params
+  for i in range(3):
+    params, opt_state, _ = step(
+      params, opt_state, np.float32(0.1), jax.random.key(i), *_tiny_batch(config)
+    )
+    want = jax.tree.map(lambda a, p: 0.75 * a + 0.25 * p, want, params)
+  assert m.eval_params(config, params, opt_state) is opt_state.ema
+  for got, expected, last in zip(
+    jax.tree.leaves(opt_state.ema),
+    jax.tree.leaves(want),
+    jax.tree.leaves(params),
+    strict=True,
+  ):
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(got, last)
+  # Without it, the optimizer's state alone, and evaluations read `params`.
+  plain = dataclasses.replace(config, ema_decay=0.0)
+  params, opt_state = m.init_state(plain, num_phones)
+  assert not isinstance(opt_state, m.Averaged)
+  assert m.eval_params(plain, params, opt_state) is params
+  with pytest.raises(ValueError, match=r"`ema_decay` in \[0, 1\), got 1.0"):
+    m.init_state(dataclasses.replace(config, ema_decay=1.0), num_phones)
+
+
+def test_a_checkpoint_without_ema_decay_resumes_as_zero(tmp_path):
+  """Checkpoints saved before the setting existed had no average."""
+  config = m.PRESETS["default"]
+  saved = dataclasses.asdict(config)
+  del saved["ema_decay"]
+  g2p.check_resumable(saved, config, tmp_path)
+  with pytest.raises(ValueError, match=r"ema_decay=0.0 \(requested 0.999\)"):
+    g2p.check_resumable(saved, dataclasses.replace(config, ema_decay=0.999), tmp_path)
+
+
 @pytest.mark.slow
 def test_tiny_run_saves_and_resumes(tmp_path, capsys):
   config = m.PRESETS["tiny"]
@@ -220,6 +274,10 @@ def test_tiny_run_saves_and_resumes(tmp_path, capsys):
   assert second["start_step"] == 4 and [h[0] for h in second["history"]] == [6, 12]
   a = g2p.restore_checkpoint(tmp_path / "a", 12, config, len(corpus.phones))
   b = g2p.restore_checkpoint(tmp_path / "b", 12, config, len(corpus.phones))
+  # The tiny preset averages its parameters: the scores are the average's.
+  assert isinstance(a[1], m.Averaged)
+  per, wer, _ = g2p.evaluate(m.eval_params(config, *a), config, corpus, "dev")
+  assert first["history"][-1] == (12, per, wer) and first["dev"] == (per, wer)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -267,7 +325,9 @@ def test_flags_must_be_positive(capsys):
   assert args.workdir is None and not args.resume
 
 
-@pytest.mark.parametrize("flag", ["--decoder-dropout", "--label-smoothing"])
+@pytest.mark.parametrize(
+  "flag", ["--decoder-dropout", "--label-smoothing", "--ema-decay"]
+)
 def test_rate_flags(flag, capsys):
   _, config = g2p.parse_args(["--preset", "full", flag, "0.25"])
   name = flag[2:].replace("-", "_")

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -54,6 +55,9 @@ class Config:
       outputs (`jaxlod.nn.Seq2Seq`'s ``dropout``; 0 disables it).
     label_smoothing: the training loss's target puts this much probability
       evenly over all phonemes (0: the one-hot target).
+    ema_decay: after each step, ``ema = ema_decay * ema + (1 - ema_decay) *
+      params``, from the initial parameters; the evaluations decode with
+      ``ema`` (0: no average, they decode with the parameters).
     max_words: keep only this many words of the lexicon, evenly spaced in
       sorted order (`None`: all of them).
     batch_words: the most words in a training batch (count capacity).
@@ -84,6 +88,7 @@ class Config:
   dropout: float = 0.0
   decoder_dropout: float = 0.0
   label_smoothing: float = 0.0
+  ema_decay: float = 0.0
   max_words: int | None = None
   batch_words: int = 64
   loop_sizes: int = 4
@@ -107,6 +112,7 @@ MODEL_FIELDS = (
   "hidden",
   "attention_units",
   "encoder_layers",
+  "ema_decay",
   "max_words",
   "batch_words",
   "batch_tokens",
@@ -115,12 +121,13 @@ MODEL_FIELDS = (
 
 PRESETS = {
   # A few hundred words, a dozen steps, a small model (the tests): the run is
-  # mostly compilation. Both dropouts and label smoothing are on, so the tests
-  # take every path of the training step.
+  # mostly compilation. Both dropouts, label smoothing and the average are on,
+  # so the tests take every path of the training step.
   "tiny": Config(
     dropout=0.1,
     decoder_dropout=0.1,
     label_smoothing=0.1,
+    ema_decay=0.9,
     embed_dim=8,
     hidden=16,
     attention_units=16,
@@ -250,6 +257,24 @@ def learning_rate(config: Config, step: int) -> float:
   return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class Averaged(NamedTuple):
+  """The training state's second part with `Config.ema_decay`.
+
+  Attributes:
+    inner: the optimizer's state (`optimizer`).
+    ema: the moving average of the parameters (their tree).
+  """
+
+  inner: optax.OptState
+  ema: Any
+
+
+def eval_params(config: Config, params: Any, opt_state: Any) -> Any:
+  """The parameters to decode with: the average with `config.ema_decay`
+  (``opt_state.ema``), else `params`."""
+  return opt_state.ema if config.ema_decay else params
+
+
 def optimizer(config: Config) -> optax.GradientTransformation:
   """Clipping and Adam's scaling; the step multiplies by ``-learning_rate``."""
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), optax.scale_by_adam())
@@ -292,6 +317,7 @@ _COMPILED_FIELDS = (
   "dropout",
   "decoder_dropout",
   "label_smoothing",
+  "ema_decay",
   "clip_norm",
 )
 
@@ -312,7 +338,10 @@ def _init(key: tuple, num_phones: int) -> Callable:
   @jax.jit
   def init(rng):
     params = model.init(rng, src, tgt)
-    return params, optimizer(config).init(params)
+    opt_state = optimizer(config).init(params)
+    if config.ema_decay:
+      opt_state = Averaged(opt_state, params)
+    return params, opt_state
 
   return init
 
@@ -320,9 +349,16 @@ def _init(key: tuple, num_phones: int) -> Callable:
 def init_state(config: Config, num_phones: int, abstract: bool = False) -> tuple:
   """Initial ``(params, opt_state)`` from `config.seed`.
 
-  With `abstract`, their shapes and dtypes only (``jax.ShapeDtypeStruct``
+  `opt_state` is the optimizer's state, or with `config.ema_decay` an
+  `Averaged` of it and the average (the initial parameters). With
+  `abstract`, their shapes and dtypes only (``jax.ShapeDtypeStruct``
   leaves, nothing compiled or computed): a template to restore into.
+
+  Raises:
+    ValueError: for `ema_decay` outside ``[0, 1)``.
   """
+  if not 0.0 <= config.ema_decay < 1.0:
+    raise ValueError(f"Expected `ema_decay` in [0, 1), got {config.ema_decay}.")
   init = _init(_compiled_key(config), num_phones)
   rng = jax.random.key(config.seed)
   return jax.eval_shape(init, rng) if abstract else init(rng)
@@ -338,19 +374,28 @@ def _train_step(key: tuple, num_phones: int) -> Callable:
     logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
     return token_loss(logits, tgt_out, config.label_smoothing)
 
+  decay = config.ema_decay
+
   @jax.jit
   def step(params, opt_state, lr, rng, src, tgt_in, tgt_out):
     loss, grads = jax.value_and_grad(loss_fn)(params, rng, src, tgt_in, tgt_out)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    inner = opt_state.inner if decay else opt_state
+    updates, inner = tx.update(grads, inner, params)
     updates = jax.tree.map(lambda u: -lr * u, updates)
-    return optax.apply_updates(params, updates), opt_state, loss
+    params = optax.apply_updates(params, updates)
+    if not decay:
+      return params, inner, loss
+    ema = jax.tree.map(lambda a, p: a + (1 - decay) * (p - a), opt_state.ema, params)
+    return params, Averaged(inner, ema), loss
 
   return step
 
 
 def train_step(config: Config, num_phones: int) -> Callable:
   """The jitted step ``(params, opt_state, lr, rng, src, tgt_in, tgt_out) ->
-  (params, opt_state, loss)``; `lr` a float scalar, `rng` a key for dropout."""
+  (params, opt_state, loss)``; `lr` a float scalar, `rng` a key for dropout.
+  With `config.ema_decay`, `opt_state` is an `Averaged` whose average takes
+  in the new parameters."""
   return _train_step(_compiled_key(config), num_phones)
 
 

@@ -149,13 +149,17 @@ def latest_step(workdir: pathlib.Path) -> int | None:
 def check_resumable(saved: dict, config: m.Config, workdir: pathlib.Path) -> None:
   """Raises unless `config` agrees with the `saved` one on `MODEL_FIELDS`.
 
+  A setting the saved config lacks (one added since) had its default.
+
   Raises:
     ValueError: naming each differing setting, saved and requested.
   """
+  defaults = dataclasses.asdict(m.Config())
+  saved = {name: saved.get(name, defaults[name]) for name in m.MODEL_FIELDS}
   diffs = [
-    f"{name}={saved.get(name)!r} (requested {getattr(config, name)!r})"
+    f"{name}={saved[name]!r} (requested {getattr(config, name)!r})"
     for name in m.MODEL_FIELDS
-    if saved.get(name) != getattr(config, name)
+    if saved[name] != getattr(config, name)
   ]
   if diffs:
     raise ValueError(
@@ -205,10 +209,10 @@ def train(
 ) -> tuple[Any, Any, list[tuple[int, float, float]]]:
   """Trains from step `start` to `stop` (default `config.steps`).
 
-  Every `eval_every` steps and at `stop`, scores `dev_words` dev words and
-  saves a checkpoint. The batches, dropout masks and learning rates are
-  those of the step count, so a run stopped early and resumed computes what
-  an uninterrupted one does.
+  Every `eval_every` steps and at `stop`, scores `dev_words` dev words (with
+  `m.eval_params`) and saves a checkpoint. The batches, dropout masks and
+  learning rates are those of the step count, so a run stopped early and
+  resumed computes what an uninterrupted one does.
 
   Returns:
     ``(params, opt_state, history)``, history a list of ``(step, dev PER,
@@ -249,7 +253,10 @@ def train(
         loss_sum, losses = 0.0, 0
       if done % config.eval_every == 0 or done == stop:
         began = time.perf_counter()
-        per, wer, rows = evaluate(params, config, corpus, "dev", config.dev_words)
+        decode_params = m.eval_params(config, params, opt_state)
+        per, wer, rows = evaluate(
+          decode_params, config, corpus, "dev", config.dev_words
+        )
         _print_eval(done, per, wer, len(rows), time.perf_counter() - began)
         history.append((done, per, wer))
         save_checkpoint(workdir, done, params, opt_state, config)
@@ -295,6 +302,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
   parser.add_argument(
     "--label-smoothing", type=float, help="label smoothing of the training loss"
   )
+  parser.add_argument(
+    "--ema-decay",
+    type=float,
+    help="evaluate a moving average of the parameters with this decay (0: none)",
+  )
   parser.add_argument("--examples", type=int, default=10, help="predictions shown")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
@@ -306,6 +318,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     "eval_every": args.eval_every,
     "decoder_dropout": args.decoder_dropout,
     "label_smoothing": args.label_smoothing,
+    "ema_decay": args.ema_decay,
   }
   config = dataclasses.replace(
     m.PRESETS[args.preset], **{k: v for k, v in flags.items() if v is not None}
@@ -314,7 +327,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     if getattr(config, name) < 1:
       flag = "--" + name.replace("_", "-")
       parser.error(f"{flag} must be >= 1, got {getattr(config, name)}")
-  for name in ("decoder_dropout", "label_smoothing"):
+  for name in ("decoder_dropout", "label_smoothing", "ema_decay"):
     if not 0.0 <= getattr(config, name) < 1.0:
       flag = "--" + name.replace("_", "-")
       parser.error(f"{flag} must be in [0, 1), got {getattr(config, name)}")
@@ -372,18 +385,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"CMUdict words: {sizes}; stress {stress} ({len(corpus.phones) - 2} phonemes)")
   workdir, start, params, opt_state = _start(args, config, len(corpus.phones))
   count = sum(x.size for x in jax.tree.leaves(params))
+  average = f", scored by their average (decay {config.ema_decay})"
   print(
     f"model: embed {config.embed_dim}, encoder {config.encoder_layers} x BiLSTM "
     f"{config.hidden}, LSTM decoder {config.hidden}, additive attention "
     f"{config.attention_units}: {count:,} parameters"
+    + (average if config.ema_decay else "")
   )
   print(f"checkpoints: {workdir}" + (f" (resuming at step {start})" if start else ""))
   params, opt_state, history = train(
     config, corpus, params, opt_state, start, workdir, args.quiet
   )
   results, table = {}, [("split", "words", "PER", "WER")]
+  decode_params = m.eval_params(config, params, opt_state)
   for split in ("dev", "test"):
-    per, wer, rows = evaluate(params, config, corpus, split)
+    per, wer, rows = evaluate(decode_params, config, corpus, split)
     results[split] = (per, wer)
     table.append((split, str(len(rows)), f"{100 * per:.2f}%", f"{100 * wer:.2f}%"))
   step = max(start, config.steps)
