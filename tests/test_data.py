@@ -238,6 +238,24 @@ def test_tables_are_the_rank_tables_of_the_fields():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_tables_only_for_the_chosen_fields():
+  """`tables` skips fields nothing ranks: their entries are None, no work."""
+  examples = random_examples(30)
+  everything = list(Batcher(examples, SMALL, prefetch=0).epoch(0))
+  for tables, kept in (((True, False), (0,)), ([False, True], (1,)), (False, ())):
+    batcher = Batcher(examples, SMALL, prefetch=0, tables=tables)
+    for batch, full in zip(batcher.epoch(0), everything, strict=True):
+      assert_lod_equal(batch.fields[0], full.fields[0])
+      for f in range(2):
+        if f not in kept:
+          assert batch.tables[f] is None
+          continue
+        for got, want in zip(
+          jax.tree.leaves(batch.tables[f]), jax.tree.leaves(full.tables[f]), strict=True
+        ):
+          np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_field_dtype_ignores_empty_examples():
   # `np.asarray([])` is float64; it must not turn integer ids into floats.
   examples = [([], [1, 2]), ([3], []), ([], [4])]
@@ -442,6 +460,21 @@ def test_prefetch_zero_starts_no_thread():
       r"field 0 of example 2 to have feature shape \(3,\) like example 0, got \(2,\)",
     ),
     ([(["a", "b"],)], SMALL, {}, TypeError, "field 0 to hold numbers, got dtype <U1"),
+    (
+      [([1], [2])],
+      SMALL,
+      {"tables": (True,)},
+      ValueError,
+      r"`tables` to be a bool or one bool per field \(2\), got 1 entries",
+    ),
+    (
+      [([1], [2])],
+      SMALL,
+      {"tables": (True, 1)},
+      TypeError,
+      r"`tables\[1\]` to be a bool, got 1",
+    ),
+    ([([1],)], SMALL, {"tables": "yes"}, TypeError, "`tables` to be a bool or a seq"),
   ],
 )
 def test_argument_errors(examples, buckets, kwargs, error, match):

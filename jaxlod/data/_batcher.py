@@ -25,7 +25,8 @@ class Batch(NamedTuple):
       batch's examples' field ``f`` in the order of `indices`: values
       ``[token_capacity_f, *features_f]`` in the examples' dtype, on the
       fixed capacities of the field's `Buckets`.
-    tables: F `RankTable`s, ``rank_table(fields[f], ladder=ladder)``.
+    tables: F entries: ``rank_table(fields[f], ladder=ladder)``, or `None`
+      for a field the `Batcher`'s ``tables`` leaves out.
     indices: int64 ``[n]``, the example indices of the batch, in field order.
     epoch: the epoch of the batch.
     step: the batch's position in the stream of all epochs, counted from the
@@ -34,11 +35,30 @@ class Batch(NamedTuple):
   """
 
   fields: tuple[LoDTensor, ...]
-  tables: tuple[RankTable, ...]
+  tables: tuple[RankTable | None, ...]
   indices: np.ndarray
   epoch: int
   step: int
   num_tokens: int
+
+
+def _check_tables(tables: Any, num_fields: int) -> tuple[bool, ...]:
+  """One bool per field from `Batcher`'s ``tables`` argument."""
+  if isinstance(tables, bool | np.bool_):
+    return (bool(tables),) * num_fields
+  if isinstance(tables, str) or not isinstance(tables, Sequence):
+    raise TypeError(
+      f"Expected `tables` to be a bool or a sequence of bools, got {tables!r}."
+    )
+  if len(tables) != num_fields:
+    raise ValueError(
+      f"Expected `tables` to be a bool or one bool per field ({num_fields}), "
+      f"got {len(tables)} entries."
+    )
+  for f, keep in enumerate(tables):
+    if not isinstance(keep, bool | np.bool_):
+      raise TypeError(f"Expected `tables[{f}]` to be a bool, got {keep!r}.")
+  return tuple(bool(keep) for keep in tables)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -283,6 +303,9 @@ class Batcher:
       by default `default_ladder` of each field's sequence capacity.
     device_put: put each batch's fields and tables on JAX's default device
       (``jax.device_put``) as it is built; False keeps NumPy arrays.
+    tables: build the rank tables of every field (True), of none (False),
+      or of the fields whose entry of a sequence of F bools is True; a
+      field left out gets `None` in ``Batch.tables``, and no host work.
 
   Raises:
     ValueError: for no examples, examples with differing field counts, a
@@ -318,6 +341,7 @@ class Batcher:
     prefetch: int = 2,
     ladder: Sequence[int] | None = None,
     device_put: bool = True,
+    tables: bool | Sequence[bool] = True,
   ):
     self._window = _check_int("window", window, 1)
     self._prefetch = _check_int("prefetch", prefetch, 0)
@@ -333,6 +357,7 @@ class Batcher:
       for f, (arrays, b) in enumerate(zip(columns, field_buckets, strict=True))
     ]
     self._ladders = [normalize_ladder(f.sequences, ladder) for f in self._fields]
+    self._tables = _check_tables(tables, len(self._fields))
     self._lengths = np.stack([np.diff(f.starts) for f in self._fields], axis=1)
     if token_budget is None:
       token_budget = min(f.tokens for f in self._fields)
@@ -405,7 +430,8 @@ class Batcher:
     fields = tuple(field.pack(indices) for field in self._fields)
     ladders = self._ladders
     tables = tuple(
-      rank_table(x, ladder=ladder) for x, ladder in zip(fields, ladders, strict=True)
+      rank_table(x, ladder=ladder) if keep else None
+      for x, ladder, keep in zip(fields, ladders, self._tables, strict=True)
     )
     if self._device_put:
       fields, tables = jax.device_put((fields, tables))

@@ -86,6 +86,7 @@ def predict(
     m.batch_buckets(config.decode_words),
     shuffle=False,
     window=len(examples),
+    tables=False,
   )
   out: list[tuple[str, ...]] = [()] * len(words)
   for batch in batcher.epoch(0):
@@ -220,7 +221,8 @@ def train(
   """
   step_fn = m.train_step(config, len(corpus.phones))
   buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
-  batcher = Batcher(corpus.train, buckets, seed=config.seed)
+  # The model ranks its batches itself (docs/data.md): no host tables.
+  batcher = Batcher(corpus.train, buckets, seed=config.seed, tables=False)
   # Tokens of an example: its letters and its phonemes with `</s>`.
   lengths = np.array([len(s) + len(t) for s, _, t in corpus.train])
   dropout_key = jax.random.key(config.seed + 1)
