@@ -238,6 +238,67 @@ def test_ema_of_the_parameters():
     m.init_state(dataclasses.replace(config, ema_decay=1.0), num_phones)
 
 
+def test_member_config():
+  config = dataclasses.replace(m.PRESETS["tiny"], seed=5, members=3)
+  assert m.member_config(config, 2) == dataclasses.replace(config, seed=7, members=1)
+  assert m.member_config(m.PRESETS["tiny"], 0) == m.PRESETS["tiny"]
+  with pytest.raises(ValueError, match=r"a member in \[0, 3\), got 3"):
+    m.member_config(config, 3)
+
+
+def _word_batch(words):
+  letters = data.letter_vocab()
+  return LoDTensor.from_sequences(
+    [np.array(letters.encode(w)) for w in words], buckets=m.batch_buckets(4, 64)
+  )
+
+
+def test_an_ensemble_of_one_model_twice_is_the_model():
+  config = m.PRESETS["tiny"]
+  num_phones = len(data.phone_vocab())
+  params, _ = m.init_state(config, num_phones)
+  src = _word_batch(["cab", "a", "bead"])
+  single = m.decoder(config, num_phones, 2)(params, src)
+  pair = dataclasses.replace(config, members=2)
+  double = m.decoder(pair, num_phones, 2)((params, params), src)
+  assert single.recursive_lengths() == double.recursive_lengths()
+  np.testing.assert_array_equal(single.values, double.values)
+
+
+def test_ensemble_scores_are_the_members_mean_log_probabilities():
+  """Each hypothesis' score: the length-penalized sum over its tokens (with
+  `</s>` when it ended) of the mean of the members' teacher-forced
+  log-probabilities."""
+  config = dataclasses.replace(m.PRESETS["tiny"], members=2)
+  num_phones = len(data.phone_vocab())
+  members = tuple(
+    m.init_state(m.member_config(config, k), num_phones)[0] for k in range(2)
+  )
+  words = ["cab", "a", "bead"]
+  src = _word_batch(words)
+  hyps = m.ensemble_search(config, num_phones, beam=3, num_results=3)(members, src)
+  ids = [[h.tolist() for h in source] for source in hyps.ids.to_list()]
+  scores = hyps.scores.to_list()
+  model = m.build_model(config, num_phones)
+  for rank in range(3):
+    tgt_in, tgt_out = [], []
+    for word, source in zip(words, ids, strict=True):
+      tokens = source[rank]
+      ended = len(tokens) < len(word) + m.LENGTH_MARGIN
+      tgt_out.append(tokens + [m.EOS_ID] if ended else tokens)
+      tgt_in.append([m.BOS_ID] + tgt_out[-1][:-1])
+    batch = LoDTensor.from_sequences(tgt_in, buckets=m.batch_buckets(4, 64))
+    logps = [
+      [np.asarray(jax.nn.log_softmax(x, axis=-1)) for x in logits.to_list()]
+      for logits in (model.apply(p, src, batch) for p in members)
+    ]
+    for i, out in enumerate(tgt_out):
+      mean = (logps[0][i] + logps[1][i]) / 2
+      total = mean[np.arange(len(out)), out].sum()
+      want = total / ((5 + len(out)) / 6) ** m.LENGTH_PENALTY
+      np.testing.assert_allclose(scores[i][rank], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_checkpoint_without_ema_decay_resumes_as_zero(tmp_path):
   """Checkpoints saved before the setting existed had no average."""
   config = m.PRESETS["default"]
@@ -323,6 +384,56 @@ def test_flags_must_be_positive(capsys):
   args, config = g2p.parse_args(["--preset", "tiny", "--beam", "3", "--no-stress"])
   assert config == dataclasses.replace(m.PRESETS["tiny"], beam=3, stress=False)
   assert args.workdir is None and not args.resume
+
+
+@pytest.mark.slow
+def test_tiny_ensemble_run_trains_each_member_and_resumes(tmp_path, capsys):
+  config = dataclasses.replace(m.PRESETS["tiny"], members=2)
+  flags = ["--preset", "tiny", "--members", "2", "--quiet", "--examples", "0"]
+  first = g2p.main([*flags, "--workdir", str(tmp_path / "a")])
+  out = capsys.readouterr().out
+  assert "2 members, seeds 0 to 1" in out
+  assert "member 0 (seed 0)" in out and "member 1 (seed 1)" in out
+  assert "| model | split | words | PER | WER |" in out
+  assert "| ensemble | test | 27 |" in out and "| member 1 | dev | 16 |" in out
+  assert first["start_step"] == [0, 0] and len(first["members"]) == 2
+  assert [[h[0] for h in hs] for hs in first["history"]] == [[6, 12], [6, 12]]
+  corpus = g2p.load_corpus(config)
+  num_phones = len(corpus.phones)
+  finals = []
+  for k in range(2):
+    member = m.member_config(config, k)
+    workdir = tmp_path / "a" / f"member_{k}"
+    state = g2p.restore_checkpoint(workdir, 12, member, num_phones)
+    finals.append(m.eval_params(member, *state))
+    # A member's scores are those of the one-model run of its seed.
+    per, wer, _ = g2p.evaluate(finals[-1], member, corpus, "test")
+    assert first["members"][k]["test"] == (per, wer)
+  per, wer, _ = g2p.evaluate(tuple(finals), config, corpus, "test")
+  assert first["test"] == (per, wer)
+
+  # Member 0 done, member 1 stopped after 4 steps: --resume finishes member 1
+  # only, to the parameters of run "a".
+  b = tmp_path / "b"
+  g2p.main(["--preset", "tiny", "--quiet", "--workdir", str(b / "member_0")])
+  member = m.member_config(config, 1)
+  state = m.init_state(member, num_phones)
+  g2p.train(member, corpus, *state, 0, b / "member_1", quiet=True, stop=4)
+  capsys.readouterr()
+  second = g2p.main([*flags, "--workdir", str(b), "--resume"])
+  assert second["start_step"] == [12, 4]
+  assert "member_1 (resuming at step 4)" in capsys.readouterr().out
+  assert second["test"] == first["test"] and second["dev"] == first["dev"]
+  with pytest.raises(ValueError, match=r"member_0 holds a checkpoint \(step 12\)"):
+    g2p.main([*flags, "--workdir", str(b)])
+
+
+def test_members_flag(capsys):
+  _, config = g2p.parse_args(["--preset", "tiny", "--members", "3"])
+  assert config.members == 3
+  with pytest.raises(SystemExit):
+    g2p.parse_args(["--members", "0"])
+  assert "--members must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

