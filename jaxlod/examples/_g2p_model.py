@@ -154,8 +154,8 @@ PRESETS = {
   # the encoder and the decoder, label smoothing, 23 epochs.
   "full": Config(
     embed_dim=128,
-    hidden=256,
-    attention_units=256,
+    hidden=384,
+    attention_units=384,
     encoder_layers=2,
     dropout=0.3,
     decoder_dropout=0.3,
