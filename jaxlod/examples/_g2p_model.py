@@ -58,12 +58,12 @@ class Config:
       outputs (`jaxlod.nn.Seq2Seq`'s ``dropout``; 0 disables it).
     label_smoothing: the training loss's target puts this much probability
       evenly over all phonemes (0: the one-hot target).
-    members: models trained one after another, member ``k`` with seed
-      ``seed + k`` (`member_config`); the final scores decode with all of
-      them, beam search over the mean of their log-probabilities.
     ema_decay: after each step, ``ema = ema_decay * ema + (1 - ema_decay) *
       params``, from the initial parameters; the evaluations decode with
       ``ema`` (0: no average, they decode with the parameters).
+    members: models trained one after another, member ``k`` with seed
+      ``seed + k`` (`member_config`); the final scores decode with all of
+      them, beam search over the mean of their log-probabilities.
     max_words: keep only this many words of the lexicon, evenly spaced in
       sorted order (`None`: all of them).
     batch_words: the most words in a training batch (count capacity).
