@@ -418,28 +418,30 @@ def train_step(config: Config, num_phones: int) -> Callable:
   return _train_step(_compiled_key(config), num_phones)
 
 
+def _search_settings(src: LoDTensor, beam: int) -> dict:
+  """The beam search's settings for source words `src` (model or ensemble)."""
+  return dict(
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    max_length=src.lengths() + LENGTH_MARGIN,
+    length_capacity=src.capacity.time[0] + LENGTH_MARGIN,
+    beam_size=beam,
+    length_penalty=LENGTH_PENALTY,
+    # One phase at the full count (no compaction): each extra phase is another
+    # copy of the step to compile, and a batch holds words of similar lengths.
+    ladder=(src.capacity.sequences[0],),
+  )
+
+
 @functools.lru_cache(maxsize=8)
 def _decoder(key: tuple, num_phones: int, beam: int) -> Callable:
   model = build_model(Config(**dict(key)), num_phones)
 
   @jax.jit
   def decode(params, src):
-    # One phase at the full count (no compaction): each extra phase is another
-    # copy of the step to compile, and a batch holds words of similar lengths.
-    ladder = (src.capacity.sequences[0],)
+    settings = _search_settings(src, beam)
     hyps = model.apply(
-      params,
-      src,
-      "beam",
-      method="generate",
-      bos_id=BOS_ID,
-      eos_id=EOS_ID,
-      max_length=src.lengths() + LENGTH_MARGIN,
-      length_capacity=src.capacity.time[0] + LENGTH_MARGIN,
-      beam_size=beam,
-      length_penalty=LENGTH_PENALTY,
-      num_results=1,
-      ladder=ladder,
+      params, src, "beam", method="generate", num_results=1, **settings
     )
     return hyps.ids
 
@@ -475,16 +477,9 @@ def _ensemble_search(key: tuple, num_phones: int, beam: int, num_results: int):
     return beam_search(
       step_fn,
       tuple(carries),
-      bos_id=BOS_ID,
-      eos_id=EOS_ID,
-      max_length=src.lengths() + LENGTH_MARGIN,
       static_inputs=tuple(statics),
-      beam_size=beam,
-      length_penalty=LENGTH_PENALTY,
       num_results=num_results,
-      length_capacity=src.capacity.time[0] + LENGTH_MARGIN,
-      # One phase, as in `decoder`.
-      ladder=(src.capacity.sequences[0],),
+      **_search_settings(src, beam),
     )
 
   return search

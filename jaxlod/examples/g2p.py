@@ -426,29 +426,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     + (average if config.ema_decay else "")
     + (ensemble if config.members > 1 else "")
   )
+  members = [m.member_config(config, k) for k in range(config.members)]
   finals, histories = [], []
-  for k, (start, params, opt_state) in enumerate(states):
-    member = m.member_config(config, k)
+  for k, (member, (start, params, opt_state)) in enumerate(
+    zip(members, states, strict=True)
+  ):
+    member_workdir = member_dir(workdir, config, k)
     resuming = f" (resuming at step {start})" if start else ""
     if config.members > 1:
       print(f"member {k} (seed {member.seed})")
-    print(f"checkpoints: {member_dir(workdir, config, k)}{resuming}")
+    print(f"checkpoints: {member_workdir}{resuming}")
     params, opt_state, history = train(
-      member,
-      corpus,
-      params,
-      opt_state,
-      start,
-      member_dir(workdir, config, k),
-      args.quiet,
+      member, corpus, params, opt_state, start, member_workdir, args.quiet
     )
     finals.append(m.eval_params(member, params, opt_state))
     histories.append(history)
   if config.members == 1:
     scored = [("model", config, finals[0])]
   else:
+    pairs = zip(members, finals, strict=True)
     scored = [
-      *((f"member {k}", m.member_config(config, k), p) for k, p in enumerate(finals)),
+      *((f"member {k}", c, p) for k, (c, p) in enumerate(pairs)),
       ("ensemble", config, tuple(finals)),
     ]
   results: dict[str, dict[str, tuple[float, float]]] = {}
