@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlod import Buckets, LoDTensor
+from jaxlod.nn import ensemble_generate
 from jaxlod.ops import beam_search, rank_table
 from tests.test_nn_seq2seq import (
   S2S_SRC_BUCKETS,
@@ -40,12 +41,12 @@ def generate(params, src, method="beam", beam_size=3, alpha=0.6):
   )
 
 
-def teacher_forced_scores(params, src, hyps, alpha):
-  """``scores[i][r]`` of hypothesis ``hyps[i][r]`` by teacher forcing: its
-  summed log-probs (with `eos` when it ended before the max length),
-  length-penalized."""
-  model = _seq2seq()
-  scores = [[] for _ in hyps]
+def teacher_forced_logps(members, src, hyps):
+  """``logps[i][r]``: ``[len(tokens), vocab]`` mean over `members` (``(model,
+  params)`` pairs) of the teacher-forced log-probs of hypothesis
+  ``hyps[i][r]`` with `eos` appended when it ended before the max length,
+  and those target ids."""
+  out = [[] for _ in hyps]
   for rank in range(len(hyps[0])):
     tgt_in, tgt_out = [], []
     for source in hyps:
@@ -54,11 +55,26 @@ def teacher_forced_scores(params, src, hyps, alpha):
       tgt_out.append(np.array(tokens + [EOS] if ended else tokens, np.int32))
       tgt_in.append(np.array([BOS] + tokens[: len(tgt_out[-1]) - 1], np.int32))
     batch = LoDTensor.from_sequences(tgt_in, buckets=TGT_BUCKETS, dtype=np.int32)
-    logits = jax.jit(model.apply)(params, src, batch)
-    for i, lp in enumerate(logits.to_list()):
-      logp = np.asarray(jax.nn.log_softmax(lp, axis=-1))
-      total = logp[np.arange(len(tgt_out[i])), tgt_out[i]].sum()
-      scores[i].append(total / ((5 + len(tgt_out[i])) / 6) ** alpha)
+    logps = [
+      [np.asarray(jax.nn.log_softmax(x, axis=-1)) for x in logits.to_list()]
+      for logits in (jax.jit(m.apply)(p, src, batch) for m, p in members)
+    ]
+    for i, target in enumerate(tgt_out):
+      out[i].append((np.mean([lp[i] for lp in logps], axis=0), target))
+  return out
+
+
+def teacher_forced_scores(params, src, hyps, alpha, members=None):
+  """``scores[i][r]`` of hypothesis ``hyps[i][r]`` by teacher forcing: its
+  summed log-probs (with `eos` when it ended before the max length),
+  length-penalized; with `members`, the mean of their log-probs."""
+  members = members or [(_seq2seq(), params)]
+  scores = []
+  for source in teacher_forced_logps(members, src, hyps):
+    scores.append([])
+    for logp, target in source:
+      total = logp[np.arange(len(target)), target].sum()
+      scores[-1].append(total / ((5 + len(target)) / 6) ** alpha)
   return scores
 
 
@@ -172,3 +188,98 @@ def test_generate_errors():
     model.apply(params, src, method="generate", bos_id=0, eos_id=6, max_length=3)
   with pytest.raises(ValueError, match=r"`bos_id` in \[0, 6\) \(`tgt_vocab`\), got 6"):
     model.apply(params, src, method="generate", bos_id=6, eos_id=1, max_length=3)
+
+
+def _two_members():
+  """Two models of different decoder widths, with their parameters."""
+  src, tgt_in, _ = _seq2seq_batch()
+  wide = _seq2seq(hidden=7)
+  return [
+    (_seq2seq(), _seq2seq_params()),
+    (wide, jax.jit(wide.init)(jax.random.key(1), src, tgt_in)),
+  ]
+
+
+@functools.partial(jax.jit, static_argnames=("models", "method", "beam_size"))
+def ensemble(models, variables, src, method="beam", beam_size=3):
+  return ensemble_generate(
+    list(zip(models, variables, strict=True)),
+    src,
+    method,
+    bos_id=BOS,
+    eos_id=EOS,
+    max_length=MAX_LENGTH,
+    beam_size=beam_size,
+  )
+
+
+def _same(a, b):
+  assert a.ids.recursive_lengths() == b.ids.recursive_lengths()
+  np.testing.assert_array_equal(a.ids.values, b.ids.values)
+  np.testing.assert_allclose(a.scores.values, b.scores.values, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["beam", "greedy"])
+def test_an_ensemble_of_one_member_is_generate(method):
+  params = _seq2seq_params()
+  src, _, _ = _seq2seq_batch()
+  got = ensemble((_seq2seq(),), (params,), src, method)
+  _same(got, generate(params, src, method))
+
+
+def test_ensemble_beam_scores_are_the_mean_teacher_forced_scores():
+  members = _two_members()
+  src, _, _ = _seq2seq_batch()
+  models, variables = zip(*members, strict=True)
+  out = ensemble(models, variables, src)
+  hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
+  assert [len(h) for h in hyps] == [3, 3, 3, 3]
+  expected = teacher_forced_scores(None, src, hyps, 0.6, members=members)
+  np.testing.assert_allclose(
+    np.array(out.scores.to_list()), np.array(expected), rtol=1e-5, atol=1e-5
+  )
+  # Not either member's own search.
+  for model, params in members:
+    alone = model.apply(
+      params,
+      src,
+      method="generate",
+      bos_id=BOS,
+      eos_id=EOS,
+      max_length=MAX_LENGTH,
+      beam_size=3,
+    )
+    assert not np.allclose(alone.scores.values, out.scores.values)
+
+
+def test_ensemble_greedy_takes_the_argmax_of_the_mean_log_probs():
+  members = _two_members()
+  src, _, _ = _seq2seq_batch()
+  models, variables = zip(*members, strict=True)
+  out = ensemble(models, variables, src, "greedy")
+  hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
+  for source, score in zip(
+    teacher_forced_logps(members, src, hyps), out.scores.to_list(), strict=True
+  ):
+    ((logp, target),) = source
+    np.testing.assert_array_equal(logp.argmax(-1), target)
+    np.testing.assert_allclose(
+      score, [logp[np.arange(len(target)), target].sum()], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_ensemble_generate_errors():
+  members = _two_members()
+  src, _, _ = _seq2seq_batch()
+  kw = dict(bos_id=BOS, eos_id=EOS, max_length=MAX_LENGTH)
+  with pytest.raises(ValueError, match=r"at least one `\(model, variables\)` member"):
+    ensemble_generate([], src, **kw)
+  with pytest.raises(TypeError, match=r"`members\[1\]` to be a \(Seq2Seq, variables\)"):
+    ensemble_generate([members[0], members[1][1]], src, **kw)
+  other = _seq2seq().clone(tgt_vocab=9)
+  with pytest.raises(ValueError, match=r"share `tgt_vocab`, got \[6, 9\]"):
+    ensemble_generate([members[0], (other, members[0][1])], src, **kw)
+  with pytest.raises(ValueError, match=r"`method` to be \"beam\" or \"greedy\""):
+    ensemble_generate(members, src, "top-k", **kw)
+  with pytest.raises(ValueError, match=r"`eos_id` in \[0, 6\)"):
+    ensemble_generate(members, src, bos_id=BOS, eos_id=6, max_length=MAX_LENGTH)

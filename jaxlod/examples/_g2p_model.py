@@ -26,8 +26,8 @@ from jaxlod.nn import (
   Bidirectional,
   DynamicRNN,
   Seq2Seq,
+  ensemble_generate,
 )
-from jaxlod.ops import beam_search
 
 # Ids of the target vocabulary's markers (see `_g2p_data.phone_vocab`).
 BOS_ID, EOS_ID = 0, 1
@@ -454,30 +454,9 @@ def _ensemble_search(key: tuple, num_phones: int, beam: int, num_results: int):
 
   @jax.jit
   def search(members, src):
-    statics, carries = [], []
-    for params in members:
-      memory = model.apply(params, src, method="encode")
-      keys = model.apply(params, memory, method="precompute")
-      carries.append(model.apply(params, memory, method="initial_state"))
-      statics.append((memory, keys))
-
-    def step_fn(carry, tokens, static):
-      new, logps = [], []
-      for params, c, ((memory, lengths), keys) in zip(
-        members, carry, static, strict=True
-      ):
-        keys = None if keys is None else keys[0]
-        c, logits, _ = model.apply(
-          params, c, tokens, memory, lengths, keys, method="decode_step"
-        )
-        new.append(c)
-        logps.append(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
-      return tuple(new), jnp.mean(jnp.stack(logps), axis=0)
-
-    return beam_search(
-      step_fn,
-      tuple(carries),
-      static_inputs=tuple(statics),
+    return ensemble_generate(
+      [(model, params) for params in members],
+      src,
       num_results=num_results,
       **_search_settings(src, beam),
     )
@@ -494,7 +473,7 @@ def ensemble_search(
   scores the next phoneme by the mean of the members' log-probabilities
   (each member keeps its own decoder carry over the same hypotheses), with
   `LENGTH_PENALTY`. The result holds `num_results`
-  hypotheses per source word (see `jaxlod.ops.beam_search`).
+  hypotheses per source word (see `jaxlod.nn.ensemble_generate`).
   """
   return _ensemble_search(_compiled_key(config), num_phones, beam, num_results)
 

@@ -8,7 +8,7 @@ from jaxlod.nn._attention import (
   GeneralAttention,
 )
 from jaxlod.nn._rnn import Bidirectional, DynamicRNN, HierarchicalEncoder, StackedRNN
-from jaxlod.nn._seq2seq import AttentionDecoder, Seq2Seq
+from jaxlod.nn._seq2seq import AttentionDecoder, Seq2Seq, ensemble_generate
 
 __all__ = [
   "AdditiveAttention",
@@ -21,4 +21,5 @@ __all__ = [
   "HierarchicalEncoder",
   "Seq2Seq",
   "StackedRNN",
+  "ensemble_generate",
 ]

@@ -9,6 +9,7 @@ kept (old PaddlePaddle expanded the decoder states to every source position).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,6 +92,70 @@ def _pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
     return unbound.apply(variables, *args, method=method)
 
   return apply
+
+
+def _check_search(method: str, bos_id: Any, eos_id: Any, tgt_vocab: int) -> None:
+  """Eager checks of `generate`'s decoding method and special ids."""
+  if method not in ("beam", "greedy"):
+    raise ValueError(f'Expected `method` to be "beam" or "greedy", got {method!r}.')
+  for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+    # `nn.Embed` would give NaN rows for an id past the table, silently.
+    if isinstance(value, int | np.integer) and not 0 <= value < tgt_vocab:
+      raise ValueError(
+        f"Expected `{name}` in [0, {tgt_vocab}) (`tgt_vocab`), got {value}."
+      )
+
+
+def _search(
+  steps: Sequence[Callable],
+  carries: Sequence[Any],
+  statics: Sequence[tuple[LoDTensor, LoDTensor | None]],
+  method: str,
+  *,
+  beam_size: int,
+  length_penalty: float,
+  num_results: int | None,
+  **common: Any,
+) -> Hypotheses:
+  """Beam search or greedy decoding over the mean of the members' next-token
+  log-probabilities.
+
+  Member ``k`` has the pure decode step ``steps[k]`` (`Seq2Seq.decode_step`
+  over its variables), starting carry ``carries[k]`` and external memory
+  ``statics[k] = (encoder outputs, attention keys or None)``. One member
+  decodes with its own log-probabilities (no averaging in the step).
+  """
+
+  def member(step, carry, tokens, static):
+    (memory, lengths), keys = static
+    keys = None if keys is None else keys[0]
+    carry, logits, _ = step(carry, tokens, memory, lengths, keys)
+    return carry, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+  if len(steps) == 1:
+    step_fn = functools.partial(member, steps[0])
+    carry, static = carries[0], statics[0]
+  else:
+
+    def step_fn(carry, tokens, static):
+      out = [
+        member(*args, tokens, s)
+        for args, s in zip(zip(steps, carry, strict=True), static, strict=True)
+      ]
+      return tuple(c for c, _ in out), jnp.mean(jnp.stack([lp for _, lp in out]), 0)
+
+    carry, static = tuple(carries), tuple(statics)
+  common = dict(common, static_inputs=static)
+  if method == "greedy":
+    return greedy_decode(step_fn, carry, **common)
+  return beam_search(
+    step_fn,
+    carry,
+    beam_size=beam_size,
+    length_penalty=length_penalty,
+    num_results=num_results,
+    **common,
+  )
 
 
 class AttentionDecoder(nn.Module):
@@ -515,48 +580,27 @@ class Seq2Seq(nn.Module):
       ValueError: for an unknown `method`, `bos_id` or `eos_id` outside
         ``[0, tgt_vocab)``, and as `beam_search` does.
     """
-    if method not in ("beam", "greedy"):
-      raise ValueError(f'Expected `method` to be "beam" or "greedy", got {method!r}.')
-    for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
-      # `nn.Embed` would give NaN rows for an id past the table, silently.
-      if isinstance(value, int | np.integer) and not 0 <= value < self.tgt_vocab:
-        raise ValueError(
-          f"Expected `{name}` in [0, {self.tgt_vocab}) (`tgt_vocab`), got {value}."
-        )
+    _check_search(method, bos_id, eos_id, self.tgt_vocab)
     if self.is_initializing():
       raise ValueError(
         "Seq2Seq.generate needs parameters: initialize the model with `init` on "
         "(src, tgt_in), then call `apply(variables, src, method='generate', ...)`."
       )
     memory = self.encode(src, src_table)
-    keys = self.precompute(memory)
-    carry = self.initial_state(memory)
-    decode_step = _pure_method(self, "decode_step")
-
-    def step_fn(carry, tokens, static):
-      (memory, lengths), keys = static
-      keys = None if keys is None else keys[0]
-      carry, logits, _ = decode_step(carry, tokens, memory, lengths, keys)
-      return carry, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-
-    common = dict(
+    return _search(
+      [_pure_method(self, "decode_step")],
+      [self.initial_state(memory)],
+      [(memory, self.precompute(memory))],
+      method,
       bos_id=bos_id,
       eos_id=eos_id,
       max_length=max_length,
-      static_inputs=(memory, keys),
-      length_capacity=length_capacity,
-      ladder=ladder,
-      compact=compact,
-    )
-    if method == "greedy":
-      return greedy_decode(step_fn, carry, **common)
-    return beam_search(
-      step_fn,
-      carry,
       beam_size=beam_size,
       length_penalty=length_penalty,
       num_results=num_results,
-      **common,
+      length_capacity=length_capacity,
+      ladder=ladder,
+      compact=compact,
     )
 
   def __call__(
@@ -615,3 +659,106 @@ class Seq2Seq(nn.Module):
       outputs, weights = outputs
     logits = _zero_padding(outputs, self.output(self.drop(outputs.values)))
     return logits if weights is None else (logits, weights)
+
+
+def ensemble_generate(
+  members: Sequence[tuple[Seq2Seq, Any]],
+  src: LoDTensor,
+  method: str = "beam",
+  *,
+  bos_id: int,
+  eos_id: int,
+  max_length: int | jax.typing.ArrayLike,
+  beam_size: int = 4,
+  length_penalty: float = 0.6,
+  num_results: int | None = None,
+  length_capacity: int | None = None,
+  ladder: Any = None,
+  compact: bool = True,
+  src_table: RankTable | None = None,
+) -> Hypotheses:
+  """Decodes every source with an ensemble of encoder-decoders.
+
+  Each step scores the next token by the mean of the members'
+  ``log_softmax`` outputs; every member encodes the source once and keeps
+  its own decoder carry over the same hypotheses. The members may differ in
+  architecture (widths, layers, attention) but share the target vocabulary.
+  One member decodes as ``model.apply(variables, src, method="generate",
+  ...)`` does. Works under `jax.jit` with the variables as traced
+  arguments.
+
+  Args:
+    members: ``(model, variables)`` pairs, each model an unbound `Seq2Seq`
+      and its variables (e.g. from ``model.init``).
+    src: a LoDTensor of int source ids, values ``[src_token_capacity]`` or
+      ``[src_token_capacity, 1]``, in every member's source vocabulary.
+    method, bos_id, eos_id, max_length, beam_size, length_penalty,
+      num_results, length_capacity, ladder, compact, src_table: as in
+      `Seq2Seq.generate`.
+
+  Returns:
+    `jaxlod.ops.Hypotheses` in `src`'s order, scored by the mean
+    log-probabilities (length-penalized for beam search).
+
+  Raises:
+    TypeError: for a member that is not a ``(Seq2Seq, variables)`` pair.
+    ValueError: for no members, members with different ``tgt_vocab``, and
+      as `Seq2Seq.generate` does.
+
+  Example:
+    >>> import numpy as np, jax, flax.linen as nn
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn import (
+    ...   AttentionDecoder, DotAttention, DynamicRNN, Seq2Seq, ensemble_generate)
+    >>> def model(width):
+    ...   return Seq2Seq(
+    ...     src_vocab=8, tgt_vocab=9, embed_dim=5,
+    ...     encoder=DynamicRNN(nn.LSTMCell(width)),
+    ...     decoder=AttentionDecoder(nn.LSTMCell(width), DotAttention()))
+    >>> src = LoDTensor.from_sequences([np.array([3, 1, 4]), np.array([1, 5])])
+    >>> tgt_in = LoDTensor.from_sequences([np.array([0, 2]), np.array([0, 6])])
+    >>> members = [(model(w), model(w).init(jax.random.key(w), src, tgt_in))
+    ...            for w in (4, 6)]
+    >>> hyps = ensemble_generate(members, src, bos_id=0, eos_id=1, max_length=4,
+    ...                          beam_size=2, num_results=2)
+    >>> [len(h) for h in hyps.ids.to_list()]
+    [2, 2]
+  """
+  members = list(members)
+  if not members:
+    raise ValueError("Expected at least one `(model, variables)` member, got none.")
+  for k, pair in enumerate(members):
+    if not (
+      isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], Seq2Seq)
+    ):
+      raise TypeError(
+        f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got "
+        f"{type(pair).__name__}."
+      )
+  vocabs = [model.tgt_vocab for model, _ in members]
+  if len(set(vocabs)) != 1:
+    raise ValueError(
+      f"Expected the members to share `tgt_vocab`, got {vocabs} (member order)."
+    )
+  _check_search(method, bos_id, eos_id, vocabs[0])
+  steps, carries, statics = [], [], []
+  for model, variables in members:
+    memory = model.apply(variables, src, src_table, method="encode")
+    steps.append(functools.partial(model.apply, variables, method="decode_step"))
+    carries.append(model.apply(variables, memory, method="initial_state"))
+    statics.append((memory, model.apply(variables, memory, method="precompute")))
+  return _search(
+    steps,
+    carries,
+    statics,
+    method,
+    bos_id=bos_id,
+    eos_id=eos_id,
+    max_length=max_length,
+    beam_size=beam_size,
+    length_penalty=length_penalty,
+    num_results=num_results,
+    length_capacity=length_capacity,
+    ladder=ladder,
+    compact=compact,
+  )
