@@ -401,7 +401,8 @@ class Seq2Seq(nn.Module):
   regularize, and decoding (`generate`, `decode_step`) never drops.
 
   `generate` decodes sources with `jaxlod.ops.beam_search` or
-  `jaxlod.ops.greedy_decode`. For other decoding loops: `encode`,
+  `jaxlod.ops.greedy_decode`, and `jaxlod.nn.ensemble_generate` with several
+  models at once. For other decoding loops: `encode`,
   `initial_state`, `precompute` and `decode_step` (one step from token ids
   to logits), each through ``model.apply(variables, ..., method=...)``.
 
