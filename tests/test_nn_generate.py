@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,11 +65,10 @@ def teacher_forced_logps(members, src, hyps):
   return out
 
 
-def teacher_forced_scores(params, src, hyps, alpha, members=None):
-  """``scores[i][r]`` of hypothesis ``hyps[i][r]`` by teacher forcing: its
-  summed log-probs (with `eos` when it ended before the max length),
-  length-penalized; with `members`, the mean of their log-probs."""
-  members = members or [(_seq2seq(), params)]
+def teacher_forced_scores(members, src, hyps, alpha):
+  """``scores[i][r]`` of hypothesis ``hyps[i][r]`` by teacher forcing: the
+  sum of the mean over `members` (``(model, params)`` pairs) of its log-probs
+  (with `eos` when it ended before the max length), length-penalized."""
   scores = []
   for source in teacher_forced_logps(members, src, hyps):
     scores.append([])
@@ -87,7 +87,7 @@ def test_beam_scores_are_the_teacher_forced_scores():
   scores = out.scores.to_list()
   # Every source gets beam_size hypotheses, the empty source included.
   assert [len(h) for h in hyps] == [3, 3, 3, 3]
-  expected = teacher_forced_scores(params, src, hyps, 0.6)
+  expected = teacher_forced_scores([(_seq2seq(), params)], src, hyps, 0.6)
   np.testing.assert_allclose(np.array(scores), np.array(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -234,7 +234,7 @@ def test_ensemble_beam_scores_are_the_mean_teacher_forced_scores():
   out = ensemble(models, variables, src)
   hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
   assert [len(h) for h in hyps] == [3, 3, 3, 3]
-  expected = teacher_forced_scores(None, src, hyps, 0.6, members=members)
+  expected = teacher_forced_scores(members, src, hyps, 0.6)
   np.testing.assert_allclose(
     np.array(out.scores.to_list()), np.array(expected), rtol=1e-5, atol=1e-5
   )
@@ -276,6 +276,8 @@ def test_ensemble_generate_errors():
     ensemble_generate([], src, **kw)
   with pytest.raises(TypeError, match=r"`members\[1\]` to be a \(Seq2Seq, variables\)"):
     ensemble_generate([members[0], members[1][1]], src, **kw)
+  with pytest.raises(TypeError, match=r"`members\[0\]` .* got \(Dense, dict\)\."):
+    ensemble_generate([(nn.Dense(3), members[0][1])], src, **kw)
   other = _seq2seq().clone(tgt_vocab=9)
   with pytest.raises(ValueError, match=r"share `tgt_vocab`, got \[6, 9\]"):
     ensemble_generate([members[0], (other, members[0][1])], src, **kw)

@@ -732,9 +732,11 @@ def ensemble_generate(
     if not (
       isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], Seq2Seq)
     ):
+      got = type(pair).__name__
+      if isinstance(pair, tuple):
+        got = "(" + ", ".join(type(x).__name__ for x in pair) + ")"
       raise TypeError(
-        f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got "
-        f"{type(pair).__name__}."
+        f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got {got}."
       )
   vocabs = [model.tgt_vocab for model, _ in members]
   if len(set(vocabs)) != 1:
