@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -20,18 +21,29 @@ _THREAD_NAME = "jaxlod.data.Batcher"
 class Batch(NamedTuple):
   """One batch of a `Batcher`: F fields packed as LoDTensors, with rank tables.
 
+  With the `Batcher`'s ``shards``, every field and table holds this
+  process's L local shards stacked on a new leading axis: shard ``s`` is
+  ``jax.tree.map(lambda a: a[s], fields[f])``, a LoDTensor on the field's
+  capacities, and ``np.asarray(fields[0].num_outer)`` gives the number of
+  examples of each local shard.
+
   Attributes:
     fields: F one-level LoDTensors, one per field. Field ``f`` holds the
       batch's examples' field ``f`` in the order of `indices`: values
       ``[token_capacity_f, *features_f]`` in the examples' dtype, on the
-      fixed capacities of the field's `Buckets`.
+      fixed capacities of the field's `Buckets`. With shards: values
+      ``[L, token_capacity_f, *features_f]``, offsets
+      ``[L, count_capacity_f + 1]`` and num_outer ``[L]``.
     tables: F entries: ``rank_table(fields[f], ladder=ladder)``, or `None`
-      for a field the `Batcher`'s ``tables`` leaves out.
-    indices: int64 ``[n]``, the example indices of the batch, in field order.
+      for a field the `Batcher`'s ``tables`` leaves out. With shards, each
+      local shard's table, stacked the same way.
+    indices: int64 ``[n]``, the example indices of the batch, in field order;
+      with shards, the local shards' examples one shard after another.
     epoch: the epoch of the batch.
     step: the batch's position in the stream of all epochs, counted from the
       first batch of epoch 0.
-    num_tokens: real rows summed over the fields (padding excluded).
+    num_tokens: real rows summed over the fields (padding excluded), of the
+      local shards with shards.
   """
 
   fields: tuple[LoDTensor, ...]
@@ -67,6 +79,42 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
   if value < minimum:
     raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value}.")
   return int(value)
+
+
+def _check_shards(
+  shards: Any, process_index: Any, process_count: Any
+) -> tuple[int | None, range | None]:
+  """The global shard count and this process's shards, checked."""
+  if shards is None:
+    for name, value in (
+      ("process_index", process_index),
+      ("process_count", process_count),
+    ):
+      if value is not None:
+        raise ValueError(
+          f"Expected `{name}` to be None without `shards`, got {value!r}; set "
+          "`shards` to build sharded batches."
+        )
+    return None, None
+  shards = _check_int("shards", shards, 1)
+  if process_count is None:
+    process_count = jax.process_count()
+  process_count = _check_int("process_count", process_count, 1)
+  if process_index is None:
+    process_index = jax.process_index()
+  process_index = _check_int("process_index", process_index, 0)
+  if process_index >= process_count:
+    raise ValueError(
+      f"Expected `process_index` in [0, {process_count}) (the process count), "
+      f"got {process_index}."
+    )
+  if shards % process_count:
+    raise ValueError(
+      f"Expected `shards` ({shards}) to be a multiple of the process count "
+      f"({process_count})."
+    )
+  local = shards // process_count
+  return shards, range(process_index * local, (process_index + 1) * local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +303,119 @@ def _greedy_batches(
   return batches
 
 
+class _Deal:
+  """A global batch dealt to shards, each example to the least-loaded with room.
+
+  The load of a shard is its summed cost. Ties go to the shard with fewer
+  examples, then to the lower index, so an empty shard is always taken
+  first: a global batch of at least `shards` examples leaves none empty.
+  """
+
+  def __init__(self, shards: int, limits: list[int], count: int):
+    self.limits, self.count = limits, count
+    self.sums = [[0] * len(limits) for _ in range(shards)]
+    self.members: list[list[int]] = [[] for _ in range(shards)]
+    # (summed cost, examples, shard) of the shards below the count capacity;
+    # the cost is the last weight. Sorted, hence already a heap.
+    self._heap = [(0, 0, s) for s in range(shards)]
+
+  def add(self, i: int, weight: list[int]) -> bool:
+    """Deals example `i` of sizes `weight`; False if no shard has room."""
+    skipped, shard = [], None
+    while self._heap:
+      key = heapq.heappop(self._heap)
+      sums = self.sums[key[2]]
+      if all(a + b <= c for a, b, c in zip(sums, weight, self.limits, strict=True)):
+        shard = key[2]
+        break
+      skipped.append(key)
+    for key in skipped:
+      heapq.heappush(self._heap, key)
+    if shard is None:
+      return False
+    sums, members = self.sums[shard], self.members[shard]
+    for k, w in enumerate(weight):
+      sums[k] += w
+    members.append(i)
+    if len(members) < self.count:
+      heapq.heappush(self._heap, (sums[-1], len(members), shard))
+    return True
+
+  def peak(self) -> int:
+    """The largest summed cost of a shard."""
+    return max(sums[-1] for sums in self.sums)
+
+
+def _redeal(
+  deal: _Deal, batch: list[int], weights: list[list[int]]
+) -> list[np.ndarray]:
+  """The shards of a finished global batch, re-dealt by LPT where it fits.
+
+  Args:
+    deal: the incremental dealing of the global batch.
+    batch: the global batch's examples, in plan order.
+    weights: every example's sizes, cost last.
+
+  Returns:
+    One int64 array per shard: its examples, in plan order. LPT deals the
+    examples in descending cost (ties in plan order), each to the least-loaded
+    shard with room; it is kept when every example finds room and its most
+    loaded shard costs no more than that of `deal`, which fits by
+    construction.
+  """
+  position = {i: p for p, i in enumerate(batch)}
+  lpt = _Deal(len(deal.members), deal.limits, deal.count)
+  descending = sorted(batch, key=lambda i: (-weights[i][-1], position[i]))
+  if all(lpt.add(i, weights[i]) for i in descending) and lpt.peak() <= deal.peak():
+    deal = lpt
+  return [
+    np.array(sorted(shard, key=position.__getitem__), np.int64)
+    for shard in deal.members
+  ]
+
+
+def _sharded_batches(
+  order: np.ndarray,
+  weights: np.ndarray,
+  limits: np.ndarray,
+  count: int,
+  window: int,
+  shards: int,
+) -> list[list[np.ndarray]]:
+  """Cuts `order` into global batches dealt to shards, never across a window.
+
+  Args:
+    order: int64 ``[n]`` example indices in packing order.
+    weights: ``[n_examples, K]`` non-negative sizes of each example, its cost
+      last.
+    limits: ``[K]``, the largest sum of each size in a shard; every example
+      fits alone.
+    count: the most examples in a shard.
+    window: global batches hold examples of one window ``order[w * window:(w
+      + 1) * window]``.
+    shards: the number of shards of a global batch.
+
+  Returns:
+    The global batches, in order, each as `shards` int64 arrays (see
+    `_redeal`). Each example of `order` is dealt, in turn, to the least-loaded
+    shard with room (`_Deal`); a new global batch starts when no shard has
+    room or at a window boundary.
+  """
+  weights, limits = weights.tolist(), limits.tolist()
+  batches, batch = [], []
+  deal = _Deal(shards, limits, count)
+  for position, i in enumerate(order.tolist()):
+    if batch and (position % window == 0 or not deal.add(i, weights[i])):
+      batches.append(_redeal(deal, batch, weights))
+      batch, deal = [], _Deal(shards, limits, count)
+    if not batch:
+      deal.add(i, weights[i])
+    batch.append(i)
+  if batch:
+    batches.append(_redeal(deal, batch, weights))
+  return batches
+
+
 class Batcher:
   """Batches of similar-length examples on fixed capacities, built ahead.
 
@@ -283,6 +444,22 @@ class Batcher:
   batches ahead, and (with `device_put`) sent to JAX's default device there,
   so the transfer overlaps the step.
 
+  With ``shards=N`` (data parallelism, one shard per device over all
+  processes), the capacities and the token budget hold per shard, and the
+  plan cuts each window into *global* batches of N shards: each example, in
+  plan order, goes to the shard of least summed cost that has room for it,
+  and a new global batch starts when none has. A finished global batch is
+  then dealt again by LPT (descending cost, each example to the least-loaded
+  shard with room) when that fits, so the shards' work, and the time their
+  devices' loops take, are nearly equal. No example is dropped, and a shard
+  is empty only in a global batch of fewer than N examples. Process ``p`` of
+  ``P`` builds its L = N / P shards ``[p * L, (p + 1) * L)`` of each global
+  batch, stacked on a new leading axis of every field and table (see
+  `Batch`); with the same examples and `seed` in every process, the
+  processes follow one plan and an epoch holds every example exactly once
+  over all of them. `jaxlod.parallel.shard_batch` places such a batch across
+  the devices.
+
   Args:
     examples: a sequence of examples, each a tuple of F fields; a field is
       an array-like ``[length, *features]`` (for example 1-D token ids).
@@ -302,16 +479,26 @@ class Batcher:
     ladder: static batch sizes of the rank tables' phases (see `rank_table`);
       by default `default_ladder` of each field's sequence capacity.
     device_put: put each batch's fields and tables on JAX's default device
-      (``jax.device_put``) as it is built; False keeps NumPy arrays.
+      (``jax.device_put``) as it is built; False keeps NumPy arrays. By
+      default True without `shards` and False with them (True with `shards`
+      raises).
     tables: build the rank tables of every field (True), of none (False),
       or of the fields whose entry of a sequence of F bools is True; a
       field left out gets `None` in ``Batch.tables``, and no host work.
+    shards: the global number of shards of a batch, an int >= 1 and a
+      multiple of `process_count`; `None` builds unsharded batches.
+    process_index: this process's index in ``[0, process_count)``; by default
+      ``jax.process_index()``. Only with `shards`.
+    process_count: the number of processes, each building its own shards; by
+      default ``jax.process_count()``. Only with `shards`.
 
   Raises:
     ValueError: for no examples, examples with differing field counts, a
       field of rank 0 or of differing feature shapes, buckets that are not
-      fixed or not one per field, an out-of-range setting, or an example
-      that no batch can hold (naming its index, its length and the limit).
+      fixed or not one per field, an out-of-range setting, `shards` not a
+      multiple of `process_count`, `process_index` or `process_count`
+      without `shards`, ``device_put=True`` with `shards`, or an example that
+      no batch can hold (naming its index, its length and the limit).
     TypeError: for arguments of the wrong type, or a field of non-numeric
       dtype.
 
@@ -327,6 +514,25 @@ class Batcher:
     >>> batch = next(iter(batcher.epoch(0)))
     >>> batch.fields[1].recursive_lengths(), batch.num_tokens
     ([[2, 2, 4]], 13)
+
+    Two shards, as the first of two processes builds them:
+
+    >>> sharded = Batcher(
+    ...   examples,
+    ...   Buckets.fixed(tokens=8, sequences=4, time=6),
+    ...   shuffle=False,
+    ...   shards=2,
+    ...   process_index=0,
+    ...   process_count=2,
+    ... )
+    >>> [[s.tolist() for s in b] for b in sharded.plan_shards(0)]
+    [[[3, 2], [1, 0]], [[4], []]]
+    >>> batch = next(iter(sharded.epoch(0)))
+    >>> batch.indices.tolist(), batch.fields[1].values.shape
+    ([3, 2], (1, 8))
+    >>> import jax
+    >>> jax.tree.map(lambda a: a[0], batch.fields[1]).recursive_lengths()
+    [[2, 5]]
   """
 
   def __init__(
@@ -340,8 +546,11 @@ class Batcher:
     seed: int = 0,
     prefetch: int = 2,
     ladder: Sequence[int] | None = None,
-    device_put: bool = True,
+    device_put: bool | None = None,
     tables: bool | Sequence[bool] = True,
+    shards: int | None = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
   ):
     self._window = _check_int("window", window, 1)
     self._prefetch = _check_int("prefetch", prefetch, 0)
@@ -349,7 +558,14 @@ class Batcher:
     if token_budget is not None:
       token_budget = _check_int("token_budget", token_budget, 1)
     self._shuffle = bool(shuffle)
-    self._device_put = bool(device_put)
+    self._shards, self._local = _check_shards(shards, process_index, process_count)
+    if device_put and shards is not None:
+      raise ValueError(
+        "Expected `device_put` to be False or None with `shards`, got True: a "
+        "sharded batch stacks every local shard on one leading axis; use "
+        "jaxlod.parallel.shard_batch to place a sharded batch across devices."
+      )
+    self._device_put = shards is None if device_put is None else bool(device_put)
     columns = _as_arrays(examples)
     field_buckets = _field_buckets(buckets, len(columns))
     self._fields = [
@@ -373,8 +589,18 @@ class Batcher:
 
   @property
   def token_budget(self) -> int:
-    """The largest sum of example costs in a batch."""
+    """The largest sum of example costs in a batch (in a shard, with shards)."""
     return self._token_budget
+
+  @property
+  def shards(self) -> int | None:
+    """The global number of shards of a batch, or `None` without shards."""
+    return self._shards
+
+  @property
+  def local_shards(self) -> range | None:
+    """The shards this process builds, or `None` without shards."""
+    return self._local
 
   def plan(self, epoch: int) -> list[np.ndarray]:
     """The batches of `epoch`, as example indices.
@@ -384,7 +610,26 @@ class Batcher:
 
     Returns:
       One int64 ``[n_b]`` array of example indices per batch, in the order
-      the epoch yields them; every example appears in exactly one.
+      the epoch yields them; every example appears in exactly one. With
+      shards, a batch is global: the examples of all its shards, whatever
+      the process, one shard after another (``plan_shards``).
+    """
+    return [
+      shards[0] if len(shards) == 1 else np.concatenate(shards)
+      for shards in self.plan_shards(epoch)
+    ]
+
+  def plan_shards(self, epoch: int) -> list[list[np.ndarray]]:
+    """The batches of `epoch`, as the example indices of each shard.
+
+    Args:
+      epoch: an int >= 0.
+
+    Returns:
+      Per batch (in the order of `plan`), one int64 ``[n_s]`` array per
+      shard, all `shards` of them whatever the process: the examples of
+      shard ``s``, in the order they are packed. Without shards, each batch
+      is one shard.
     """
     epoch = _check_int("epoch", epoch, 0)
     n = self.num_examples
@@ -398,7 +643,14 @@ class Batcher:
     weights = np.concatenate([self._lengths, self._costs[:, None]], axis=1)
     limits = np.array([f.tokens for f in self._fields] + [self._token_budget])
     count = min(f.sequences for f in self._fields)
-    batches = _greedy_batches(order, weights, limits, count, self._window)
+    if self._shards is None:
+      batches = [
+        [b] for b in _greedy_batches(order, weights, limits, count, self._window)
+      ]
+    else:
+      batches = _sharded_batches(
+        order, weights, limits, count, self._window, self._shards
+      )
     if self._shuffle:
       batches = [batches[j] for j in rng.permutation(len(batches))]
     self._counts[epoch] = len(batches)
@@ -410,7 +662,7 @@ class Batcher:
     if not self._shuffle:
       epoch = 0
     if epoch not in self._counts:
-      self.plan(epoch)
+      self.plan_shards(epoch)
     return self._counts[epoch]
 
   def _first_step(self, epoch: int) -> int:
@@ -426,20 +678,36 @@ class Batcher:
       epoch += 1
     return epoch, step
 
-  def _build(self, epoch: int, step: int, indices: np.ndarray) -> Batch:
+  def _pack(self, indices: np.ndarray) -> tuple[tuple, tuple]:
+    """The fields and tables of one (unsharded) batch or shard."""
     fields = tuple(field.pack(indices) for field in self._fields)
     ladders = self._ladders
     tables = tuple(
       rank_table(x, ladder=ladder) if keep else None
       for x, ladder, keep in zip(fields, ladders, self._tables, strict=True)
     )
+    return fields, tables
+
+  def _build(
+    self, epoch: int, step: int, indices: np.ndarray | list[np.ndarray]
+  ) -> Batch:
+    """A batch of example `indices`, or with shards of each local shard's."""
+    if self._shards is None:
+      fields, tables = self._pack(indices)
+    else:
+      fields, tables = jax.tree.map(
+        lambda *a: np.stack(a), *[self._pack(shard) for shard in indices]
+      )
+      indices = np.concatenate(indices)
     if self._device_put:
       fields, tables = jax.device_put((fields, tables))
     num_tokens = int(self._lengths[indices].sum())
     return Batch(fields, tables, indices, epoch, step, num_tokens)
 
   def _epoch_batches(self, epoch: int, first: int, step: int) -> Iterator[Batch]:
-    for indices in self.plan(epoch)[first:]:
+    local = self._local
+    for shards in self.plan_shards(epoch)[first:]:
+      indices = shards[0] if local is None else shards[local.start : local.stop]
       yield self._build(epoch, step, indices)
       step += 1
 
