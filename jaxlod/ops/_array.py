@@ -16,6 +16,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod._vma import varying_axes, vary
 from jaxlod.ops._rank import RankTable
 
 # -- the one primitive: a gather whose transpose is a known gather -------------
@@ -34,7 +35,7 @@ def _masked_take(src: jax.Array, index: jax.Array, valid: jax.Array | None):
 
 
 @jax.custom_vjp
-def _gather(src, index, valid, inverse_index, inverse_valid):
+def _gather_vjp(src, index, valid, inverse_index, inverse_valid):
   return _masked_take(src, index, valid)
 
 
@@ -48,7 +49,17 @@ def _gather_bwd(residuals, g):
   return _masked_take(g, inverse_index, inverse_valid), None, None, None, None
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+_gather_vjp.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _gather(src, index, valid, inverse_index, inverse_valid):
+  """`_masked_take` with the inverse gather as its VJP.
+
+  Under `shard_map` the operands first vary over the same axes, so that the
+  cotangent of `src` has the type of `src` (see `jaxlod._vma`).
+  """
+  args = (src, index, valid, inverse_index, inverse_valid)
+  return _gather_vjp(*vary(args, varying_axes(args)))
 
 
 def _permutation_gather(src: jax.Array, perm: jax.Array, inverse: jax.Array):

@@ -36,6 +36,8 @@ from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jex_core
 
+from jaxlod._vma import varying_axes, vary
+
 # -- helpers -------------------------------------------------------------------------
 
 
@@ -84,8 +86,16 @@ def _pad_rows(part: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(part, [(0, rows - part.shape[0])] + [(0, 0)] * (part.ndim - 1))
 
 
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+  """The shape (or `shape`), dtype and varying mesh axes of `x`."""
+  shape = x.shape if shape is None else shape
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  if mat is None or not mat.varying:
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return jax.ShapeDtypeStruct(
+    shape, x.dtype, sharding=aval.sharding, manual_axis_type=mat
+  )
 
 
 def step_slots(
@@ -167,6 +177,13 @@ class LoopSpec:
   y_tails: tuple[tuple[tuple[int, ...], Any], ...]  # per output leaf
   return_sequences: bool
   remat: bool
+  # Mesh axes every carry, input, static and buffer varies over (under
+  # `shard_map`; see `jaxlod._vma`), so the loops keep one type throughout.
+  vma: frozenset = frozenset()
+
+  def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros that vary over `vma`, to start a loop buffer."""
+    return vary(jnp.zeros(shape, dtype), self.vma)
 
   def inv_float(self, phase: Phase) -> tuple[bool, ...]:
     return self.static_float + tuple(self.const_float[i] for i in phase.consts)
@@ -245,10 +262,9 @@ def _residual_leaves(spec: LoopSpec, phase: Phase):
 
 def _phase_avals(spec: LoopSpec, phase, carry, values, statics, consts):
   b = phase.size
-  step = [_abstract(c[:b]) for c in carry] + [
-    jax.ShapeDtypeStruct((b, *v.shape[1:]), v.dtype) for v in values
-  ]
-  inv = [_abstract(s[:b]) for s in statics]
+  step = [_abstract(c, (b, *c.shape[1:])) for c in carry]
+  step += [_abstract(v, (b, *v.shape[1:])) for v in values]
+  inv = [_abstract(s, (b, *s.shape[1:])) for s in statics]
   inv += [_abstract(consts[i]) for i in phase.consts]
   diff_step, nodiff_step = _split(step, spec.carry_float + spec.x_float)
   diff_inv, nodiff_inv = _split(inv, spec.inv_float(phase))
@@ -442,7 +458,7 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
   y_zeros = []
   if not spec.return_sequences:
     y_zeros = [
-      jnp.zeros((b, *tail), d)
+      spec.zeros((b, *tail), d)
       for (tail, d), f in zip(spec.y_tails, spec.y_float, strict=True)
       if f
     ]
@@ -487,8 +503,8 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
 def _invariant_residuals(spec, phase, plan, carry, values, data):
   """Residuals that depend on no step data, from any carry and input (zeros)."""
   b = phase.size
-  step = [jnp.zeros((b, *c.shape[1:]), c.dtype) for c in carry]
-  step += [jnp.zeros((b, *v.shape[1:]), v.dtype) for v in values]
+  step = [spec.zeros((b, *c.shape[1:]), c.dtype) for c in carry]
+  step += [spec.zeros((b, *v.shape[1:]), v.dtype) for v in values]
   diff_step, nodiff_step = _split(step, spec.carry_float + spec.x_float)
   leaves = _residual_leaves(spec, phase)(
     diff_step, nodiff_step, data.diff_inv, data.nodiff_inv
@@ -503,9 +519,9 @@ def _buffers(spec, plan, row_layout):
   # step's store: storing the LSTM residuals of benchmark W1 took 1.7x as long.
   if row_layout:
     return [
-      jnp.zeros(shape, dtype) for shape, dtype in _row_groups(plan, spec.saved_rows)[1]
+      spec.zeros(shape, dtype) for shape, dtype in _row_groups(plan, spec.saved_rows)[1]
     ]
-  return [jnp.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
+  return [spec.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
 
 
 def _forward(spec, plans, carry, values, statics, consts, bounds):
@@ -516,7 +532,7 @@ def _forward(spec, plans, carry, values, statics, consts, bounds):
   """
   ys = []
   if spec.return_sequences:
-    ys = [jnp.zeros((spec.rows, *t), d) for t, d in spec.y_tails]
+    ys = [spec.zeros((spec.rows, *t), d) for t, d in spec.y_tails]
   row_layout = plans is not None and by_row(spec, plans)
   buffers = _buffers(spec, plans[0], True) if row_layout else []
   saved = []
@@ -543,7 +559,7 @@ def _backward(spec, plans, saved, primals, g_ys, g_carry):
   row_layout = by_row(spec, plans)
 
   def zeros(leaves, mask):
-    return [jnp.zeros(a.shape, a.dtype) for a in _split(leaves, mask)[0]]
+    return [spec.zeros(a.shape, a.dtype) for a in _split(leaves, mask)[0]]
 
   g_carry = _split(g_carry, spec.carry_float)[0]
   g_values = zeros(values, spec.x_float)
@@ -556,7 +572,7 @@ def _backward(spec, plans, saved, primals, g_ys, g_carry):
     state = (
       [g[: phase.size] for g in g_carry],
       g_values,
-      [jnp.zeros((phase.size, *g.shape[1:]), g.dtype) for g in g_statics],
+      [spec.zeros((phase.size, *g.shape[1:]), g.dtype) for g in g_statics],
       g_consts,
     )
     g_c, g_values, g_phase_statics, g_consts = _backward_phase(
@@ -614,6 +630,28 @@ def _differentiated(spec: LoopSpec, flags: list[bool]) -> LoopSpec:
   )
 
 
+def _check_consts_vary(spec: LoopSpec, consts: list) -> None:
+  """Raises for a differentiated constant that varies over fewer mesh axes
+  than the data: its gradient would be summed over devices at every step,
+  a collective inside loops whose trip counts differ per device."""
+  for i, (c, diff) in enumerate(zip(consts, spec.const_float, strict=True)):
+    missing = spec.vma - varying_axes(c)
+    if diff and missing:
+      raise ValueError(
+        f"Expected every array the step closes over to vary over the mesh axes "
+        f"{sorted(spec.vma, key=str)} of the data, like the data; constant {i} "
+        f"({_shape_dtype(c)}) does not vary over {sorted(missing, key=str)}. "
+        "Its gradient would be reduced at every step of loops whose trip "
+        "counts differ per device. Cast the parameters before the loop with "
+        "`jax.lax.pcast(params, axis, to='varying')` and reduce their "
+        "gradients once after it (`jaxlod.parallel.data_parallel` does both)."
+      )
+
+
+def _shape_dtype(x: Any) -> str:
+  return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
 def make_loop(spec: LoopSpec):
   """The phased loop as a function with a custom VJP.
 
@@ -636,6 +674,7 @@ def make_loop(spec: LoopSpec):
     # (an empty tuple for a perturbed input, None for the others).
     marks = tuple(() if f else None for f in flags)
     local = _differentiated(spec, flags)
+    _check_consts_vary(local, consts)
     plans = make_plans(local, carry, values, statics, consts)
     ys, final, saved = _forward(local, plans, carry, values, statics, consts, bounds)
     return (ys, final), (marks, saved, (carry, values, statics, consts, bounds))
@@ -643,8 +682,11 @@ def make_loop(spec: LoopSpec):
   def loop_bwd(residuals, cotangents):
     marks, saved, primals = residuals
     local = _differentiated(spec, [m is not None for m in marks])
-    g_ys, g_carry = jax.tree.map(
-      _instantiate, cotangents, is_leaf=lambda x: isinstance(x, SymbolicZero)
+    g_ys, g_carry = vary(
+      jax.tree.map(
+        _instantiate, cotangents, is_leaf=lambda x: isinstance(x, SymbolicZero)
+      ),
+      spec.vma,
     )
     plans = make_plans(local, *primals[:4])
     grads = _backward(local, plans, saved, primals, g_ys, g_carry)

@@ -11,6 +11,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod._vma import varying_axes, vary
 from jaxlod.ops import _loop, _packed
 from jaxlod.ops._array import _check_pair, permute_rows
 from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
@@ -139,9 +140,9 @@ def _convert_phases(step_fn, carry, x_tree, values, statics, ladder):
   index: dict[int, int] = {}
   for b in ladder:
     c = jax.tree.map(lambda a, b=b: a[:b], carry)
-    x = jax.tree.unflatten(
-      x_tree, [jnp.zeros((b, *v.shape[1:]), v.dtype) for v in values]
-    )
+    # Slices of the real inputs, not zeros: under `shard_map` the step is
+    # traced with the inputs' varying axes.
+    x = jax.tree.unflatten(x_tree, [v[:b] for v in values])
     s = jax.tree.map(lambda a, b=b: a[:b], statics)
     converted, phase_consts = jax.closure_convert(
       lambda c, x, s: step_fn(c, x, s), c, x, s
@@ -281,19 +282,32 @@ def dynamic_rnn(
   statics = _prepare_statics(static_inputs, count)
   carry_leaves, carry_tree = jax.tree.flatten(init_carry)
   carry_leaves = [jnp.asarray(c) for c in carry_leaves]
+  # Under `shard_map`, everything the loop carries varies over the axes that
+  # any of it varies over (see `jaxlod._vma`).
+  data = (lods, table, carry_leaves, statics)
+  vma = varying_axes(data)
+  lods, table, carry_leaves, statics = vary(data, vma)
+  x0 = lods[0]
   carry = permute_rows(carry_leaves, table.order, table.ranks, "init_carry")
   statics = permute_rows(statics, table.order, table.ranks, "static_inputs")
   layout = _packed.time_major(x0, table, reverse)
   values = [_packed.pack(x.values, layout) for x in lods]
 
-  phases, consts, y_tails, y_tree = _convert_phases(
-    step_fn,
-    jax.tree.unflatten(carry_tree, carry),
-    x_tree,
-    values,
-    statics,
-    table.ladder,
-  )
+  def convert():
+    return _convert_phases(
+      step_fn,
+      jax.tree.unflatten(carry_tree, carry),
+      x_tree,
+      values,
+      statics,
+      table.ladder,
+    )
+
+  phases, consts, y_tails, y_tree = convert()
+  if varying_axes(consts) - vma:  # parameters that vary where the data does not
+    vma |= varying_axes(consts)
+    carry, values, statics = vary((carry, values, statics), vma)
+    phases, consts, y_tails, y_tree = convert()
   static_leaves = jax.tree.leaves(statics)
   spec = _loop.LoopSpec(
     phases=tuple(phases),
@@ -311,13 +325,17 @@ def dynamic_rnn(
     y_tails=y_tails,
     return_sequences=return_sequences,
     remat=remat,
+    vma=vma,
   )
-  bounds = (
-    layout.step_offsets,
-    _packed.schedule_offsets(table),
-    jnp.asarray(table.lengths),
-    jnp.asarray(table.phase_starts),
-    jnp.asarray(table.phase_ends),
+  bounds = vary(
+    (
+      layout.step_offsets,
+      _packed.schedule_offsets(table),
+      jnp.asarray(table.lengths),
+      jnp.asarray(table.phase_starts),
+      jnp.asarray(table.phase_ends),
+    ),
+    vma,
   )
   ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
   final = permute_rows(final, table.ranks, table.order, "final_carry")

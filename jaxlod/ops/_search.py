@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlod._vma import varying_axes, vary
+
 NEG_INF = -jnp.inf
 
 
@@ -275,7 +277,8 @@ def run(
   prefix ``[:ladder[i]]``; between phases the live sources move to the front
   (a stable permutation: their relative order is kept).
   """
-  t = jnp.zeros((), jnp.int32)
+  # Under `shard_map`, the loops' state varies over one set of mesh axes.
+  state, t = vary((state, jnp.zeros((), jnp.int32)), varying_axes(state))
   for i, size in enumerate(ladder):
     smaller = ladder[i + 1] if i + 1 < len(ladder) else 0
     prefix = _take(state, slice(0, size))

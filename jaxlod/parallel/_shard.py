@@ -1,0 +1,367 @@
+"""Data parallelism over a mesh axis: placing stacked batches, running per device."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlod._lod import LoDTensor
+from jaxlod._vma import varying_axes, vary
+from jaxlod.data import Batch
+
+
+def _check_axis(mesh: Any, axis: Any) -> None:
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"Expected `mesh` to be a jax.sharding.Mesh, got {mesh!r}.")
+  if axis not in mesh.axis_names:
+    raise ValueError(
+      f"Expected `axis` to name an axis of `mesh`, got {axis!r}; the mesh has "
+      f"axes {tuple(mesh.axis_names)}."
+    )
+
+
+def local_shards(mesh: Mesh, axis: str = "data") -> int:
+  """The positions along `axis` whose devices belong to this process.
+
+  A process puts this many shards on the mesh: with one process, the size
+  of `axis`; with P processes over a 1-D mesh, ``size / P``.
+
+  Raises:
+    ValueError: if `mesh` has no axis `axis`.
+  """
+  _check_axis(mesh, axis)
+  devices = np.asarray(mesh.devices)
+  local = np.vectorize(lambda d: d.process_index == jax.process_index())(devices)
+  along = mesh.axis_names.index(axis)
+  others = tuple(i for i in range(local.ndim) if i != along)
+  return int(np.any(local, axis=others).sum()) if others else int(local.sum())
+
+
+def _leading(batch: Any) -> int:
+  """The common leading (shard) dimension of every leaf of `batch`."""
+  paths = jax.tree_util.tree_leaves_with_path(batch)
+  if not paths:
+    raise ValueError("Expected `batch` to hold at least one array, got none.")
+  sizes = {}
+  for path, leaf in paths:
+    if np.ndim(leaf) == 0:
+      raise ValueError(
+        f"Expected every leaf of `batch` to be stacked on a leading shard axis, "
+        f"got a scalar at {jax.tree_util.keystr(path) or '(root)'}."
+      )
+    sizes.setdefault(int(np.shape(leaf)[0]), jax.tree_util.keystr(path))
+  if len(sizes) > 1:
+    described = ", ".join(f"{n} at {p or '(root)'}" for n, p in sizes.items())
+    raise ValueError(
+      f"Expected every leaf of `batch` to have the same number of shards, got "
+      f"{described}."
+    )
+  return next(iter(sizes))
+
+
+def _check_same_across_processes(batch: Any) -> None:
+  """Raises on every process when the processes' batches differ in shapes."""
+  paths = jax.tree_util.tree_leaves_with_path(batch)
+  dims = [d for _, leaf in paths for d in (np.ndim(leaf), *np.shape(leaf))]
+  counts = multihost_utils.process_allgather(np.asarray([len(dims)], np.int64))
+  width = int(np.max(counts))
+  padded = np.full((width,), -1, np.int64)
+  padded[: len(dims)] = dims
+  every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
+  mine = jax.process_index()
+  for other, theirs in enumerate(every):
+    if np.array_equal(theirs, every[mine]):
+      continue
+    shapes, at = [], 0
+    for path, _ in paths:
+      rank = int(theirs[at]) if at < width else -1
+      shape = tuple(int(d) for d in theirs[at + 1 : at + 1 + max(rank, 0)])
+      shapes.append((jax.tree_util.keystr(path) or "(root)", shape))
+      at += 1 + max(rank, 0)
+    for (name, theirs_shape), (_, leaf) in zip(shapes, paths, strict=True):
+      if theirs_shape != np.shape(leaf):
+        raise ValueError(
+          f"Expected every process to put a batch of the same capacities; "
+          f"{name} has shape {np.shape(leaf)} on process {mine} and "
+          f"{theirs_shape} on process {other}."
+        )
+    raise ValueError(
+      f"Expected every process to put a batch of the same structure; process "
+      f"{mine} and process {other} differ."
+    )
+
+
+def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
+  """Puts a stacked batch on `mesh`, sharded along `axis`, from local data.
+
+  Every leaf of `batch` is this process's shards stacked on a leading axis
+  (a sharded `jaxlod.data.Batcher` builds such batches: ``values [L,
+  token_capacity, *features]``, offsets ``[L, count_capacity + 1]``, counts
+  ``[L]``); it becomes a global array ``[N, ...]`` with one shard per
+  position of `axis` (`jax.make_array_from_process_local_data`), in one
+  process or several alike. A `jaxlod.data.Batch` keeps its host fields
+  (`indices`, `epoch`, ...) and has its `fields` and `tables` placed.
+
+  Args:
+    batch: a pytree of stacked LoDTensors, rank tables and arrays, each leaf
+      ``[L, ...]`` with ``L = local_shards(mesh, axis)``; or a `Batch`.
+    mesh: the device mesh.
+    axis: the mesh axis the shards run along.
+
+  Returns:
+    `batch` with every leaf a global `jax.Array` ``[N, ...]`` sharded along
+    `axis` (replicated along the mesh's other axes).
+
+  Raises:
+    ValueError: if `mesh` has no axis `axis`, the leaves disagree in their
+      number of shards, that number is not this process's part of `axis`,
+      or (with several processes) the processes' batches differ in shapes,
+      that is in capacities; each message names both values.
+  """
+  _check_axis(mesh, axis)
+  if isinstance(batch, Batch):
+    fields, tables = shard_batch((batch.fields, batch.tables), mesh, axis)
+    return batch._replace(fields=fields, tables=tables)
+  shards = _leading(batch)
+  expected = local_shards(mesh, axis)
+  if shards != expected:
+    where = (
+      f"the size of mesh axis {axis!r}"
+      if jax.process_count() == 1
+      else f"this process's part of mesh axis {axis!r} of size {mesh.shape[axis]}"
+    )
+    raise ValueError(
+      f"Expected a batch of {expected} shards ({where}), got {shards} shards."
+    )
+  if jax.process_count() > 1:
+    _check_same_across_processes(batch)
+  sharding = NamedSharding(mesh, P(axis))
+  return jax.tree.map(
+    lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), batch
+  )
+
+
+def _unstacked(batch: Any) -> Any:
+  """A device's block ``[1, ...]`` of every leaf, without the shard axis."""
+  return jax.tree.map(lambda a: a[0], batch)
+
+
+def _per_device(fn, mesh, axis, check_vma, reduce_out) -> Callable:
+  def body(*args):
+    *replicated, local = args
+    if check_vma:  # each device differentiates its own copy (see docs)
+      replicated = vary(replicated, frozenset({axis}))
+    return reduce_out(fn(*replicated, _unstacked(local)))
+
+  def run(*args):
+    if not args:
+      raise TypeError("Expected at least the stacked batch as an argument, got none.")
+    in_specs = (*(P(),) * (len(args) - 1), P(axis))
+    out_specs = P() if reduce_out is not _stack else P(axis)
+    mapped = jax.shard_map(
+      body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+    )
+    return mapped(*args)
+
+  return run
+
+
+def _stack(out: Any) -> Any:
+  return jax.tree.map(lambda a: a[None], out)
+
+
+def data_parallel(
+  fn: Callable[..., Any],
+  mesh: Mesh,
+  axis: str = "data",
+  *,
+  check_vma: bool = True,
+) -> Callable[..., Any]:
+  """Runs ``fn(*args, local)`` on every device and sums the outputs.
+
+  The returned function takes replicated arguments (parameters, an
+  optimizer state, a key) and, last, a batch placed by `shard_batch`. Under
+  `jax.shard_map` each device calls `fn` on its own shard, an ordinary
+  unstacked LoDTensor (or pytree of them) that every jaxlod op and layer
+  accepts as is, and runs its own loops with its own trip counts; every
+  output leaf is then summed over `axis` (`jax.lax.psum`) and comes back
+  replicated. A token-weighted mean loss and its gradients are one
+  `jax.value_and_grad` inside `fn` returning sums and token counts: N
+  devices then give one device's result on the same examples.
+
+  Each device differentiates its own copy of the replicated arguments: they
+  are cast to vary over `axis` (``jax.lax.pcast(..., to="varying")``)
+  before `fn` sees them, so their gradients are summed once, by the `psum`
+  of the outputs, and never inside a loop. That is why this is `shard_map`
+  and not a `jit` sharded over the batch: a `while_loop` there is one
+  program for all devices, stepping until the slowest is done.
+
+  Args:
+    fn: ``fn(*args, local) -> outputs``, a pytree of arrays to sum.
+    mesh: the device mesh.
+    axis: the mesh axis of the batch's shards.
+    check_vma: passed to `jax.shard_map`; both settings give the same
+      results.
+
+  Returns:
+    ``run(*args, batch) -> outputs``, summed over the devices. Wrap it in
+    `jax.jit`; it compiles once per capacity.
+
+  Raises:
+    ValueError: if `mesh` has no axis `axis`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jaxlod import Buckets
+    >>> from jaxlod.data import Batcher
+    >>> from jaxlod.parallel import data_parallel, shard_batch
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> examples = [(np.ones(n, np.float32),) for n in (3, 1, 4, 2)]
+    >>> batcher = Batcher(examples, Buckets.fixed(tokens=16, sequences=4, time=8),
+    ...                   shards=1, shuffle=False)
+    >>> batch = shard_batch(next(batcher.iterate()), mesh)
+    >>> def total(w, fields):
+    ...   (x,) = fields
+    ...   return jnp.sum(x.values * w), x.num_rows
+    >>> jax.jit(data_parallel(total, mesh))(jnp.float32(2.0), batch.fields)
+    (Array(20., dtype=float32), Array(10, dtype=int32))
+  """
+  _check_axis(mesh, axis)
+
+  def psum(out):
+    if check_vma:  # a leaf that does not vary (a constant) counts once a device
+      out = vary(out, frozenset({axis}) | varying_axes(out))
+    return jax.lax.psum(out, axis)
+
+  return _per_device(fn, mesh, axis, check_vma, psum)
+
+
+def map_shards(
+  fn: Callable[..., Any],
+  mesh: Mesh,
+  axis: str = "data",
+  *,
+  check_vma: bool = True,
+) -> Callable[..., Any]:
+  """Runs ``fn(*args, local)`` on every device and stacks the outputs.
+
+  As `data_parallel`, but with no reduction: each output leaf comes back as
+  a global array ``[N, ...]`` sharded along `axis`, row ``s`` from the
+  device of shard ``s``. Decoding is the use: each device searches its own
+  sources with its own early exit and compaction (see `generate`).
+
+  Returns:
+    ``run(*args, batch) -> outputs`` stacked on a leading shard axis; read
+    them on the host with `unstack`.
+
+  Raises:
+    ValueError: if `mesh` has no axis `axis`.
+  """
+  _check_axis(mesh, axis)
+  return _per_device(fn, mesh, axis, check_vma, _stack)
+
+
+def unstack(tree: Any) -> list[Any]:
+  """The shards of a stacked pytree on the host, as a list of pytrees.
+
+  Leaves ``[N, ...]`` (global arrays from `map_shards`, or NumPy) become N
+  pytrees of NumPy leaves ``[...]``; LoDTensors stay LoDTensors. With
+  several processes, every process gets every shard
+  (`jax.experimental.multihost_utils.process_allgather`).
+  """
+  if jax.process_count() > 1:
+    tree = multihost_utils.process_allgather(tree, tiled=True)
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return []
+  arrays = [np.asarray(a) for a in leaves]
+  shards = _leading(tree)
+  return [
+    jax.tree.unflatten(treedef, [a[s] for a in arrays]) for s in range(shards)
+  ]
+
+
+@functools.partial(jax.jit, static_argnames=("models", "settings", "mesh", "axis"))
+def _generate(variables, local, *, models, settings, mesh, axis):
+  from jaxlod.nn import ensemble_generate
+
+  def decode(variables, local):
+    members = list(zip(models, variables, strict=True))
+    src, src_table, max_length = local
+    extra = {} if max_length is None else {"max_length": max_length}
+    return ensemble_generate(
+      members, src, src_table=src_table, **dict(settings), **extra
+    )
+
+  return map_shards(decode, mesh, axis)(variables, local)
+
+
+def generate(
+  members: Any,
+  src: LoDTensor,
+  mesh: Mesh,
+  axis: str = "data",
+  *,
+  src_table: Any = None,
+  max_length: Any,
+  **settings: Any,
+) -> list[Any]:
+  """Decodes a sharded batch of sources, each device its own sources.
+
+  `jaxlod.nn.ensemble_generate` (one member: `Seq2Seq.generate`) under
+  `map_shards`: every device encodes and searches its shard with its own
+  early exit and compaction, and the hypotheses come back to the host.
+
+  Args:
+    members: a ``(Seq2Seq, variables)`` pair, or a list of them.
+    src: the stacked source ids placed by `shard_batch`: values ``[N,
+      src_token_capacity]``.
+    mesh: the device mesh.
+    axis: the mesh axis of the shards.
+    src_table: `src`'s stacked rank tables, or `None`.
+    max_length: an int, or per-source limits stacked like `src`: int
+      ``[N, count_capacity]`` (placed by `shard_batch`).
+    **settings: `ensemble_generate`'s other keyword arguments (`method`,
+      `bos_id`, `eos_id`, `beam_size`, ...); hashable values.
+
+  Returns:
+    One `jaxlod.ops.Hypotheses` per shard, in shard order, each in its
+    shard's order of sources: concatenated, the sources come in the stacked
+    batch's order (a sharded `Batch`'s `indices`). For example
+    ``[h for hyps in out for h in hyps.ids.to_list()]`` lists every
+    source's hypotheses.
+
+  Raises:
+    ValueError: as `ensemble_generate` does, and for a mesh without `axis`.
+  """
+  _check_axis(mesh, axis)
+  if isinstance(members, tuple) and len(members) == 2:
+    if not isinstance(members[0], tuple | list):  # one (model, variables) pair
+      members = [members]
+  members = list(members)
+  for k, pair in enumerate(members):
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+      raise TypeError(
+        f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got "
+        f"{type(pair).__name__}."
+      )
+  models = tuple(model for model, _ in members)
+  variables = [v for _, v in members]
+  if isinstance(max_length, int | np.integer):
+    settings["max_length"], max_length = int(max_length), None
+  out = _generate(
+    variables,
+    (src, src_table, max_length),
+    models=models,
+    settings=tuple(sorted(settings.items())),
+    mesh=mesh,
+    axis=axis,
+  )
+  return unstack(out)
