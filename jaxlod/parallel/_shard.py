@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlod._lod import LoDTensor
-from jaxlod._vma import varying_axes, vary
+from jaxlod._vma import vary, varying_axes
 from jaxlod.data import Batch
 
 
@@ -283,9 +283,7 @@ def unstack(tree: Any) -> list[Any]:
     return []
   arrays = [np.asarray(a) for a in leaves]
   shards = _leading(tree)
-  return [
-    jax.tree.unflatten(treedef, [a[s] for a in arrays]) for s in range(shards)
-  ]
+  return [jax.tree.unflatten(treedef, [a[s] for a in arrays]) for s in range(shards)]
 
 
 @functools.partial(jax.jit, static_argnames=("models", "settings", "mesh", "axis"))
@@ -342,9 +340,9 @@ def generate(
     ValueError: as `ensemble_generate` does, and for a mesh without `axis`.
   """
   _check_axis(mesh, axis)
-  if isinstance(members, tuple) and len(members) == 2:
-    if not isinstance(members[0], tuple | list):  # one (model, variables) pair
-      members = [members]
+  one_pair = isinstance(members, tuple) and len(members) == 2
+  if one_pair and not isinstance(members[0], tuple | list):
+    members = [members]
   members = list(members)
   for k, pair in enumerate(members):
     if not (isinstance(pair, tuple) and len(pair) == 2):

@@ -54,12 +54,14 @@ def _examples(seed=0, count=26):
   for _ in range(count):
     n, m = int(rng.integers(0, 10)), int(rng.integers(1, 8))
     tgt = rng.integers(2, VOCAB, size=m)
-    out.append((
-      _features(rng, n),
-      rng.integers(0, VOCAB, size=max(n, 1)),
-      np.concatenate([[0], tgt[:-1]]),
-      tgt,
-    ))
+    out.append(
+      (
+        _features(rng, n),
+        rng.integers(0, VOCAB, size=max(n, 1)),
+        np.concatenate([[0], tgt[:-1]]),
+        tgt,
+      )
+    )
   return out
 
 
@@ -221,8 +223,12 @@ def test_invariant_parameters_raise_under_check_vma(mesh):
   )
   np.testing.assert_allclose(
     float(jnp.sum(jax.jit(forward)(params, batch.fields))),
-    float(sum(loss(params, jax.tree.map(lambda a, s=s: a[s], host.fields))[0]
-              for s in range(SHARDS))),
+    float(
+      sum(
+        loss(params, jax.tree.map(lambda a, s=s: a[s], host.fields))[0]
+        for s in range(SHARDS)
+      )
+    ),
     rtol=1e-5,
   )
 
@@ -289,11 +295,14 @@ def test_beam_search_equals_one_device(mesh):
     assert [h.tolist() for h in got] == [h.tolist() for h in want]
   assert_close(got_scores, expected.scores.to_list())
   # Per-source limits stacked like the batch give the same as the int.
-  limits = np.full(np.shape(batch.fields[1].num_outer) + (BUCKETS.capacity(0, "sequences"),), 8)
+  count = BUCKETS.capacity(0, "sequences")
+  limits = np.full((SHARDS, count), 8)
   per_source = generate(
-    (model, params), placed.fields[1], mesh, max_length=shard_batch(limits, mesh),
+    (model, params),
+    placed.fields[1],
+    mesh,
+    max_length=shard_batch(limits, mesh),
     **settings,
   )
-  assert [h.tolist() for hyps in per_source for hs in hyps.ids.to_list() for h in hs] == [
-    h.tolist() for hs in got_ids for h in hs
-  ]
+  flat = [h.tolist() for hyps in per_source for hs in hyps.ids.to_list() for h in hs]
+  assert flat == [h.tolist() for hs in got_ids for h in hs]

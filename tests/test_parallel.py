@@ -1,0 +1,168 @@
+"""jaxlod.parallel: bad input on one device, and the multi-device suites.
+
+The equivalence tests need several devices, and
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` must be set before
+JAX starts: they run in a child pytest (tests/multidevice). The multi-host
+test starts 2 processes on 127.0.0.1 through `jax.distributed`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlod import Buckets
+from jaxlod.data import Batcher
+from jaxlod.parallel import data_parallel, local_shards, map_shards, shard_batch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = [(np.arange(n, dtype=np.float32),) for n in (3, 1, 4, 1, 5, 2)]
+BUCKETS = Buckets.fixed(tokens=8, sequences=4, time=6)
+
+
+def _child_env(devices: int) -> dict[str, str]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["JAXLOD_MULTIDEVICE"] = "1"
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((1,), ("data",))
+
+
+def _stacked(shards: int):
+  batcher = Batcher(EXAMPLES, BUCKETS, shards=shards, shuffle=False, prefetch=0)
+  return next(batcher.iterate())
+
+
+def test_shard_batch_places_one_shard(mesh):
+  batch = _stacked(1)
+  placed = shard_batch(batch, mesh)
+  assert placed.indices is batch.indices
+  values = placed.fields[0].values
+  assert isinstance(values, jax.Array)
+  assert values.shape == (1, 8)
+  assert values.sharding.spec == jax.sharding.PartitionSpec("data")
+  np.testing.assert_array_equal(np.asarray(values), batch.fields[0].values)
+  assert local_shards(mesh) == 1
+
+
+def test_shard_count_must_match_the_mesh_axis(mesh):
+  with pytest.raises(
+    ValueError,
+    match=r"Expected a batch of 1 shards \(the size of mesh axis 'data'\), got 2",
+  ):
+    shard_batch(_stacked(2), mesh)
+
+
+def test_mesh_must_have_the_axis(mesh):
+  batch = _stacked(1)
+  message = r"Expected `axis` to name an axis of `mesh`, got 'batch'.*\('data',\)"
+  with pytest.raises(ValueError, match=message):
+    shard_batch(batch, mesh, axis="batch")
+  with pytest.raises(ValueError, match=message):
+    data_parallel(lambda local: local, mesh, axis="batch")
+  with pytest.raises(ValueError, match=message):
+    map_shards(lambda local: local, mesh, axis="batch")
+  with pytest.raises(TypeError, match="Expected `mesh` to be a jax.sharding.Mesh"):
+    shard_batch(batch, "mesh")
+
+
+def test_leaves_must_agree_in_shards(mesh):
+  with pytest.raises(ValueError, match=r"same number of shards, got 1 at .*2 at"):
+    shard_batch((np.zeros((1, 3)), np.zeros((2, 3))), mesh)
+  with pytest.raises(ValueError, match="got a scalar at"):
+    shard_batch((np.zeros((1, 3)), np.float32(1.0)), mesh)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_data_parallel_on_one_device_is_the_function(mesh, check_vma):
+  batch = shard_batch(_stacked(1), mesh)
+
+  def total(w, fields):
+    (x,) = fields
+    return jnp.sum(x.values * w), x.num_rows, jnp.float32(1.0)
+
+  out = jax.jit(data_parallel(total, mesh, check_vma=check_vma))(
+    jnp.float32(3.0), batch.fields
+  )
+  host = _stacked(1).fields[0]
+  assert float(out[0]) == 3.0 * float(np.sum(host.values))
+  assert int(out[1]) == int(host.offsets[0][0, -1])
+  assert float(out[2]) == 1.0  # a constant output counts once per device
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_four_devices_match_one():
+  """tests/multidevice with 4 forced host devices (equivalence, compilation
+  count, beam search, the invariant-parameter error)."""
+  command = [sys.executable, "-m", "pytest", "tests/multidevice", "-q", "-n", "0"]
+  command += ["-p", "no:cacheprovider", "-W", "error"]
+  result = subprocess.run(
+    command, cwd=ROOT, env=_child_env(4), capture_output=True, text=True, timeout=600
+  )
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def _worker(out, process_id, num_processes, port, devices):
+  command = [sys.executable, "-m", "tests.multidevice.multihost_worker"]
+  command += [str(out), str(process_id), str(num_processes), str(port)]
+  return subprocess.Popen(
+    command,
+    cwd=ROOT,
+    env=_child_env(devices),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one(tmp_path):
+  """2 processes of 2 devices on 127.0.0.1 (`jax.distributed`, gloo) train a
+  Seq2Seq for 10 steps to the parameters of 1 process of 4 devices."""
+  port = _free_port()
+  procs = [
+    _worker(tmp_path / "single.npz", 0, 1, port, 4),
+    _worker(tmp_path / "multi0.npz", 0, 2, port, 2),
+    _worker(tmp_path / "multi1.npz", 1, 2, port, 2),
+  ]
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append(proc.communicate(timeout=110)[0])
+  finally:
+    for proc in procs:  # never leave a process behind, whatever happened
+      if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+  for proc, output in zip(procs, outputs, strict=True):
+    assert proc.returncode == 0 and "WORKER-DONE" in output, output[-4000:]
+  for output in outputs[1:]:
+    assert "MISMATCH-RAISED" in output, output[-4000:]
+    assert "(2, 48) on process" in output and "(2, 64) on process" in output
+  single = np.load(tmp_path / "single.npz")
+  for name in ("multi0", "multi1"):
+    multi = np.load(tmp_path / f"{name}.npz")
+    assert sorted(multi.files) == sorted(single.files)
+    for key in single.files:
+      np.testing.assert_allclose(multi[key], single[key], rtol=1e-5, atol=1e-6)
