@@ -9,10 +9,7 @@ Two measurements:
       ratio over the shards of their real tokens and of their longest
       length, each as its worst batch and its mean over the batches (and
       the 95th percentile), and the same over the half-full global batches
-      (at least half the global count capacity): the rest are mostly the
-      last batch cut from a sorting window, a handful of examples that no
-      deal can share evenly (9 examples over 4 shards), and they hold the
-      worst ratios. Two corpora:
+      (at least half the global count capacity). Two corpora:
 
       * ``g2p``: the G2P training split as the example builds it
         (`jaxlod.examples.g2p.load_corpus` of the default `Config`), batched
@@ -59,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -71,9 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -85,7 +79,7 @@ from jaxlod.data import Batcher
 from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
 from jaxlod.examples._timing import machine_info, measure_interleaved
-from jaxlod.parallel import data_parallel, shard_batch
+from jaxlod.parallel import shard_batch
 
 SHARD_COUNTS = (2, 4, 8)
 DEVICE_COUNTS = (1, 2)
@@ -249,43 +243,6 @@ def w1_balance() -> dict[str, Any]:
 # -- step time (child process) ----------------------------------------------------
 
 
-def _data_parallel_step(config: m.Config, num_phones: int, mesh: Any) -> Any:
-  """The jitted step ``(params, opt_state, lr, rng, fields) -> (params,
-  opt_state, loss)`` of the G2P example, data-parallel over ``mesh``'s
-  ``"data"`` axis."""
-  model = m.build_model(
-    config, num_phones, train=True, ladder=m.training_ladder(config)
-  )
-  tx = m.optimizer(config)
-
-  def sums(params, rng, fields):
-    src, tgt_in, tgt_out = fields
-    rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
-
-    def loss_sum(params):
-      logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
-      count = tgt_out.num_rows
-      mean = m.token_loss(logits, tgt_out, config.label_smoothing)
-      return mean * jnp.maximum(count, 1), count
-
-    (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
-    return grads, total, count
-
-  per_device = data_parallel(sums, mesh)
-  replicated = NamedSharding(mesh, P())
-
-  @functools.partial(jax.jit, out_shardings=replicated)
-  def step(params, opt_state, lr, rng, fields):
-    grads, total, count = per_device(params, rng, fields)
-    count = jnp.maximum(count, 1).astype(jnp.float32)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    updates = jax.tree.map(lambda u: -lr * u, updates)
-    return optax.apply_updates(params, updates), opt_state, total / count
-
-  return step
-
-
 def step_time(devices: int, repeats: int) -> dict[str, Any]:
   """Times the data-parallel G2P step on `devices` devices (this process's)."""
   if jax.device_count() != devices:
@@ -296,7 +253,8 @@ def step_time(devices: int, repeats: int) -> dict[str, Any]:
   corpus = g2p.load_corpus(config)
   mesh = jax.make_mesh((devices,), ("data",))
   replicated = NamedSharding(mesh, P())
-  step = _data_parallel_step(config, len(corpus.phones), mesh)
+  # The example's own data-parallel step (`--devices`).
+  step = m.train_step(config, len(corpus.phones), mesh)
   params, opt_state = jax.device_put(
     m.init_state(config, len(corpus.phones)), replicated
   )

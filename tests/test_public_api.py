@@ -9,7 +9,14 @@ import pytest
 
 import jaxlod
 
-PUBLIC_MODULES = ["jaxlod", "jaxlod.ops", "jaxlod.nn", "jaxlod.nn.nnx", "jaxlod.data"]
+PUBLIC_MODULES = [
+  "jaxlod",
+  "jaxlod.ops",
+  "jaxlod.nn",
+  "jaxlod.nn.nnx",
+  "jaxlod.data",
+  "jaxlod.parallel",
+]
 
 # The foundation's names; later layers may add more to `__all__`.
 FOUNDATION = {
@@ -51,6 +58,8 @@ FOUNDATION = {
     "GeneralAttention",
   },
   "jaxlod.data": {"Batch", "Batcher"},
+  # Scale-out (a contract).
+  "jaxlod.parallel": {"data_parallel", "shard_batch"},
 }
 
 

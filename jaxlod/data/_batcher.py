@@ -374,6 +374,41 @@ def _redeal(
   ]
 
 
+def _cut(
+  part: list[int],
+  weights: list[list[int]],
+  limits: list[int],
+  count: int,
+  shards: int,
+  cap: float | None = None,
+) -> list[tuple[_Deal, list[int]]]:
+  """One window's examples cut into global batches, each dealt as it grows.
+
+  Each example goes, in turn, to the least-loaded shard with room
+  (`_Deal`); a new global batch starts when no shard has room or, with a
+  `cap`, when the batch's summed cost would pass it.
+  """
+  batches, batch, deal, total = [], [], _Deal(shards, limits, count), 0
+  for i in part:
+    cost = weights[i][-1]
+    full = cap is not None and total + cost > cap
+    if batch and (full or not deal.add(i, weights[i])):
+      batches.append((deal, batch))
+      batch, deal, total = [], _Deal(shards, limits, count), 0
+    if not batch:
+      deal.add(i, weights[i])
+    batch.append(i)
+    total += cost
+  if batch:
+    batches.append((deal, batch))
+  return batches
+
+
+# Slack over an even share of a window's cost, tried in turn (see
+# `_sharded_batches`).
+_EVEN_SLACK = (0.01, 0.03, 0.1, 0.3)
+
+
 def _sharded_batches(
   order: np.ndarray,
   weights: np.ndarray,
@@ -397,22 +432,25 @@ def _sharded_batches(
 
   Returns:
     The global batches, in order, each as `shards` int64 arrays (see
-    `_redeal`). Each example of `order` is dealt, in turn, to the least-loaded
-    shard with room (`_Deal`); a new global batch starts when no shard has
-    room or at a window boundary.
+    `_redeal`). Each window is cut greedily (`_cut`) into k global batches;
+    with several shards it is then cut again with a cap of an even share of
+    its cost (plus `_EVEN_SLACK`), kept when that needs no more than k
+    batches, so that the window's last batch is not a small remainder whose
+    few examples no dealing can balance.
   """
   weights, limits = weights.tolist(), limits.tolist()
-  batches, batch = [], []
-  deal = _Deal(shards, limits, count)
-  for position, i in enumerate(order.tolist()):
-    if batch and (position % window == 0 or not deal.add(i, weights[i])):
-      batches.append(_redeal(deal, batch, weights))
-      batch, deal = [], _Deal(shards, limits, count)
-    if not batch:
-      deal.add(i, weights[i])
-    batch.append(i)
-  if batch:
-    batches.append(_redeal(deal, batch, weights))
+  batches = []
+  for start in range(0, order.size, window):
+    part = order[start : start + window].tolist()
+    cut = _cut(part, weights, limits, count, shards)
+    if shards > 1 and len(cut) > 1:
+      share = sum(weights[i][-1] for i in part) / len(cut)
+      for slack in _EVEN_SLACK:
+        even = _cut(part, weights, limits, count, shards, share * (1 + slack))
+        if len(even) <= len(cut):
+          cut = even
+          break
+    batches += [_redeal(deal, batch, weights) for deal, batch in cut]
   return batches
 
 

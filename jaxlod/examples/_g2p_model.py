@@ -17,7 +17,10 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import (
@@ -28,6 +31,7 @@ from jaxlod.nn import (
   Seq2Seq,
   ensemble_generate,
 )
+from jaxlod.parallel import data_parallel, generate, shard_batch
 
 # Ids of the target vocabulary's markers (see `_g2p_data.phone_vocab`).
 BOS_ID, EOS_ID = 0, 1
@@ -305,7 +309,16 @@ def optimizer(config: Config) -> optax.GradientTransformation:
 def token_loss(
   logits: LoDTensor, targets: LoDTensor, label_smoothing: float = 0.0
 ) -> jax.Array:
-  """Mean cross-entropy over the real target tokens.
+  """Mean cross-entropy over the real target tokens: `token_loss_sum` over
+  the count (at least 1)."""
+  total, count = token_loss_sum(logits, targets, label_smoothing)
+  return total / jnp.maximum(count, 1)
+
+
+def token_loss_sum(
+  logits: LoDTensor, targets: LoDTensor, label_smoothing: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
+  """Summed cross-entropy over the real target tokens, and their number.
 
   Args:
     logits: values ``[token_capacity, vocab]``, the teacher-forced logits.
@@ -314,8 +327,8 @@ def token_loss(
       the label plus ``label_smoothing / vocab`` on every id.
 
   Returns:
-    A float32 scalar: the summed cross-entropy of the real rows over their
-    number (padding rows count for nothing).
+    ``(total, count)``: a float32 scalar, the summed cross-entropy of the
+    real rows (padding rows count for nothing), and their int32 number.
   """
   values = logits.values.astype(jnp.float32)
   if label_smoothing:
@@ -325,7 +338,7 @@ def token_loss(
   else:
     loss = optax.softmax_cross_entropy_with_integer_labels(values, targets.values)
   real = jnp.arange(targets.capacity.tokens) < targets.num_rows
-  return jnp.sum(jnp.where(real, loss, 0.0)) / jnp.maximum(targets.num_rows, 1)
+  return jnp.sum(jnp.where(real, loss, 0.0)), targets.num_rows
 
 
 # The settings the compiled functions depend on.
@@ -396,29 +409,76 @@ def _train_step(key: tuple, num_phones: int) -> Callable:
     logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
     return token_loss(logits, tgt_out, config.label_smoothing)
 
-  decay = config.ema_decay
-
   @jax.jit
   def step(params, opt_state, lr, rng, src, tgt_in, tgt_out):
     loss, grads = jax.value_and_grad(loss_fn)(params, rng, src, tgt_in, tgt_out)
-    inner = opt_state.inner if decay else opt_state
-    updates, inner = tx.update(grads, inner, params)
-    updates = jax.tree.map(lambda u: -lr * u, updates)
-    params = optax.apply_updates(params, updates)
-    if not decay:
-      return params, inner, loss
-    ema = jax.tree.map(lambda a, p: a + (1 - decay) * (p - a), opt_state.ema, params)
-    return params, Averaged(inner, ema), loss
+    return (*_update(config, tx, params, opt_state, grads, lr), loss)
 
   return step
 
 
-def train_step(config: Config, num_phones: int) -> Callable:
+def _update(config: Config, tx, params, opt_state, grads, lr) -> tuple[Any, Any]:
+  """One optimizer step: new ``(params, opt_state)``, the average kept."""
+  decay = config.ema_decay
+  inner = opt_state.inner if decay else opt_state
+  updates, inner = tx.update(grads, inner, params)
+  updates = jax.tree.map(lambda u: -lr * u, updates)
+  params = optax.apply_updates(params, updates)
+  if not decay:
+    return params, inner
+  ema = jax.tree.map(lambda a, p: a + (1 - decay) * (p - a), opt_state.ema, params)
+  return params, Averaged(inner, ema)
+
+
+@functools.lru_cache(maxsize=8)
+def _parallel_train_step(key: tuple, num_phones: int, mesh: Mesh) -> Callable:
+  config = Config(**dict(key))
+  model = build_model(config, num_phones, train=True, ladder=training_ladder(config))
+  tx = optimizer(config)
+
+  def sums(params, rng, fields):
+    src, tgt_in, tgt_out = fields
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(AXIS))  # masks per device
+
+    def loss(params):
+      logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
+      return token_loss_sum(logits, tgt_out, config.label_smoothing)
+
+    (total, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return total, count, grads
+
+  grads_of = data_parallel(sums, mesh, AXIS)
+
+  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
+  def step(params, opt_state, lr, rng, fields):
+    total, count, grads = grads_of(params, rng, fields)
+    count = jnp.maximum(count, 1)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    return (*_update(config, tx, params, opt_state, grads, lr), total / count)
+
+  return step
+
+
+def train_step(config: Config, num_phones: int, mesh: Mesh | None = None) -> Callable:
   """The jitted step ``(params, opt_state, lr, rng, src, tgt_in, tgt_out) ->
   (params, opt_state, loss)``; `lr` a float scalar, `rng` a key for dropout.
   With `config.ema_decay`, `opt_state` is an `Averaged` whose average takes
-  in the new parameters."""
-  return _train_step(_compiled_key(config), num_phones)
+  in the new parameters.
+
+  With a `mesh`, the data-parallel step ``(params, opt_state, lr, rng,
+  fields) -> (params, opt_state, loss)``: `fields` the three stacked fields
+  of a sharded batch placed by `jaxlod.parallel.shard_batch` along `AXIS`,
+  one shard a device (`jaxlod.parallel.data_parallel`); the loss is the
+  mean over every real target token of every shard, each device draws its
+  own dropout masks, and the parameters stay replicated
+  (`jaxlod.parallel.replicate`)."""
+  if mesh is None:
+    return _train_step(_compiled_key(config), num_phones)
+  return _parallel_train_step(_compiled_key(config), num_phones, mesh)
+
+
+# The mesh axis of data-parallel runs (`--devices`).
+AXIS = "data"
 
 
 def _search_settings(src: LoDTensor, beam: int) -> dict:
@@ -479,6 +539,29 @@ def ensemble_search(
   hypotheses per source word (see `jaxlod.nn.ensemble_generate`).
   """
   return _ensemble_search(_compiled_key(config), num_phones, beam, num_results)
+
+
+def parallel_decoder(
+  config: Config, num_phones: int, beam: int, mesh: Mesh
+) -> Callable:
+  """The data-parallel beam search ``(params, src) -> ids``: `src` a sharded
+  batch's stacked source field on the host (every process its own shards),
+  `ids` one 2-level LoDTensor per shard of every process, as `decoder`'s.
+  Each device searches its own words (`jaxlod.parallel.generate`)."""
+  model = build_model(config, num_phones)
+
+  def decode(params, src):
+    lengths = np.diff(np.asarray(src.offsets[0]), axis=-1) + LENGTH_MARGIN
+    local = jax.tree.map(lambda a: a[0], src)
+    settings = _search_settings(local, beam)
+    del settings["max_length"]
+    placed, limits = shard_batch((src, lengths), mesh, AXIS)
+    hyps = generate(
+      (model, params), placed, mesh, AXIS, max_length=limits, num_results=1, **settings
+    )
+    return [h.ids for h in hyps]
+
+  return decode
 
 
 def decoder(config: Config, num_phones: int, beam: int) -> Callable:

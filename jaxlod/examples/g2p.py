@@ -35,11 +35,13 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxlod.data import Batcher
 from jaxlod.examples import _g2p_data as data
 from jaxlod.examples import _g2p_model as m
+from jaxlod.parallel import replicate, shard_batch
 
 
 @dataclasses.dataclass
@@ -79,10 +81,17 @@ def load_corpus(config: m.Config) -> Corpus:
 
 
 def predict(
-  params: Any, config: m.Config, corpus: Corpus, words: Sequence[str], beam: int
+  params: Any,
+  config: m.Config,
+  corpus: Corpus,
+  words: Sequence[str],
+  beam: int,
+  mesh: Mesh | None = None,
 ) -> list[tuple[str, ...]]:
-  """The beam search's best pronunciation of each word, in `words`' order."""
-  decode = m.decoder(config, len(corpus.phones), beam)
+  """The beam search's best pronunciation of each word, in `words`' order.
+
+  With a `mesh`, each device decodes its own shard of every batch
+  (`m.parallel_decoder`); one model only."""
   examples = [(corpus.letters.encode(w),) for w in words]
   batcher = Batcher(
     examples,
@@ -90,12 +99,22 @@ def predict(
     shuffle=False,
     window=len(examples),
     tables=False,
+    shards=None if mesh is None else mesh.size,
   )
   out: list[tuple[str, ...]] = [()] * len(words)
-  for batch in batcher.epoch(0):
-    hyps = decode(params, batch.fields[0]).to_list()
-    for i, (best,) in zip(batch.indices, hyps, strict=True):
-      out[i] = corpus.phones.decode(best)
+  if mesh is None:
+    decode = m.decoder(config, len(corpus.phones), beam)
+    for batch in batcher.epoch(0):
+      hyps = decode(params, batch.fields[0]).to_list()
+      for i, (best,) in zip(batch.indices, hyps, strict=True):
+        out[i] = corpus.phones.decode(best)
+    return out
+  decode = m.parallel_decoder(config, len(corpus.phones), beam, mesh)
+  # Every process gets every shard's hypotheses; the plan maps them to words.
+  for batch, shards in zip(batcher.epoch(0), batcher.plan_shards(0), strict=True):
+    for indices, ids in zip(shards, decode(params, batch.fields[0]), strict=True):
+      for i, (best,) in zip(indices, ids.to_list(), strict=True):
+        out[i] = corpus.phones.decode(best)
   return out
 
 
@@ -105,14 +124,16 @@ def evaluate(
   corpus: Corpus,
   split: str,
   limit: int | None = None,
+  mesh: Mesh | None = None,
 ) -> tuple[float, float, list[tuple[str, tuple[str, ...], tuple[str, ...]]]]:
   """``(PER, WER, rows)`` on `limit` evenly spaced words of `split` (all: None).
 
   `rows` holds ``(word, reference, prediction)`` per word, in word order.
+  With a `mesh`, the devices decode in parallel (`predict`).
   """
   pairs = _evenly_spaced(corpus.splits[split], limit)
   words = [w for w, _ in pairs]
-  hyps = predict(params, config, corpus, words, config.beam)
+  hyps = predict(params, config, corpus, words, config.beam, mesh)
   refs = [p for _, p in pairs]
   per, wer = data.error_rates(refs, hyps)
   return per, wer, list(zip(words, refs, hyps, strict=True))
@@ -173,9 +194,14 @@ def check_resumable(saved: dict, config: m.Config, workdir: pathlib.Path) -> Non
 
 
 def restore_checkpoint(
-  workdir: pathlib.Path, step: int, config: m.Config, num_phones: int
+  workdir: pathlib.Path,
+  step: int,
+  config: m.Config,
+  num_phones: int,
+  mesh: Mesh | None = None,
 ) -> tuple[Any, Any]:
-  """``(params, opt_state)`` of checkpoint `step` of `workdir`.
+  """``(params, opt_state)`` of checkpoint `step` of `workdir`; with a
+  `mesh`, replicated over it.
 
   Raises:
     ValueError: for a checkpoint of another model (see `check_resumable`).
@@ -184,7 +210,15 @@ def restore_checkpoint(
     args = ocp.args.Composite(config=ocp.args.JsonRestore())
     check_resumable(manager.restore(step, args=args).config, config, workdir)
     abstract = m.init_state(config, num_phones, abstract=True)
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    # Onto this run's devices, whatever devices saved it.
+    if mesh is None:
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    else:
+      sharding = NamedSharding(mesh, PartitionSpec())
+    placed = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract
+    )
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(placed))
     restored = manager.restore(step, args=args).state
   # Restored containers may be plain tuples and dicts: put the leaves back
   # into the optimizer state's own structure.
@@ -210,8 +244,13 @@ def train(
   workdir: pathlib.Path,
   quiet: bool = False,
   stop: int | None = None,
+  mesh: Mesh | None = None,
 ) -> tuple[Any, Any, list[tuple[int, float, float]]]:
   """Trains from step `start` to `stop` (default `config.steps`).
+
+  With a `mesh`, data-parallel over its devices: each step's batch is
+  dealt to one shard per device, each on the capacities of one batch
+  (`m.train_step`), and the evaluations decode in parallel too.
 
   Every `eval_every` steps and at `stop`, scores `dev_words` dev words (with
   `m.eval_params`) and saves a checkpoint. The batches, dropout masks and
@@ -222,10 +261,18 @@ def train(
     ``(params, opt_state, history)``, history a list of ``(step, dev PER,
     dev WER)``.
   """
-  step_fn = m.train_step(config, len(corpus.phones))
+  step_fn = m.train_step(config, len(corpus.phones), mesh)
   buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
   # The model ranks its batches itself (docs/data.md): no host tables.
-  batcher = Batcher(corpus.train, buckets, seed=config.seed, tables=False)
+  batcher = Batcher(
+    corpus.train,
+    buckets,
+    seed=config.seed,
+    tables=False,
+    shards=None if mesh is None else mesh.size,
+  )
+  if mesh is not None:
+    params, opt_state = replicate((params, opt_state), mesh)
   # Tokens of an example: its letters and its phonemes with `</s>`.
   lengths = np.array([len(s) + len(t) for s, _, t in corpus.train])
   dropout_key = jax.random.key(config.seed + 1)
@@ -239,12 +286,15 @@ def train(
   tokens, clock, loss_sum, losses = 0, time.perf_counter(), 0.0, 0
   with contextlib.closing(batcher.iterate(start_step=start)) as batches, bar:
     for step, batch in zip(range(start, stop), batches, strict=False):  # endless
+      fields = batch.fields
+      if mesh is not None:
+        fields = (shard_batch(fields, mesh, m.AXIS),)
       params, opt_state, loss = step_fn(
         params,
         opt_state,
         np.float32(m.learning_rate(config, step)),
         jax.random.fold_in(dropout_key, step),
-        *batch.fields,
+        *fields,
       )
       loss_sum, losses = loss_sum + float(loss), losses + 1
       tokens += int(lengths[batch.indices].sum())
@@ -260,7 +310,7 @@ def train(
         began = time.perf_counter()
         decode_params = m.eval_params(config, params, opt_state)
         per, wer, rows = evaluate(
-          decode_params, config, corpus, "dev", config.dev_words
+          decode_params, config, corpus, "dev", config.dev_words, mesh
         )
         _print_eval(done, per, wer, len(rows), time.perf_counter() - began)
         history.append((done, per, wer))
@@ -318,6 +368,21 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     type=float,
     help="evaluate a moving average of the parameters with this decay (0: none)",
   )
+  parser.add_argument(
+    "--devices",
+    default="1",
+    help="local devices to train and evaluate on, data-parallel: a number or "
+    "'all' (default 1; on one CPU, XLA_FLAGS=--xla_force_host_platform_"
+    "device_count=N makes N devices)",
+  )
+  parser.add_argument(
+    "--coordinator",
+    metavar="HOST:PORT",
+    help="join a multi-host run through jax.distributed (with --num-processes "
+    "and --process-id; every process the same flags and --workdir)",
+  )
+  parser.add_argument("--num-processes", type=int, help="processes of the run")
+  parser.add_argument("--process-id", type=int, help="this process, from 0")
   parser.add_argument("--examples", type=int, default=10, help="predictions shown")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
@@ -343,7 +408,38 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     if not 0.0 <= getattr(config, name) < 1.0:
       flag = "--" + name.replace("_", "-")
       parser.error(f"{flag} must be in [0, 1), got {getattr(config, name)}")
+  if args.devices != "all" and not (args.devices.isdigit() and int(args.devices)):
+    parser.error(f"--devices must be a number >= 1 or 'all', got {args.devices!r}")
+  multihost = (args.coordinator, args.num_processes, args.process_id)
+  if any(x is not None for x in multihost) and None in multihost:
+    parser.error("--coordinator, --num-processes and --process-id go together")
+  if args.coordinator is not None and args.workdir is None:
+    parser.error("--coordinator needs --workdir, one directory for every process")
   return args, config
+
+
+def make_mesh(devices: str) -> Mesh | None:
+  """The data-parallel mesh: `devices` local devices of every process
+  (``"all"``: all of them), or `None` for one device in one process.
+
+  Raises:
+    ValueError: for more devices than this process has.
+  """
+  local = len(jax.local_devices())
+  count = local if devices == "all" else int(devices)
+  if count > local:
+    raise ValueError(
+      f"--devices {count}: this process has {local} local devices (set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={count} on a CPU)."
+    )
+  if count == 1 and jax.process_count() == 1:
+    return None
+  chosen = [
+    d
+    for p in range(jax.process_count())
+    for d in [d for d in jax.devices() if d.process_index == p][:count]
+  ]
+  return jax.make_mesh((len(chosen),), (m.AXIS,), devices=chosen)
 
 
 def member_dir(workdir: pathlib.Path, config: m.Config, k: int) -> pathlib.Path:
@@ -353,7 +449,7 @@ def member_dir(workdir: pathlib.Path, config: m.Config, k: int) -> pathlib.Path:
 
 
 def _start(
-  args: argparse.Namespace, config: m.Config, num_phones: int
+  args: argparse.Namespace, config: m.Config, num_phones: int, mesh: Mesh | None
 ) -> tuple[pathlib.Path, list[tuple[int, Any, Any]]]:
   """The workdir, and each member's step, parameters and optimizer state to
   start from (a member without a checkpoint starts at step 0).
@@ -386,7 +482,7 @@ def _start(
     if step is None:
       states.append((0, *m.init_state(member, num_phones)))
     else:
-      states.append((step, *restore_checkpoint(d, step, member, num_phones)))
+      states.append((step, *restore_checkpoint(d, step, member, num_phones, mesh)))
   return workdir, states
 
 
@@ -410,11 +506,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """
   began = time.perf_counter()
   args, config = parse_args(argv)
+  if args.coordinator is not None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+      coordinator_address=args.coordinator,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+    )
+  mesh = make_mesh(args.devices)
   corpus = load_corpus(config)
   sizes = ", ".join(f"{name} {len(pairs)}" for name, pairs in corpus.splits.items())
   stress = "kept" if config.stress else "stripped"
   print(f"CMUdict words: {sizes}; stress {stress} ({len(corpus.phones) - 2} phonemes)")
-  workdir, states = _start(args, config, len(corpus.phones))
+  workdir, states = _start(args, config, len(corpus.phones), mesh)
+  if mesh is not None:
+    print(f"data-parallel over {mesh.size} devices, {jax.process_count()} processes")
   count = sum(x.size for x in jax.tree.leaves(states[0][1]))
   average = f", scored by their average (decay {config.ema_decay})"
   last = config.seed + config.members - 1
@@ -437,7 +543,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       print(f"member {k} (seed {member.seed})")
     print(f"checkpoints: {member_workdir}{resuming}")
     params, opt_state, history = train(
-      member, corpus, params, opt_state, start, member_workdir, args.quiet
+      member,
+      corpus,
+      params,
+      opt_state,
+      start,
+      member_workdir,
+      args.quiet or jax.process_index() > 0,
+      mesh=mesh,
     )
     finals.append(m.eval_params(member, params, opt_state))
     histories.append(history)
@@ -453,8 +566,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   table = [("model", "split", "words", "PER", "WER")]
   for name, run_config, decode_params in scored:
     results[name] = {}
+    # An ensemble decodes on one device.
+    on = None if isinstance(decode_params, tuple) else mesh
     for split in ("dev", "test"):
-      per, wer, rows = evaluate(decode_params, run_config, corpus, split)
+      per, wer, rows = evaluate(decode_params, run_config, corpus, split, mesh=on)
       results[name][split] = (per, wer)
       table.append(
         (name, split, str(len(rows)), f"{100 * per:.2f}%", f"{100 * wer:.2f}%")

@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
-from jaxlod._vma import varying_axes, vary
+from jaxlod._vma import vary, varying_axes
 from jaxlod.ops._rank import RankTable
 
 # -- the one primitive: a gather whose transpose is a known gather -------------

@@ -36,7 +36,7 @@ from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jex_core
 
-from jaxlod._vma import varying_axes, vary
+from jaxlod._vma import vary, varying_axes
 
 # -- helpers -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxlod._lod import LoDTensor, is_concrete
-from jaxlod._vma import varying_axes, vary
+from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _packed
 from jaxlod.ops._array import _check_pair, permute_rows
 from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table

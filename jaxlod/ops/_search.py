@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlod._vma import varying_axes, vary
+from jaxlod._vma import vary, varying_axes
 
 NEG_INF = -jnp.inf
 

@@ -15,6 +15,7 @@ from jaxlod.parallel._shard import (
   generate,
   local_shards,
   map_shards,
+  replicate,
   shard_batch,
   unstack,
 )
@@ -24,6 +25,7 @@ __all__ = [
   "generate",
   "local_shards",
   "map_shards",
+  "replicate",
   "shard_batch",
   "unstack",
 ]

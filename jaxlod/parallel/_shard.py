@@ -148,6 +148,36 @@ def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
   )
 
 
+def replicate(tree: Any, mesh: Mesh) -> Any:
+  """`tree`'s arrays as global arrays replicated over `mesh`.
+
+  Each process gives its own copy (every process holds the same values, as
+  parameters initialized from one seed do). Use it for the replicated
+  arguments of a `data_parallel` step (parameters, optimizer state) before
+  the first step.
+
+  Raises:
+    TypeError: if `mesh` is not a `jax.sharding.Mesh`.
+  """
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"Expected `mesh` to be a jax.sharding.Mesh, got {mesh!r}.")
+  sharding = NamedSharding(mesh, P())
+  if jax.process_count() == 1:
+    # A jitted identity, not `device_put`: on a 1-device mesh that gives a
+    # SingleDeviceSharding, and a step whose outputs are replicated over the
+    # mesh would compile a second time for them.
+    return jax.jit(lambda t: t, out_shardings=sharding)(tree)
+
+  def put(leaf):
+    if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(
+      sharding, leaf.ndim
+    ):
+      return leaf
+    return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
+
+  return jax.tree.map(put, tree)
+
+
 def _unstacked(batch: Any) -> Any:
   """A device's block ``[1, ...]`` of every leaf, without the shard axis."""
   return jax.tree.map(lambda a: a[0], batch)
@@ -351,7 +381,7 @@ def generate(
         f"{type(pair).__name__}."
       )
   models = tuple(model for model, _ in members)
-  variables = [v for _, v in members]
+  variables = replicate([v for _, v in members], mesh)
   if isinstance(max_length, int | np.integer):
     settings["max_length"], max_length = int(max_length), None
   out = _generate(
