@@ -160,6 +160,7 @@ def test_two_processes_train_as_one(tmp_path):
   for output in outputs[1:]:
     assert "MISMATCH-RAISED" in output, output[-4000:]
     assert "(2, 48) on process" in output and "(2, 64) on process" in output
+    assert "STRUCTURE-RAISED" in output, output[-4000:]
   single = np.load(tmp_path / "single.npz")
   for name in ("multi0", "multi1"):
     multi = np.load(tmp_path / f"{name}.npz")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -66,36 +67,46 @@ def _leading(batch: Any) -> int:
   return next(iter(sizes))
 
 
+def _digest(text: str) -> int:
+  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
 def _check_same_across_processes(batch: Any) -> None:
-  """Raises on every process when the processes' batches differ in shapes."""
+  """Raises on every process when the processes' batches differ in shapes,
+  dtypes or static structure (a LoD's time capacity, say).
+
+  One small all-gather when they agree; a second one, for the message,
+  when they do not (every process sees the same gathered digests, so all
+  take the same path).
+  """
   paths = jax.tree_util.tree_leaves_with_path(batch)
   dims = [d for _, leaf in paths for d in (np.ndim(leaf), *np.shape(leaf))]
-  counts = multihost_utils.process_allgather(np.asarray([len(dims)], np.int64))
-  width = int(np.max(counts))
-  padded = np.full((width,), -1, np.int64)
-  padded[: len(dims)] = dims
-  every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
-  mine = jax.process_index()
-  for other, theirs in enumerate(every):
-    if np.array_equal(theirs, every[mine]):
-      continue
-    shapes, at = [], 0
-    for path, _ in paths:
-      rank = int(theirs[at]) if at < width else -1
-      shape = tuple(int(d) for d in theirs[at + 1 : at + 1 + max(rank, 0)])
-      shapes.append((jax.tree_util.keystr(path) or "(root)", shape))
-      at += 1 + max(rank, 0)
-    for (name, theirs_shape), (_, leaf) in zip(shapes, paths, strict=True):
-      if theirs_shape != np.shape(leaf):
-        raise ValueError(
-          f"Expected every process to put a batch of the same capacities; "
-          f"{name} has shape {np.shape(leaf)} on process {mine} and "
-          f"{theirs_shape} on process {other}."
-        )
+  static = str(jax.tree.structure(batch)) + str([np.dtype(a.dtype) for _, a in paths])
+  mine = np.asarray([_digest(static), _digest(str(dims)), len(dims)], np.int64)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+  if (every == every[0]).all():
+    return
+  me = jax.process_index()
+  other = int(np.flatnonzero((every != every[me]).any(axis=1))[0])
+  if every[other, 0] != every[me, 0] or every[other, 2] != every[me, 2]:
     raise ValueError(
-      f"Expected every process to put a batch of the same structure; process "
-      f"{mine} and process {other} differ."
+      f"Expected every process to put a batch of the same structure, dtypes "
+      f"and static capacities (time capacities); process {me} and process "
+      f"{other} differ. This process's batch: {jax.tree.structure(batch)}."
     )
+  gathered = multihost_utils.process_allgather(np.asarray(dims, np.int64))
+  theirs = np.asarray(gathered).reshape(-1, len(dims))[other].tolist()
+  at = 0
+  for path, leaf in paths:
+    rank = np.ndim(leaf)
+    shape = tuple(theirs[at + 1 : at + 1 + rank])
+    if shape != np.shape(leaf):
+      raise ValueError(
+        f"Expected every process to put a batch of the same capacities; "
+        f"{jax.tree_util.keystr(path) or '(root)'} has shape {np.shape(leaf)} "
+        f"on process {me} and {shape} on process {other}."
+      )
+    at += 1 + rank
 
 
 def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
