@@ -174,10 +174,12 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     raise TypeError(f"Expected `mesh` to be a jax.sharding.Mesh, got {mesh!r}.")
   sharding = NamedSharding(mesh, P())
   if jax.process_count() == 1:
-    # A jitted identity, not `device_put`: on a 1-device mesh that gives a
-    # SingleDeviceSharding, and a step whose outputs are replicated over the
-    # mesh would compile a second time for them.
-    return jax.jit(lambda t: t, out_shardings=sharding)(tree)
+    tree = jax.device_put(tree, sharding)
+    if mesh.size == 1:
+      # `device_put` gave a SingleDeviceSharding there, and a step whose
+      # outputs are replicated over the mesh would compile again for them.
+      tree = jax.jit(lambda t: t, out_shardings=sharding)(tree)
+    return tree
 
   def put(leaf):
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(
