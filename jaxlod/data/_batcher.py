@@ -564,13 +564,13 @@ class Batcher:
     ...   process_count=2,
     ... )
     >>> [[s.tolist() for s in b] for b in sharded.plan_shards(0)]
-    [[[3, 2], [1, 0]], [[4], []]]
+    [[[0], [1, 3]], [[4], [2]]]
     >>> batch = next(iter(sharded.epoch(0)))
     >>> batch.indices.tolist(), batch.fields[1].values.shape
-    ([3, 2], (1, 8))
+    ([0], (1, 8))
     >>> import jax
     >>> jax.tree.map(lambda a: a[0], batch.fields[1]).recursive_lengths()
-    [[2, 5]]
+    [[4]]
   """
 
   def __init__(

@@ -306,3 +306,16 @@ def test_beam_search_equals_one_device(mesh):
   )
   flat = [h.tolist() for hyps in per_source for hs in hyps.ids.to_list() for h in hs]
   assert flat == [h.tolist() for hs in got_ids for h in hs]
+
+
+def test_shards_must_match_the_devices(mesh):
+  """A Batcher dealing 3 shards cannot go on 4 devices, nor 8 shards."""
+  for shards in (3, 8):
+    batcher = Batcher(_examples(), BUCKETS, shards=shards, prefetch=0)
+    batch = next(batcher.iterate())
+    with pytest.raises(
+      ValueError,
+      match=rf"Expected a batch of 4 shards \(the size of mesh axis 'data'\), "
+      rf"got {shards} shards",
+    ):
+      shard_batch(batch, mesh)
