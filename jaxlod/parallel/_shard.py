@@ -196,7 +196,7 @@ def _unstacked(batch: Any) -> Any:
   return jax.tree.map(lambda a: a[0], batch)
 
 
-def _per_device(fn, mesh, axis, check_vma, reduce_out) -> Callable:
+def _per_device(fn, mesh, axis, check_vma, reduce_out, out_specs) -> Callable:
   def body(*args):
     *replicated, local = args
     if check_vma:  # each device differentiates its own copy (see docs)
@@ -207,7 +207,6 @@ def _per_device(fn, mesh, axis, check_vma, reduce_out) -> Callable:
     if not args:
       raise TypeError("Expected at least the stacked batch as an argument, got none.")
     in_specs = (*(P(),) * (len(args) - 1), P(axis))
-    out_specs = P() if reduce_out is not _stack else P(axis)
     mapped = jax.shard_map(
       body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
     )
@@ -283,7 +282,7 @@ def data_parallel(
       out = vary(out, frozenset({axis}) | varying_axes(out))
     return jax.lax.psum(out, axis)
 
-  return _per_device(fn, mesh, axis, check_vma, psum)
+  return _per_device(fn, mesh, axis, check_vma, psum, P())
 
 
 def map_shards(
@@ -308,7 +307,7 @@ def map_shards(
     ValueError: if `mesh` has no axis `axis`.
   """
   _check_axis(mesh, axis)
-  return _per_device(fn, mesh, axis, check_vma, _stack)
+  return _per_device(fn, mesh, axis, check_vma, _stack, P(axis))
 
 
 def unstack(tree: Any) -> list[Any]:
