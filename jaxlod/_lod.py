@@ -8,10 +8,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from jaxlod import _buckets
 from jaxlod._buckets import Buckets
+from jaxlod._checks import (
+  check_integer_level,
+  check_lengths_fit,
+  check_offsets,
+  is_concrete,
+)
 
 
 class Capacity(NamedTuple):
@@ -28,39 +33,18 @@ class Capacity(NamedTuple):
   time: tuple[int, ...]
 
 
-def is_concrete(*arrays: Any) -> bool:
-  """True when no array is a tracer, so its values can be read on the host."""
-  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+# -- host-side building ----------------------------------------------------------
 
 
-# -- host-side validation ----------------------------------------------------
+def lengths_to_offsets(recursive_lengths: Sequence[Any]) -> list[np.ndarray]:
+  """Paddle's length-based LoD as offsets: one int64 array per level (host).
 
-
-def _integer_level(name: str, level: int, values: Any) -> np.ndarray:
-  """One LoD level as a 1-D int64 array; rejects non-integer input."""
-  array = np.asarray(values)
-  if array.ndim != 1:
-    raise ValueError(
-      f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}."
-    )
-  if array.size and (
-    array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)
-  ):
-    bad = 0
-    if np.issubdtype(array.dtype, np.floating):
-      fractional = np.flatnonzero(array != np.round(array))
-      bad = int(fractional[0]) if fractional.size else 0
-    raise ValueError(
-      f"Expected integer {name} at LoD level {level}, got dtype {array.dtype} "
-      f"(index {bad}: {array[bad]!r})."
-    )
-  return array.astype(np.int64)
-
-
-def _lengths_to_offsets(recursive_lengths: Sequence[Any]) -> list[np.ndarray]:
+  Raises:
+    ValueError: for a level that is not 1-D integer, or a negative length.
+  """
   offsets = []
   for level, lengths in enumerate(recursive_lengths):
-    lengths = _integer_level("lengths", level, lengths)
+    lengths = check_integer_level("lengths", level, lengths)
     negative = np.flatnonzero(lengths < 0)
     if negative.size:
       i = int(negative[0])
@@ -69,40 +53,6 @@ def _lengths_to_offsets(recursive_lengths: Sequence[Any]) -> list[np.ndarray]:
       )
     offsets.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
   return offsets
-
-
-def _check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
-  """Paddle's CheckLoD, with messages naming the level, index and values."""
-  if len(offsets) == 0:
-    raise ValueError("Expected at least one LoD level, got none.")
-  checked = [_integer_level("offsets", level, o) for level, o in enumerate(offsets)]
-  for level, o in enumerate(checked):
-    if o.size == 0:
-      raise ValueError(f"LoD level {level} has no offsets; expected at least [0].")
-    if o[0] != 0:
-      raise ValueError(
-        f"LoD level {level}, index 0: offsets must start at 0, got {o[0]}."
-      )
-    drops = np.flatnonzero(np.diff(o) < 0)
-    if drops.size:
-      i = int(drops[0])
-      raise ValueError(
-        f"LoD level {level}, index {i + 1}: offsets must be non-decreasing, "
-        f"got {o[i]} at index {i} then {o[i + 1]}."
-      )
-  for level in range(len(checked) - 1):
-    last, count = checked[level][-1], checked[level + 1].size - 1
-    if last != count:
-      raise ValueError(
-        f"LoD level {level}: last offset {last} must equal the number of "
-        f"sequences at level {level + 1}, which is {count}."
-      )
-  if checked[-1][-1] != num_rows:
-    raise ValueError(
-      f"LoD level {len(checked) - 1} (last): last offset {checked[-1][-1]} must "
-      f"equal the number of rows of `values`, which is {num_rows}."
-    )
-  return checked
 
 
 def _as_values(values: Any, dtype: Any = None) -> np.ndarray:
@@ -240,7 +190,7 @@ class LoDTensor:
         index and the values) or the batch exceeds a fixed capacity.
     """
     values = _as_values(values)
-    checked = _check_offsets(offsets, values.shape[0])
+    checked = check_offsets(offsets, values.shape[0])
     return cls._build(values, checked, _buckets.resolve(buckets))
 
   @classmethod
@@ -267,8 +217,8 @@ class LoDTensor:
     values = _as_values(values)
     if len(recursive_lengths) == 0:
       raise ValueError("Expected at least one LoD level, got none.")
-    offsets = _lengths_to_offsets(recursive_lengths)
-    checked = _check_offsets(offsets, values.shape[0])
+    offsets = lengths_to_offsets(recursive_lengths)
+    checked = check_offsets(offsets, values.shape[0])
     return cls._build(values, checked, _buckets.resolve(buckets))
 
   @classmethod
@@ -356,7 +306,7 @@ class LoDTensor:
         f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "
         f"shape {padded.shape}."
       )
-    lengths = _integer_level("lengths", 0, lengths)
+    lengths = check_integer_level("lengths", 0, lengths)
     if lengths.shape[0] != padded.shape[0]:
       raise ValueError(
         f"Expected `lengths` to have shape ({padded.shape[0]},) (one per "
@@ -469,7 +419,7 @@ class LoDTensor:
     time = self.time_capacity[-1] if time_capacity is None else int(time_capacity)
     lengths = self.lengths()
     if time < self.time_capacity[-1]:
-      _check_fits(lengths, time, "to_padded(time_capacity=...)")
+      check_lengths_fit(lengths, time, "to_padded(time_capacity=...)")
     starts = self.offsets[-1][:-1]
     steps = jnp.arange(time, dtype=jnp.int32)
     index = starts[:, None] + steps[None, :]
@@ -536,27 +486,3 @@ def _is_nested(seq: Any) -> bool:
   if isinstance(seq, np.ndarray | jax.Array) or not isinstance(seq, list | tuple):
     return False
   return any(isinstance(item, list | tuple | np.ndarray | jax.Array) for item in seq)
-
-
-def _check_fits(
-  lengths: jax.Array,
-  time: int,
-  where: str,
-  limit: str = "the requested time capacity",
-) -> None:
-  """Raises (eagerly) or checkify-checks (under jit) that lengths <= time.
-
-  `limit` names the bound in the message.
-  """
-  if is_concrete(lengths):
-    longest = int(np.max(np.asarray(lengths), initial=0))
-    if longest > time:
-      raise ValueError(
-        f"{where}: the longest sequence has {longest} rows, more than "
-        f"{limit} {time}; data is never truncated."
-      )
-  else:
-    checkify.debug_check(
-      jnp.max(lengths, initial=0) <= time,
-      f"{where}: a sequence is longer than {limit} {time}; data is never truncated.",
-    )

@@ -519,7 +519,7 @@ def test_error_inputs_with_different_lods():
     err.throw()
 
 
-def test_error_static_input_rows_and_level():
+def test_error_static_input_rows_and_inputs():
   x = _batch([3, 1], np.float32, Buckets.fixed(tokens=8, sequences=4, time=4))
   with pytest.raises(
     ValueError, match=r"`static_inputs` leaf \['w'\] to have leading dimension 4"
@@ -535,10 +535,9 @@ def test_error_static_input_rows_and_level():
     ValueError, match=r"one sequence per input sequence: count capacity 4, got 3"
   ):
     dynamic_rnn(_simple_step, x, init_carry=jnp.zeros((4, 1)), static_inputs=memory)
+  # `level` is gone: dynamic_rnn always runs over the last level.
   nested = LoDTensor.from_lengths(np.zeros((4, FEATURES), np.float32), [[2], [3, 1]])
-  with pytest.raises(
-    ValueError, match=r"runs over the last LoD level \(1\), got level 0"
-  ):
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'level'"):
     dynamic_rnn(_simple_step, nested, init_carry=jnp.zeros((2, 1)), level=0)
   with pytest.raises(TypeError, match=r"Expected `inputs` to be a LoDTensor"):
     dynamic_rnn(_simple_step, jnp.zeros((4, 3)), init_carry=jnp.zeros((4, 1)))

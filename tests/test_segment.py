@@ -1,4 +1,5 @@
-"""Tests of the helpers shared by the sequence ops (jaxlod/ops/_segment.py)."""
+"""Tests of the helpers shared by the sequence ops (jaxlod/ops/_segment.py);
+the checks they used to hold are tested in tests/test_checks.py."""
 
 import jax
 import jax.numpy as jnp
@@ -102,45 +103,6 @@ def test_output_capacity_rejects_bad_values(capacity):
     _segment.output_capacity(capacity, bound=BOUND, real=REAL, where="op")
 
 
-def test_per_sequence_pads_the_real_count_eagerly():
-  out = _segment.per_sequence(np.array([5, 6, 7]), "offset", 4, 3, fill=-1)
-  assert out.tolist() == [5, 6, 7, -1]
-  with pytest.raises(ValueError, match=r"`offset` .* 4 \(count capacity\) or 3"):
-    _segment.per_sequence(np.array([5, 6]), "offset", 4, 3)
-  with pytest.raises(ValueError, match="got a scalar"):
-    _segment.per_sequence(np.int32(5), "offset", 4, 3)
-
-
-def test_checks_name_the_argument():
-  with pytest.raises(TypeError, match="`x` to be a LoDTensor, got ndarray"):
-    _segment.check_lod(np.zeros(3), "x")
-  with pytest.raises(ValueError, match="`x` to have 1 LoD level"):
-    _segment.check_lod(
-      LoDTensor.from_lengths(np.zeros(3), [[1], [3]]), "x", levels=(1,)
-    )
-  with pytest.raises(TypeError, match="`ids` to have an integer dtype, got float32"):
-    _segment.check_integer(np.float32, "ids")
-  with pytest.raises(TypeError, match="`ids` to have an integer dtype, got bool"):
-    _segment.check_integer(np.bool_, "ids")
-  with pytest.raises(TypeError, match="`x` to have a float dtype, got int32"):
-    _segment.check_float(np.int32, "x")
-  with pytest.raises(ValueError, match=r"`x` to have shape \[rows\] \(rank 1\)"):
-    _segment.check_rank((2, 3), "x", (1,), "[rows]")
-  with pytest.raises(ValueError, match=r"`ref_level` in \[-1, 1\) .* got 1"):
-    _segment.check_level(_x(), 1, "ref_level")
-
-
-def test_require():
-  _segment.require(np.array([True, True]), "fine")
-  with pytest.raises(ValueError, match="broken"):
-    _segment.require(np.array([True, False]), "broken")
-  err, _ = checkify.checkify(jax.jit(lambda v: _segment.require(v > 0, "neg")))(
-    jnp.array([1, -1])
-  )
-  with pytest.raises(checkify.JaxRuntimeError, match="neg"):
-    err.throw()
-
-
 def test_build_pads_to_capacity_under_jit():
   x = _x()
 
@@ -152,34 +114,6 @@ def test_build_pads_to_capacity_under_jit():
   assert out.capacity == Capacity(8, (5,), (4,))
   assert out.recursive_lengths() == [[2, 0, 4]]
   assert out.values.tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
-
-
-def test_static_int():
-  assert _segment.static_int(np.int32(3), "n", minimum=1) == 3
-  with pytest.raises(TypeError, match="`n` to be a static int, got 3.0"):
-    _segment.static_int(3.0, "n")
-  with pytest.raises(TypeError, match="`n` to be a static int"):
-    _segment.static_int(jnp.int32(3), "n")
-  with pytest.raises(ValueError, match="`n` >= 1, got 0"):
-    _segment.static_int(0, "n", minimum=1)
-
-
-def test_require_each_names_the_first_bad_item():
-  message = "item {i}: value {value} is negative"
-  _segment.require_each(np.array([False, False]), message, value=np.array([1, 2]))
-  _segment.require_each(np.zeros((0,), bool), message)
-  with pytest.raises(ValueError, match="item 1: value -2 is negative"):
-    _segment.require_each(
-      np.array([False, True, True]), message, value=np.array([1, -2, -3])
-    )
-
-  def f(v):
-    _segment.require_each(v < 0, message, value=v)
-    return v
-
-  err, _ = checkify.checkify(jax.jit(f))(jnp.array([1, -2, -3]))
-  with pytest.raises(checkify.JaxRuntimeError, match="item 1: value -2 is negative"):
-    err.throw()
 
 
 def test_real_sizes_eager_and_traced():

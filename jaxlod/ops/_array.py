@@ -12,18 +12,33 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.experimental import checkify
 
-from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod._checks import (
+  check_pair,
+  check_ranked,
+  check_rows,
+  is_concrete,
+  require,
+  static_int,
+)
+from jaxlod._lod import LoDTensor
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops._rank import RankTable
 
 # -- the one primitive: a gather whose transpose is a known gather -------------
 
 
-def _masked_take(src: jax.Array, index: jax.Array, valid: jax.Array | None):
-  """``src[index]`` along axis 0, zeros where not `valid`."""
+def masked_take(src: jax.Array, index: jax.Array, valid: jax.Array | None) -> jax.Array:
+  """``src[index]`` along axis 0, zeros where not `valid` (plain autodiff).
+
+  Args:
+    src: ``[n, *features]``.
+    index: int32 ``[m]``; clipped into ``[0, n)``.
+    valid: bool ``[m]``, or `None` when every index is valid (and unique).
+
+  Returns:
+    ``[m, *features]``.
+  """
   out_shape = (index.shape[0], *src.shape[1:])
   if src.shape[0] == 0 or index.shape[0] == 0:
     return jnp.zeros(out_shape, src.dtype)
@@ -36,72 +51,61 @@ def _masked_take(src: jax.Array, index: jax.Array, valid: jax.Array | None):
 
 @jax.custom_vjp
 def _gather_vjp(src, index, valid, inverse_index, inverse_valid):
-  return _masked_take(src, index, valid)
+  return masked_take(src, index, valid)
 
 
 def _gather_fwd(src, index, valid, inverse_index, inverse_valid):
-  out = _masked_take(src, index, valid)
+  out = masked_take(src, index, valid)
   return out, (inverse_index, inverse_valid)
 
 
 def _gather_bwd(residuals, g):
   inverse_index, inverse_valid = residuals
-  return _masked_take(g, inverse_index, inverse_valid), None, None, None, None
+  return masked_take(g, inverse_index, inverse_valid), None, None, None, None
 
 
 _gather_vjp.defvjp(_gather_fwd, _gather_bwd)
 
 
-def _gather(src, index, valid, inverse_index, inverse_valid):
-  """`_masked_take` with the inverse gather as its VJP.
+def gather(
+  src: jax.Array,
+  index: jax.Array,
+  valid: jax.Array | None,
+  inverse_index: jax.Array,
+  inverse_valid: jax.Array | None,
+) -> jax.Array:
+  """`masked_take` whose VJP is the inverse gather (never a scatter-add).
+
+  For gathers that move each valid cell of `src` to at most one place: the
+  cotangent ``g [m, *features]`` goes back as
+  ``masked_take(g, inverse_index, inverse_valid)``.
 
   Under `shard_map` the operands first vary over the same axes, so that the
   cotangent of `src` has the type of `src` (see `jaxlod._vma`).
+
+  Args:
+    src: ``[n, *features]``.
+    index: int32 ``[m]``, the row of `src` for each output row.
+    valid: bool ``[m]`` or `None`; invalid output rows are zeros.
+    inverse_index: int32 ``[n]``, the output row each row of `src` went to.
+    inverse_valid: bool ``[n]`` or `None`; rows of `src` that went nowhere
+      get zero gradient.
+
+  Returns:
+    ``[m, *features]``.
   """
   args = (src, index, valid, inverse_index, inverse_valid)
   return _gather_vjp(*vary(args, varying_axes(args)))
 
 
-def _permutation_gather(src: jax.Array, perm: jax.Array, inverse: jax.Array):
+def permutation_gather(
+  src: jax.Array, perm: jax.Array, inverse: jax.Array
+) -> jax.Array:
   """``src[perm]`` for a permutation `perm` of all rows; VJP ``g[inverse]``."""
-  return _gather(src, perm, None, inverse, None)
+  return gather(src, perm, None, inverse, None)
 
 
 # -- index maps between rows and cells -------------------------------------------
-
-
-def _check_pair(x: LoDTensor, table: RankTable, name: str) -> None:
-  if not isinstance(x, LoDTensor):
-    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
-  if not isinstance(table, RankTable):
-    raise TypeError(f"Expected `table` to be a RankTable, got {type(table).__name__}.")
-  count = x.capacity.sequences[-1]
-  if count != table.count_capacity:
-    raise ValueError(
-      f"Expected the rank table's count capacity {table.count_capacity} to equal "
-      f"the count capacity of `{name}`'s last level, got {count}."
-    )
-  if x.time_capacity[-1] > table.time_capacity:
-    raise ValueError(
-      f"Expected the rank table's time capacity {table.time_capacity} to be at "
-      f"least the time capacity of `{name}`'s last level, got "
-      f"{x.time_capacity[-1]}."
-    )
-  _check_lengths(x.lengths(), table, f"`{name}`", "last level")
-
-
-def _check_lengths(lengths: jax.Array, table: RankTable, name: str, level: str) -> None:
-  """Eagerly checks that `table` ranks sequences of these `lengths`."""
-  if not is_concrete(lengths, table.order, table.lengths):
-    return
-  expected = np.asarray(lengths)[np.asarray(table.order)]
-  ranked = np.asarray(table.lengths)
-  if not np.array_equal(expected, ranked):
-    bad = int(np.flatnonzero(expected != ranked)[0])
-    raise ValueError(
-      f"The rank table does not describe {name}'s {level}: at rank {bad} it has "
-      f"length {int(ranked[bad])}, {name} has {int(expected[bad])}."
-    )
 
 
 def _cell_rows(x: LoDTensor, table: RankTable):
@@ -161,9 +165,9 @@ def lod_to_array(x: LoDTensor, table: RankTable) -> jax.Array:
     >>> lod_to_array(x, rank_table(x)).tolist()
     [[3.0, 1.0], [4.0, 2.0], [5.0, 0.0]]
   """
-  _check_pair(x, table, "x")
+  check_pair(x, table, "x")
   index, valid = _cell_rows(x, table)
-  flat = _gather(x.values, index, valid, *_row_cells(x, table))
+  flat = gather(x.values, index, valid, *_row_cells(x, table))
   return flat.reshape(table.time_capacity, table.count_capacity, *x.feature_shape)
 
 
@@ -184,7 +188,7 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
     A LoDTensor with `like`'s LoD and ``values [token_capacity, *features]``,
     zeros in padding rows.
   """
-  _check_pair(like, table, "like")
+  check_pair(like, table, "like")
   array = jnp.asarray(array)
   expected = (table.time_capacity, table.count_capacity)
   if array.ndim < 2 or array.shape[:2] != expected:
@@ -194,7 +198,7 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
     )
   flat = array.reshape(-1, *array.shape[2:])
   index, valid = _row_cells(like, table)
-  return like.with_values(_gather(flat, index, valid, *_cell_rows(like, table)))
+  return like.with_values(gather(flat, index, valid, *_cell_rows(like, table)))
 
 
 def _inverse_permutation(perm: jax.Array) -> jax.Array:
@@ -225,7 +229,7 @@ def _reorder_lod(x: LoDTensor, table: RankTable) -> LoDTensor:
     moved = old[perm[seq]] + items - new[seq]
     # Items past the real total are padding; they map to themselves.
     perm = jnp.where(items < new[-1], moved, items).astype(jnp.int32)
-  values = _permutation_gather(x.values, perm, _inverse_permutation(perm))
+  values = permutation_gather(x.values, perm, _inverse_permutation(perm))
   return LoDTensor(values, new_offsets, x.num_outer, x.time_capacity)
 
 
@@ -253,7 +257,7 @@ def reorder_by_rank(x: Any, table: RankTable) -> Any:
         f"Expected `x` to have level-0 count capacity {table.count_capacity} "
         f"(the rank table's), got {x.capacity.sequences[0]}."
       )
-    _check_lengths(x.lengths(0), table, "`x`", "level 0")
+    check_ranked(x.lengths(0), table, "`x`", "level 0")
     return _reorder_lod(x, table)
   return permute_rows(x, table.order, table.ranks, "x")
 
@@ -265,20 +269,15 @@ def permute_rows(x: Any, perm: jax.Array, inverse: jax.Array, name: str) -> Any:
   Integer leaves are permuted too (they have no gradient).
   """
   perm, inverse = jnp.asarray(perm), jnp.asarray(inverse)
-  count = perm.shape[0]
+  check_rows(x, perm.shape[0], name)
 
-  def reorder(path, leaf):
+  def reorder(leaf):
     leaf = jnp.asarray(leaf)
-    if leaf.ndim == 0 or leaf.shape[0] != count:
-      raise ValueError(
-        f"Expected `{name}` leaf {jax.tree_util.keystr(path) or '(root)'} to have "
-        f"leading dimension {count} (count capacity), got shape {leaf.shape}."
-      )
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       return jnp.take(leaf, perm, axis=0)
-    return _permutation_gather(leaf, perm, inverse)
+    return permutation_gather(leaf, perm, inverse)
 
-  return jax.tree_util.tree_map_with_path(reorder, x)
+  return jax.tree.map(reorder, x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -318,9 +317,7 @@ def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
     The same structure with leaves ``[size, ...]``. Differentiable; the
     backward pass pads with zeros.
   """
-  if isinstance(size, bool) or not isinstance(size, int | np.integer):
-    raise TypeError(f"Expected `size` to be a static int, got {size!r}.")
-  size = int(size)
+  size = static_int(size, "size")
   if not 0 <= size <= table.count_capacity:
     raise ValueError(
       f"Expected `size` in [0, {table.count_capacity}] (count capacity), got {size}."
@@ -334,25 +331,13 @@ def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
   else:
     steps = jnp.asarray(table.batch_sizes)
     active = steps[jnp.clip(step, 0, table.time_capacity - 1)]
-  if is_concrete(active, step):
-    if int(active) > size:
-      raise ValueError(
-        f"shrink_memory: {int(active)} sequences are active at step {int(step)}, "
-        f"more than `size` {size}; data is never dropped."
-      )
-  else:
-    checkify.debug_check(
-      active <= size,
-      "shrink_memory: more sequences are active at the step than `size`.",
-    )
-
-  def shrink(path, leaf):
-    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != table.count_capacity:
-      raise ValueError(
-        f"Expected `memory` leaf {jax.tree_util.keystr(path) or '(root)'} to have "
-        f"leading dimension {table.count_capacity} (count capacity), got shape "
-        f"{jnp.shape(leaf)}."
-      )
-    return _prefix(jnp.asarray(leaf), size)
-
-  return jax.tree_util.tree_map_with_path(shrink, memory)
+  require(
+    active <= size,
+    "shrink_memory: {active} sequences are active at step {step}, more than "
+    f"`size` {size}; data is never dropped.",
+    traced="shrink_memory: more sequences are active at the step than `size`.",
+    active=active,
+    step=step,
+  )
+  check_rows(memory, table.count_capacity, "memory")
+  return jax.tree.map(lambda leaf: _prefix(jnp.asarray(leaf), size), memory)

@@ -27,12 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
+from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._lod import Capacity, LoDTensor, is_concrete
+from jaxlod._lod import Capacity, LoDTensor
 from jaxlod.ops import _segment
-from jaxlod.ops._array import _masked_take
+from jaxlod.ops._array import masked_take
 
 # -- private helpers -------------------------------------------------------------
 
@@ -60,7 +60,7 @@ def _repeat_rows(
 ) -> LoDTensor:
   """Sequence ``i`` is row ``i`` of `x` repeated ``lengths[i]`` times."""
   layout = _segment.rows_of(_segment.offsets_from_lengths(lengths), cap.tokens)
-  values = _masked_take(x, layout.segment, layout.valid)
+  values = masked_take(x, layout.segment, layout.valid)
   return _segment.build(values, [lengths], num_outer, cap)
 
 
@@ -69,7 +69,7 @@ def _expand_rows(
 ) -> LoDTensor:
   """Row ``i`` of `x` repeated ``y.lengths(level)[i]`` times, as sequence ``i``."""
   count = y.capacity.sequences[level]
-  x = _segment.per_sequence(x, "x", count, y.num_sequences(level))
+  x = _checks.per_sequence(x, "x", count, y.num_sequences(level))
   lengths = y.lengths(level)
   bound = Capacity(_items(y, level), (count,), (y.time_capacity[level],))
   real = Capacity(
@@ -85,25 +85,20 @@ def _match_counts(x: LoDTensor, y: LoDTensor, level: int) -> jax.Array:
   """`x`'s offsets on `y`'s count capacity at `level`, the real counts checked."""
   cx, cy = x.capacity.sequences[0], y.capacity.sequences[level]
   nx, ny = x.num_sequences(0), y.num_sequences(level)
-  if is_concrete(nx, ny):
-    if int(nx) != int(ny):
-      raise ValueError(
-        f"sequence_expand: expected `x` to have {int(ny)} sequences (those of `y` "
-        f"at level {level}), got {int(nx)}."
-      )
-    return _fit_offsets(x.offsets[0], cy)
-  if cx != cy:
-    raise ValueError(
-      f"Expected `x` to have count capacity {cy} (the count capacity of `y` at "
-      f"level {level}), got {cx}."
-    )
-  checkify.debug_check(
+  _checks.require(
     nx == ny,
     "sequence_expand: expected `x` to have {ny} sequences (those of `y` at level "
     f"{level}), got {{nx}}.",
     nx=nx,
     ny=ny,
   )
+  if _checks.is_concrete(nx, ny):
+    return _fit_offsets(x.offsets[0], cy)
+  if cx != cy:
+    raise ValueError(
+      f"Expected `x` to have count capacity {cy} (the count capacity of `y` at "
+      f"level {level}), got {cx}."
+    )
   return x.offsets[0]
 
 
@@ -113,11 +108,11 @@ def _copy_sequences(
 ) -> LoDTensor:
   """``repeats[i]`` copies of the sequence ``i`` of ``(values, offsets)``."""
   copies = _segment.rows_of(_segment.offsets_from_lengths(repeats), cap.sequences[0])
-  lengths = _masked_take(jnp.diff(offsets), copies.segment, copies.valid)
-  starts = _masked_take(offsets[:-1], copies.segment, copies.valid)
+  lengths = masked_take(jnp.diff(offsets), copies.segment, copies.valid)
+  starts = masked_take(offsets[:-1], copies.segment, copies.valid)
   layout = _segment.rows_of(_segment.offsets_from_lengths(lengths), cap.tokens)
-  source = _masked_take(starts, layout.segment, layout.valid) + layout.position
-  out = _masked_take(values, source, layout.valid)
+  source = masked_take(starts, layout.segment, layout.valid) + layout.position
+  out = masked_take(values, source, layout.valid)
   return _segment.build(out, [lengths], jnp.sum(repeats), cap)
 
 
@@ -197,10 +192,10 @@ def sequence_expand(
     >>> sequence_expand(np.array([5.0, 6.0]), y, 0).to_list()[1].tolist()
     [6.0, 6.0]
   """
-  y = _segment.check_lod(y, "y")
-  level = _segment.check_level(y, ref_level, "ref_level")
+  y = _checks.check_lod(y, "y")
+  level = _checks.check_level(y, ref_level, "ref_level")
   if isinstance(x, LoDTensor):
-    x = _segment.check_lod(x, "x", levels=(1,))
+    x = _checks.check_lod(x, "x", levels=(1,))
     return _expand_sequences(x, y, level, capacity)
   return _expand_rows(x, y, level, capacity, "sequence_expand")
 
@@ -243,7 +238,7 @@ def sequence_expand_as(
     >>> sequence_expand_as(np.array([1.0, 2.0, 3.0]), y).values.tolist()
     [1.0, 3.0, 3.0, 3.0]
   """
-  y = _segment.check_lod(y, "y")
+  y = _checks.check_lod(y, "y")
   if isinstance(x, LoDTensor):
     raise TypeError(
       "Expected `x` to be an array [count, *features] (one row per sequence of "
@@ -261,7 +256,7 @@ def _check_concat_inputs(xs: Any) -> list[LoDTensor]:
     raise TypeError(f"Expected `xs` to be a list or tuple, got {type(xs).__name__}.")
   if not xs:
     raise ValueError("Expected `xs` to hold at least one LoDTensor, got none.")
-  xs = [_segment.check_lod(x, f"xs[{i}]", levels=(1,)) for i, x in enumerate(xs)]
+  xs = [_checks.check_lod(x, f"xs[{i}]", levels=(1,)) for i, x in enumerate(xs)]
   first = xs[0]
   for i, x in enumerate(xs[1:], start=1):
     checks = (
@@ -285,7 +280,7 @@ def _check_concat_inputs(xs: Any) -> list[LoDTensor]:
 def _check_counts(xs: list[LoDTensor]) -> None:
   """Every input has the real number of sequences of ``xs[0]``."""
   counts = jnp.stack([x.num_sequences(0) for x in xs])
-  _segment.require_each(
+  _checks.require_each(
     counts != counts[0],
     "sequence_concat: `xs[{i}]` has {count} sequences, `xs[0]` has {first}; "
     "expected the same number.",
@@ -337,7 +332,7 @@ def _concat_kernel(
   layout = _segment.rows_of(_segment.offsets_from_lengths(out_lengths), cap.tokens)
   bases = np.cumsum([0] + [v.shape[0] for v in values[:-1]])
   source = _concat_sources(lengths, starts, bases, layout)
-  out = _masked_take(jnp.concatenate(values, axis=0), source, layout.valid)
+  out = masked_take(jnp.concatenate(values, axis=0), source, layout.valid)
   return _segment.build(out, [out_lengths], num_outer, cap)
 
 
@@ -428,17 +423,17 @@ def _check_tokens(tokens: Any) -> jax.Array:
       "Expected `tokens` to be an int, a list or tuple of ints or an integer "
       f"array, got {type(tokens).__name__}."
     )
-  _segment.check_integer(tokens.dtype, "tokens")
-  _segment.check_rank(tokens.shape, "tokens", (0, 1), "[] or [n]")
+  _checks.check_integer(tokens.dtype, "tokens")
+  _checks.check_rank(tokens.shape, "tokens", (0, 1), "[] or [n]")
   return jnp.reshape(tokens, (-1,))
 
 
 def _check_id_values(x: LoDTensor, name: str) -> None:
   """``values`` of integer ids, ``[rows]`` or ``[rows, 1]``."""
-  _segment.check_integer(x.values.dtype, f"{name}.values")
+  _checks.check_integer(x.values.dtype, f"{name}.values")
   shape = x.values.shape
   doc = "[token_capacity] or [token_capacity, 1]"
-  _segment.check_rank(shape, f"{name}.values", (1, 2), doc)
+  _checks.check_rank(shape, f"{name}.values", (1, 2), doc)
   if len(shape) == 2 and shape[1] != 1:
     raise ValueError(f"Expected `{name}.values` to have shape {doc}, got {shape}.")
 
@@ -507,7 +502,7 @@ def sequence_erase(
     >>> out.recursive_lengths(), out.values.tolist()
     ([[1, 2, 4]], [6, 1, 9, 6, 1, 0, 1, 0, 0, 0])
   """
-  x = _segment.check_lod(x, "x")
+  x = _checks.check_lod(x, "x")
   _check_id_values(x, "x")
   keep, last = _kept_rows(x, _check_tokens(tokens))
   lengths = [x.lengths(level) for level in range(x.num_levels - 1)] + [last]
@@ -528,14 +523,14 @@ def sequence_erase(
 def _per_sequence_ints(value: Any, name: str, x: LoDTensor) -> jax.Array:
   """An integer ``[count]`` or ``[count, 1]`` argument as ``[count_capacity]``."""
   dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
-  _segment.check_integer(dtype, name)
+  _checks.check_integer(dtype, name)
   array = jnp.asarray(value)
   doc = "[count] or [count, 1]"
-  _segment.check_rank(array.shape, name, (1, 2), doc)
+  _checks.check_rank(array.shape, name, (1, 2), doc)
   if array.ndim == 2 and array.shape[1] != 1:
     raise ValueError(f"Expected `{name}` to have shape {doc}, got {array.shape}.")
   count = x.capacity.sequences[-1]
-  array = _segment.per_sequence(array, name, count, x.num_sequences(-1))
+  array = _checks.per_sequence(array, name, count, x.num_sequences(-1))
   return array.reshape(count).astype(jnp.int32)
 
 
@@ -550,8 +545,8 @@ def _slice_kernel(x: LoDTensor, offset: jax.Array, length: jax.Array) -> LoDTens
   length = jnp.clip(length, 0, sizes - offset)
   layout = _segment.rows_of(_segment.offsets_from_lengths(length), x.capacity.tokens)
   starts = x.offsets[-1][:-1] + offset
-  source = _masked_take(starts, layout.segment, layout.valid) + layout.position
-  values = _masked_take(x.values, source, layout.valid)
+  source = masked_take(starts, layout.segment, layout.valid) + layout.position
+  values = masked_take(x.values, source, layout.valid)
   lengths = [x.lengths(level) for level in range(x.num_levels - 1)] + [length]
   return _segment.build(values, lengths, x.num_outer, x.capacity)
 
@@ -593,11 +588,11 @@ def sequence_slice(
     >>> out.recursive_lengths(), out.values.tolist()
     ([[2, 1]], [0.0, 1.0, 4.0, 0.0, 0.0])
   """
-  x = _segment.check_lod(x, "x")
+  x = _checks.check_lod(x, "x")
   offset = _per_sequence_ints(offset, "offset", x)
   length = _per_sequence_ints(length, "length", x)
   sizes = x.lengths()
-  _segment.require_each(
+  _checks.require_each(
     (offset < 0) | (length < 0) | (offset + length > sizes),
     "sequence_slice: sequence {i} has length {size}, got offset {offset} and "
     "length {length}; expected offset >= 0, length >= 0 and offset + length <= "

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._lod import LoDTensor
-from jaxlod.ops._array import _gather, owners
+from jaxlod.ops._array import gather, owners
 from jaxlod.ops._rank import RankTable
 
 
@@ -95,12 +95,12 @@ def pack(values: jax.Array, layout: TimeMajor) -> jax.Array:
   Returns ``[token_capacity + count_capacity, ...]``, zeros past the data.
   Differentiable; the backward pass is the inverse gather.
   """
-  return _gather(values, *layout.to_time_major, *layout.to_rows)
+  return gather(values, *layout.to_time_major, *layout.to_rows)
 
 
 def unpack(rows: jax.Array, layout: TimeMajor) -> jax.Array:
   """Time-major rows -> LoDTensor rows ``[token_capacity, ...]``."""
-  return _gather(rows, *layout.to_rows, *layout.to_time_major)
+  return gather(rows, *layout.to_rows, *layout.to_time_major)
 
 
 def schedule_offsets(table: RankTable) -> jax.Array:

@@ -15,38 +15,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._lod import Capacity, LoDTensor, _check_fits, is_concrete
-from jaxlod.ops._array import _gather, _permutation_gather
+from jaxlod._checks import (
+  check_integer,
+  check_lengths_fit,
+  check_lod,
+  check_pad_value,
+  is_concrete,
+  per_sequence,
+  require_each,
+  static_int,
+)
+from jaxlod._lod import Capacity, LoDTensor
+from jaxlod.ops._array import gather, permutation_gather
 from jaxlod.ops._segment import (
   Rows,
   build,
-  check_integer,
-  check_lod,
   longest,
   offsets_from_lengths,
   output_capacity,
-  per_sequence,
-  require,
   rows,
   rows_of,
-  static_int,
   total,
 )
-
-# -- argument checks -----------------------------------------------------------------
-
-
-def _check_pad_value(pad_value: jax.typing.ArrayLike, x: LoDTensor) -> jax.Array:
-  """`pad_value` broadcast to ``[*features]`` in the values' dtype."""
-  pad = jnp.asarray(pad_value, x.values.dtype)
-  try:
-    return jnp.broadcast_to(pad, x.feature_shape)
-  except ValueError:
-    raise ValueError(
-      f"Expected `pad_value` to be a scalar or to broadcast to the feature shape "
-      f"{x.feature_shape}, got shape {pad.shape}."
-    ) from None
-
 
 # -- index maps between packed rows and padded cells ---------------------------------
 
@@ -110,14 +100,14 @@ def sequence_pad(
   time = x.time_capacity[-1]
   if maxlen is not None:
     time = static_int(maxlen, "maxlen", minimum=0)
-  pad = _check_pad_value(pad_value, x)
+  pad = check_pad_value(pad_value, x)
   lengths = x.lengths()
   if time < x.time_capacity[-1]:
-    _check_fits(lengths, time, "sequence_pad", "`maxlen`")
+    check_lengths_fit(lengths, time, "sequence_pad", "`maxlen`")
   count, tokens = x.capacity.sequences[-1], x.capacity.tokens
   cell_row, cell_valid = _cell_rows(x.offsets[-1], time, tokens)
   row_cell, row_valid = _row_cells(rows(x), time)
-  flat = _gather(x.values, cell_row, cell_valid, row_cell, row_valid)
+  flat = gather(x.values, cell_row, cell_valid, row_cell, row_valid)
   mask = cell_valid.reshape((-1,) + (1,) * len(x.feature_shape))
   padded = jnp.where(mask, flat, pad)
   return padded.reshape(count, time, *x.feature_shape), lengths
@@ -148,32 +138,24 @@ def _num_sequences(num_sequences: Any, count: int) -> Any:
   return num
 
 
-def _first_bad(ok: jax.Array) -> int | None:
-  bad = np.flatnonzero(~np.asarray(ok))
-  return int(bad[0]) if bad.size else None
-
-
 def _check_unpad_lengths(lengths: jax.Array, time: int, num: Any) -> None:
   """``0 <= lengths <= time``, and sequences past `num` are empty."""
-  in_range = (lengths >= 0) & (lengths <= time)
-  padding_empty = (jnp.arange(lengths.shape[0]) < num) | (lengths == 0)
   range_text = f"outside [0, {time}] (the time dimension of `padded`)"
-  if not is_concrete(lengths, num):
-    require(in_range, f"sequence_unpad: a length is {range_text}.")
-    require(
-      padding_empty,
-      "sequence_unpad: a sequence past `num_sequences` has a nonzero length; "
-      "padding sequences must be empty.",
-    )
-    return
-  host = np.asarray(lengths)
-  if (i := _first_bad(in_range)) is not None:
-    raise ValueError(f"sequence_unpad: lengths[{i}] = {host[i]} is {range_text}.")
-  if (i := _first_bad(padding_empty)) is not None:
-    raise ValueError(
-      f"sequence_unpad: lengths[{i}] = {host[i]}, but sequence {i} is past "
-      f"`num_sequences` {num}; padding sequences must be empty."
-    )
+  require_each(
+    (lengths < 0) | (lengths > time),
+    f"sequence_unpad: lengths[{{i}}] = {{length}} is {range_text}.",
+    traced=f"sequence_unpad: a length is {range_text}.",
+    length=lengths,
+  )
+  require_each(
+    (jnp.arange(lengths.shape[0]) >= num) & (lengths != 0),
+    "sequence_unpad: lengths[{i}] = {length}, but sequence {i} is past "
+    "`num_sequences` {num}; padding sequences must be empty.",
+    traced="sequence_unpad: a sequence past `num_sequences` has a nonzero "
+    "length; padding sequences must be empty.",
+    length=lengths,
+    num=num,
+  )
 
 
 def _unpad_lengths(lengths: Any, count: int, num: Any) -> jax.Array:
@@ -246,7 +228,7 @@ def sequence_unpad(
   row_cell, row_valid = _row_cells(rows_of(offsets, cap.tokens), time)
   cell_row, cell_valid = _cell_rows(offsets, time, cap.tokens)
   flat = padded.reshape(count * time, *padded.shape[2:])
-  values = _gather(flat, row_cell, row_valid, cell_row, cell_valid)
+  values = gather(flat, row_cell, row_valid, cell_row, cell_valid)
   return build(values, [lengths], num, cap)
 
 
@@ -324,7 +306,7 @@ def sequence_reverse(x: LoDTensor) -> LoDTensor:
   mirrored = offsets[layout.segment + 1] - 1 - layout.position
   index = jnp.arange(x.capacity.tokens, dtype=jnp.int32)
   perm = jnp.where(layout.valid, mirrored, index).astype(jnp.int32)
-  values = _permutation_gather(x.values, perm, perm)
+  values = permutation_gather(x.values, perm, perm)
   # Padding rows map to themselves; masking them gives them zero gradient.
   valid = layout.valid.reshape((-1,) + (1,) * len(x.feature_shape))
   return x.with_values(jnp.where(valid, values, jnp.zeros((), values.dtype)))

@@ -12,33 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxlod._checks import (
+  check_float,
+  check_lod,
+  check_pad_value,
+  check_pool_dtype,
+  check_pool_type,
+)
 from jaxlod._lod import LoDTensor
-from jaxlod.ops._pad import _check_pad_value
-from jaxlod.ops._segment import Rows, check_float, check_lod, masked_segment_sum, rows
+from jaxlod.ops._segment import Rows, masked_segment_sum, rows
 
-POOL_TYPES = ("sum", "average", "sqrt", "max", "min", "first", "last")
-
-
-def _check_pool_type(pool_type: str) -> str:
-  if not isinstance(pool_type, str):
-    raise TypeError(f"Expected `pool_type` to be a str, got {pool_type!r}.")
-  pool = pool_type.lower()
-  if pool not in POOL_TYPES:
-    allowed = ", ".join(repr(p) for p in POOL_TYPES)
-    raise ValueError(
-      f"Expected `pool_type` to be one of {allowed} (case-insensitive), got "
-      f"{pool_type!r}."
-    )
-  return pool
-
-
-def _check_pool_dtype(dtype, pool: str) -> None:
-  if pool in ("first", "last") or np.issubdtype(np.dtype(dtype), np.floating):
-    return
-  raise TypeError(
-    f"Expected `x.values` to have a float dtype for pool_type {pool!r}, got "
-    f"{np.dtype(dtype)}; only 'first' and 'last' accept any dtype."
-  )
+# alias for callers being migrated: jaxlod/nn/_rnn.py imports it from here;
+# its home is `jaxlod._checks.check_pool_type`.
+_check_pool_type = check_pool_type  # alias for callers being migrated
 
 
 def _segments(layout: Rows, count: int) -> jax.Array:
@@ -129,9 +115,9 @@ def sequence_pool(
     [2.0, 0.0, 5.0]
   """
   x = check_lod(x, "x")
-  pool = _check_pool_type(pool_type)
-  _check_pool_dtype(x.values.dtype, pool)
-  pad = _check_pad_value(pad_value, x)
+  pool = check_pool_type(pool_type)
+  check_pool_dtype(x.values.dtype, pool)
+  pad = check_pad_value(pad_value, x)
   count = x.capacity.sequences[-1]
   if x.capacity.tokens == 0 or count == 0:
     pooled = jnp.broadcast_to(pad, (count, *x.feature_shape))

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _lod
-from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod import _checks, _lod
+from jaxlod._checks import is_concrete
+from jaxlod._lod import LoDTensor
 from jaxlod.ops import _segment
 
 # -- private helpers ------------------------------------------------------------
@@ -27,7 +28,7 @@ def _as_array(value: Any, name: str, expected: str) -> jax.Array:
 
 def _require_equal(got: Any, expected: Any, message: str) -> None:
   """Scalars `got == expected`; the message formats ``{got}`` and ``{expected}``."""
-  _segment.require_each(
+  _checks.require_each(
     jnp.reshape(jnp.asarray(got) != jnp.asarray(expected), (1,)),
     message,
     got=jnp.reshape(jnp.asarray(got), (1,)),
@@ -72,12 +73,12 @@ def sequence_reshape(x: LoDTensor, new_dim: int) -> LoDTensor:
     >>> y.recursive_lengths(), y.values.tolist()
     ([[1, 2]], [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
   """
-  x = _segment.check_lod(x, "x")
-  _segment.check_rank(x.values.shape, "x.values", (2,), "[rows, dim]")
-  new_dim = _segment.static_int(new_dim, "new_dim", minimum=1)
+  x = _checks.check_lod(x, "x")
+  _checks.check_rank(x.values.shape, "x.values", (2,), "[rows, dim]")
+  new_dim = _checks.static_int(new_dim, "new_dim", minimum=1)
   tokens, dim = x.values.shape
   lengths = x.lengths()
-  _segment.require_each(
+  _checks.require_each(
     (lengths * dim) % new_dim != 0,
     f"sequence_reshape: sequence {{i}} has {{length}} rows of dim {dim} "
     f"({{size}} numbers), not a multiple of `new_dim` {new_dim}.",
@@ -105,10 +106,10 @@ def _check_scatter_args(x: jax.Array, index: LoDTensor, updates: LoDTensor):
       "Expected `x` to have shape [n, width, *features] (rank >= 2), got "
       f"{tuple(x.shape)}."
     )
-  _segment.check_float(x.dtype, "x")
-  index = _segment.check_lod(index, "index", levels=(1,))
-  updates = _segment.check_lod(updates, "updates", levels=(1,))
-  _segment.check_integer(index.values.dtype, "index.values")
+  _checks.check_float(x.dtype, "x")
+  index = _checks.check_lod(index, "index", levels=(1,))
+  updates = _checks.check_lod(updates, "updates", levels=(1,))
+  _checks.check_integer(index.values.dtype, "index.values")
   tokens, features = index.capacity.tokens, tuple(x.shape[2:])
   if index.values.shape not in ((tokens,), (tokens, 1)):
     raise ValueError(
@@ -188,7 +189,7 @@ def sequence_scatter(
   x = _as_array(x, "x", "an array")
   ids, rows = _check_scatter_args(x, index, updates)
   _check_count(x, index)
-  _segment.require_each(
+  _checks.require_each(
     index.offsets[0] != updates.offsets[0],
     "sequence_scatter: `index` and `updates` have different LoDs: offset {i} is "
     "{got_index} in `index`, {got_updates} in `updates`.",
@@ -198,7 +199,7 @@ def sequence_scatter(
   n, width = x.shape[:2]
   layout = _segment.rows(index)
   outside = layout.valid & ((ids < 0) | (ids >= width))
-  _segment.require_each(
+  _checks.require_each(
     outside,
     f"sequence_scatter: sequence {{segment}}, position {{position}}: id {{id}} is "
     f"outside [0, {width}) (the width of `x`).",
@@ -244,9 +245,9 @@ def _from_lengths(lengths: Any) -> tuple[list[jax.Array], int, list[int], int]:
   levels = _as_levels(lengths)
   if not levels:
     raise ValueError("Expected `lengths` to name at least one LoD level, got none.")
-  offsets = _lod._lengths_to_offsets(levels)
+  offsets = _lod.lengths_to_offsets(levels)
   # The last level's total is checked against `x` below, not here.
-  offsets = _lod._check_offsets(offsets, int(offsets[-1][-1]))
+  offsets = _checks.check_offsets(offsets, int(offsets[-1][-1]))
   time = [int(np.max(np.diff(o), initial=0)) for o in offsets]
   arrays = [jnp.asarray(o, jnp.int32) for o in offsets]
   return arrays, offsets[0].size - 1, time, int(offsets[-1][-1])
@@ -308,7 +309,7 @@ def lod_reset(
         f"capacity {tokens} of `x`."
       )
   else:
-    y = _segment.check_lod(y, "y")
+    y = _checks.check_lod(y, "y")
     offsets, num_outer, time, total = (
       y.offsets,
       y.num_outer,

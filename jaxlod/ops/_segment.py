@@ -1,5 +1,5 @@
-"""Shared pieces of the sequence ops: argument checks, row-to-sequence maps,
-output capacities and the never-truncate checks.
+"""Shared pieces of the sequence ops: row-to-sequence maps, output capacities
+and building results (their argument checks live in `jaxlod._checks`).
 
 Every ``sequence_*`` op works on static capacities. Rows past the last offset
 and sequences past the real count are padding: the helpers here give each row
@@ -15,132 +15,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
+from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._lod import Capacity, LoDTensor, is_concrete
+from jaxlod._checks import check_fits, is_concrete
+from jaxlod._lod import Capacity, LoDTensor
 from jaxlod.ops._array import owners
 
-# -- argument checks -------------------------------------------------------------
-
-
-def check_lod(x: Any, name: str, *, levels: Sequence[int] | None = None) -> LoDTensor:
-  """`x` must be a LoDTensor, with one of the allowed numbers of levels."""
-  if not isinstance(x, LoDTensor):
-    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
-  if levels is not None and x.num_levels not in levels:
-    allowed = " or ".join(str(n) for n in levels)
-    raise ValueError(
-      f"Expected `{name}` to have {allowed} LoD level(s), got {x.num_levels}."
-    )
-  return x
-
-
-def check_integer(dtype: Any, name: str) -> None:
-  """Integer ops (ids, lengths, indices) reject float and bool arrays."""
-  dtype = np.dtype(dtype)
-  if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
-    raise TypeError(f"Expected `{name}` to have an integer dtype, got {dtype}.")
-
-
-def check_float(dtype: Any, name: str) -> None:
-  """Float ops (pooling, softmax, convolution) reject integer arrays."""
-  if not np.issubdtype(np.dtype(dtype), np.inexact):
-    raise TypeError(f"Expected `{name}` to have a float dtype, got {np.dtype(dtype)}.")
-
-
-def check_rank(shape: Sequence[int], name: str, allowed: Sequence[int], doc: str):
-  """`shape` must have one of the `allowed` ranks; `doc` describes the shape."""
-  if len(shape) not in allowed:
-    raise ValueError(
-      f"Expected `{name}` to have shape {doc} (rank "
-      f"{' or '.join(str(r) for r in allowed)}), got {tuple(shape)}."
-    )
-
-
-def check_level(x: LoDTensor, level: int, name: str) -> int:
-  """A level index of `x` in ``[-num_levels, num_levels)``, made non-negative."""
-  if isinstance(level, bool) or not isinstance(level, int | np.integer):
-    raise TypeError(f"Expected `{name}` to be an int, got {level!r}.")
-  if not -x.num_levels <= level < x.num_levels:
-    raise ValueError(
-      f"Expected `{name}` in [{-x.num_levels}, {x.num_levels}) (the LoD levels of "
-      f"the tensor), got {level}."
-    )
-  return int(level) % x.num_levels
-
-
-def per_sequence(
-  value: Any, name: str, count_capacity: int, num_sequences: Any, fill: Any = 0
-) -> jax.Array:
-  """A per-sequence argument with leading dimension `count_capacity`.
-
-  Accepts ``[count_capacity, ...]``, or in eager calls ``[num_sequences,
-  ...]`` (the real count), which is padded with `fill` up to the capacity.
-  """
-  array = jnp.asarray(value)
-  if array.ndim == 0:
-    raise ValueError(
-      f"Expected `{name}` to have leading dimension {count_capacity} (count "
-      f"capacity), got a scalar."
-    )
-  rows = array.shape[0]
-  if rows == count_capacity:
-    return array
-  if is_concrete(num_sequences) and rows == int(num_sequences):
-    pad = [(0, count_capacity - rows)] + [(0, 0)] * (array.ndim - 1)
-    return jnp.pad(array, pad, constant_values=fill)
-  real = f" or {int(num_sequences)} (sequences)" if is_concrete(num_sequences) else ""
-  raise ValueError(
-    f"Expected `{name}` to have leading dimension {count_capacity} (count "
-    f"capacity){real}, got shape {array.shape}."
-  )
-
-
-def static_int(value: Any, name: str, minimum: int | None = None) -> int:
-  """A static (Python or NumPy) int argument, at least `minimum`."""
-  if isinstance(value, bool) or not isinstance(value, int | np.integer):
-    raise TypeError(f"Expected `{name}` to be a static int, got {value!r}.")
-  if minimum is not None and value < minimum:
-    raise ValueError(f"Expected `{name}` >= {minimum}, got {value}.")
-  return int(value)
-
-
-# -- value checks: eager `ValueError`, `checkify` under jit ----------------------
-
-
-def require(ok: Any, message: str) -> None:
-  """Raises `ValueError(message)` eagerly when `ok` is False; under `jit` the
-  same check goes through `jax.experimental.checkify` (a no-op unless the
-  caller is wrapped in `checkify.checkify`)."""
-  if is_concrete(ok):
-    if not bool(np.all(np.asarray(ok))):
-      raise ValueError(message)
-  else:
-    checkify.debug_check(jnp.all(ok), message)
-
-
-def require_each(bad: Any, message: str, **values: Any) -> None:
-  """No item of the 1-D mask `bad` may be True.
-
-  `message` is a format string naming the first bad item: ``{i}`` is its
-  index and each ``{name}`` of `values` (arrays ``[n]``) its value there.
-  Eagerly a `ValueError`; under `jit` a `jax.experimental.checkify` check
-  with the same message.
-  """
-  bad = jnp.asarray(bad)
-  if bad.shape[0] == 0:
-    return
-  if is_concrete(bad, *values.values()):
-    hits = np.flatnonzero(np.asarray(bad))
-    if hits.size:
-      i = int(hits[0])
-      fields = {k: np.asarray(v)[i].item() for k, v in values.items()}
-      raise ValueError(message.format(i=i, **fields))
-    return
-  i = jnp.argmax(bad)
-  fields = {k: jnp.asarray(v)[i] for k, v in values.items()}
-  checkify.debug_check(~jnp.any(bad), message, i=i, **fields)
+# alias for callers being migrated: jaxlod/nn and ops/_decode.py import these
+# checks from here; their home is `jaxlod._checks`.
+check_integer = _checks.check_integer  # alias for callers being migrated
+check_lod = _checks.check_lod  # alias for callers being migrated
+require = _checks.require  # alias for callers being migrated
+require_each = _checks.require_each  # alias for callers being migrated
+static_int = _checks.static_int  # alias for callers being migrated
 
 
 # -- rows and their sequences -------------------------------------------------------
@@ -252,28 +140,6 @@ def _bucketed(policy: Buckets, bound: Capacity, real: Capacity) -> Capacity:
     ),
     time=tuple(policy.capacity(int(real.time[i]), "time", i) for i in levels),
   )
-
-
-def check_fits(real: Capacity, capacity: Capacity, where: str) -> None:
-  """Every real size is at most its capacity (eager `ValueError` or checkify)."""
-  sizes = [("tokens", real.tokens, capacity.tokens)]
-  for level, (r, c) in enumerate(zip(real.sequences, capacity.sequences, strict=True)):
-    sizes.append((f"sequences at level {level}", r, c))
-  for level, (r, c) in enumerate(zip(real.time, capacity.time, strict=True)):
-    sizes.append((f"time (longest sequence) at level {level}", r, c))
-  for what, size, cap in sizes:
-    if is_concrete(size):
-      if int(size) > cap:
-        raise ValueError(
-          f"{where}: the output needs {what} {int(size)}, more than its capacity "
-          f"{cap}; data is never truncated. Pass a larger `capacity`."
-        )
-    else:
-      checkify.debug_check(
-        size <= cap,
-        f"{where}: the output needs more {what} than its capacity {cap}; pass a "
-        "larger `capacity`.",
-      )
 
 
 def real_sizes(x: LoDTensor) -> Capacity:

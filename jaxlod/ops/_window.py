@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxlod import _checks
 from jaxlod._buckets import Buckets
 from jaxlod._lod import LoDTensor
 from jaxlod.ops import _segment
@@ -57,7 +58,7 @@ def _check_conv_params(x: LoDTensor, filter: jax.Array, bias: Any, length: int):
       f"[{length * dim}, out] (context_length {length}, `x.values` of shape "
       f"{tuple(x.values.shape)}), got {tuple(filter.shape)}."
     )
-  _segment.check_float(filter.dtype, "filter")
+  _checks.check_float(filter.dtype, "filter")
   if bias is None:
     return None
   bias = jnp.asarray(bias)
@@ -66,7 +67,7 @@ def _check_conv_params(x: LoDTensor, filter: jax.Array, bias: Any, length: int):
       f"Expected `bias` to have shape ({filter.shape[1]},) ([out], from `filter` "
       f"of shape {tuple(filter.shape)}), got {tuple(bias.shape)}."
     )
-  _segment.check_float(bias.dtype, "bias")
+  _checks.check_float(bias.dtype, "bias")
   return bias
 
 
@@ -121,15 +122,15 @@ def sequence_conv(
     >>> sequence_conv(x, np.ones((3, 1))).values[:, 0].tolist()
     [3.0, 6.0, 5.0, 4.0]
   """
-  x = _segment.check_lod(x, "x")
-  _segment.check_rank(x.values.shape, "x.values", (2,), "[rows, D]")
-  _segment.check_float(x.values.dtype, "x.values")
-  length = _segment.static_int(context_length, "context_length", minimum=1)
-  stride = _segment.static_int(context_stride, "context_stride", minimum=1)
+  x = _checks.check_lod(x, "x")
+  _checks.check_rank(x.values.shape, "x.values", (2,), "[rows, D]")
+  _checks.check_float(x.values.dtype, "x.values")
+  length = _checks.static_int(context_length, "context_length", minimum=1)
+  stride = _checks.static_int(context_stride, "context_stride", minimum=1)
   start = (
     -(length // 2)
     if context_start is None
-    else _segment.static_int(context_start, "context_start")
+    else _checks.static_int(context_start, "context_start")
   )
   filter = jnp.asarray(filter)
   bias = _check_conv_params(x, filter, bias, length)
@@ -185,13 +186,13 @@ def sequence_enumerate(
     >>> sequence_enumerate(x, 2).values.tolist()
     [[1, 2], [2, 3], [3, 0], [4, 5], [5, 0]]
   """
-  x = _segment.check_lod(x, "x")
+  x = _checks.check_lod(x, "x")
   _check_ids(x.values, "x.values")
-  win_size = _segment.static_int(win_size, "win_size", minimum=1)
+  win_size = _checks.static_int(win_size, "win_size", minimum=1)
   pad = jnp.asarray(pad_value)
   if pad.ndim != 0:
     raise ValueError(f"Expected `pad_value` to be a scalar, got shape {pad.shape}.")
-  _segment.check_integer(pad.dtype, "pad_value")
+  _checks.check_integer(pad.dtype, "pad_value")
   ids = x.with_values(x.values.reshape(x.values.shape[0]))
   windows, inside = _windows(ids, list(range(win_size)))
   pad = pad.astype(windows.dtype)
@@ -206,7 +207,7 @@ def sequence_enumerate(
 
 def _check_ids(values: jax.Array, name: str) -> None:
   """Integer ids ``[rows]`` or ``[rows, 1]``."""
-  _segment.check_integer(values.dtype, name)
+  _checks.check_integer(values.dtype, name)
   shape = tuple(values.shape)
   if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
     raise ValueError(

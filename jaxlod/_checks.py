@@ -1,0 +1,480 @@
+"""Argument and value checks shared by jaxlod's builders, ops, nn and data.
+
+The one home of validation. Checks of static things (types, ranks, dtypes,
+capacities, pytree structures) raise at trace time and name the argument,
+the expected and the actual value. Checks of values go through `require` or
+`require_each`: eagerly they raise `ValueError`, under `jit` they become
+`jax.experimental.checkify` checks (no-ops unless the caller is wrapped in
+`checkify.checkify`).
+
+Example:
+  >>> import numpy as np
+  >>> from jaxlod._checks import require
+  >>> require(np.array([1, 2]) > 0, "fine")
+  >>> require(np.int32(5) <= 4, "{n} rows, more than 4", n=np.int32(5))
+  Traceback (most recent call last):
+  ...
+  ValueError: 5 rows, more than 4
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+# `_lod` imports this module: its classes are read at call time, `_lod.LoDTensor`.
+from jaxlod import _lod
+
+if TYPE_CHECKING:
+  from jaxlod._lod import Capacity, LoDTensor
+  from jaxlod.ops._rank import RankTable
+
+
+def is_concrete(*arrays: Any) -> bool:
+  """True when no array is a tracer, so its values can be read on the host."""
+  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+# -- value checks: eager `ValueError`, `checkify` under jit ----------------------
+
+
+def _host(value: Any) -> Any:
+  """A host value for a message: a Python scalar, or a list for an array."""
+  return np.asarray(value).tolist()
+
+
+def _named(message: str, fields: dict[str, Any]) -> dict[str, Any]:
+  """The `fields` that `message` formats (checkify takes them as operands)."""
+  names = {
+    re.split(r"[.[]", name)[0]
+    for _, name, _, _ in string.Formatter().parse(message)
+    if name
+  }
+  return {k: v for k, v in fields.items() if k in names}
+
+
+def require(ok: Any, message: str, *, traced: str | None = None, **fields: Any):
+  """Every item of `ok` must be True: eagerly a `ValueError`, under `jit` a
+  `jax.experimental.checkify` check.
+
+  Args:
+    ok: a bool (Python, NumPy or JAX, any shape).
+    message: the error message. With `fields`, a format string: each
+      ``{name}`` is replaced by the value of ``fields[name]`` (a Python
+      scalar, or a list for an array).
+    traced: the message under `jit`, formatted the same way at run time;
+      defaults to `message`. Give one when `message` names values the
+      traced check does not pass.
+    **fields: arrays or Python scalars named in the messages.
+
+  Raises:
+    ValueError: when `ok` and `fields` are concrete and an item of `ok` is
+      False. Under `jit` the check is `checkify.debug_check`: a no-op
+      unless the caller is wrapped in `checkify.checkify`.
+  """
+  if is_concrete(ok, *fields.values()):
+    if not bool(np.all(np.asarray(ok))):
+      if fields:
+        message = message.format(**{k: _host(v) for k, v in fields.items()})
+      raise ValueError(message)
+  else:
+    message = traced or message
+    checkify.debug_check(jnp.all(ok), message, **_named(message, fields))
+
+
+def require_each(bad: Any, message: str, *, traced: str | None = None, **values: Any):
+  """No item of the 1-D mask `bad` may be True.
+
+  Args:
+    bad: bool ``[n]``.
+    message: a format string naming the first bad item: ``{i}`` is its
+      index and each ``{name}`` of `values` its value there.
+    traced: the message under `jit`, formatted the same way at run time;
+      defaults to `message`.
+    **values: arrays ``[n]``, or scalars (the same value for every item).
+
+  Raises:
+    ValueError: eagerly, for the first bad item. Under `jit` a
+      `jax.experimental.checkify` check with the same message.
+  """
+  bad = jnp.asarray(bad)
+  if bad.shape[0] == 0:
+    return
+  if is_concrete(bad, *values.values()):
+    hits = np.flatnonzero(np.asarray(bad))
+    if hits.size:
+      i = int(hits[0])
+      fields = {
+        k: _host(np.asarray(v)[i] if np.ndim(v) else v) for k, v in values.items()
+      }
+      raise ValueError(message.format(i=i, **fields))
+    return
+  message = traced or message
+  i = jnp.argmax(bad)
+  fields = {
+    k: jnp.asarray(v)[i] if jnp.ndim(v) else jnp.asarray(v)
+    for k, v in _named(message, values).items()
+  }
+  checkify.debug_check(~jnp.any(bad), message, **_named(message, {"i": i, **fields}))
+
+
+def check_lengths_fit(
+  lengths: jax.Array,
+  time: int,
+  where: str,
+  limit: str = "the requested time capacity",
+) -> None:
+  """No length exceeds `time` (eager `ValueError`, `checkify` under `jit`).
+
+  Args:
+    lengths: int ``[count]``.
+    time: the static bound.
+    where: the caller, first in the message.
+    limit: names the bound in the message.
+  """
+  longest = jnp.max(jnp.asarray(lengths), initial=0)
+  require(
+    longest <= time,
+    f"{where}: the longest sequence has {{longest}} rows, more than {limit} "
+    f"{time}; data is never truncated.",
+    traced=f"{where}: a sequence is longer than {limit} {time}; data is never "
+    "truncated.",
+    longest=longest,
+  )
+
+
+def check_fits(real: Capacity, capacity: Capacity, where: str) -> None:
+  """Every real size is at most its capacity (eager `ValueError` or checkify).
+
+  Args:
+    real: the real sizes: Python ints (eager) or int32 scalars (jit).
+    capacity: the static capacities.
+    where: the op's name, for messages.
+  """
+  sizes = [("tokens", real.tokens, capacity.tokens)]
+  for level, (r, c) in enumerate(zip(real.sequences, capacity.sequences, strict=True)):
+    sizes.append((f"sequences at level {level}", r, c))
+  for level, (r, c) in enumerate(zip(real.time, capacity.time, strict=True)):
+    sizes.append((f"time (longest sequence) at level {level}", r, c))
+  for what, size, cap in sizes:
+    require(
+      size <= cap,
+      f"{where}: the output needs {what} {{size}}, more than its capacity {cap}; "
+      "data is never truncated. Pass a larger `capacity`.",
+      traced=f"{where}: the output needs more {what} than its capacity {cap}; "
+      "pass a larger `capacity`.",
+      size=size,
+    )
+
+
+# -- host-side LoD validation (Paddle's CheckLoD) ---------------------------------
+
+
+def check_integer_level(name: str, level: int, values: Any) -> np.ndarray:
+  """One LoD level as a 1-D int64 array; rejects non-integer input."""
+  array = np.asarray(values)
+  if array.ndim != 1:
+    raise ValueError(
+      f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}."
+    )
+  if array.size and (
+    array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)
+  ):
+    bad = 0
+    if np.issubdtype(array.dtype, np.floating):
+      fractional = np.flatnonzero(array != np.round(array))
+      bad = int(fractional[0]) if fractional.size else 0
+    raise ValueError(
+      f"Expected integer {name} at LoD level {level}, got dtype {array.dtype} "
+      f"(index {bad}: {array[bad]!r})."
+    )
+  return array.astype(np.int64)
+
+
+def check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
+  """Paddle's CheckLoD, with messages naming the level, index and values.
+
+  Args:
+    offsets: one sequence of ints per level, level 0 outermost.
+    num_rows: the number of rows of ``values``.
+
+  Returns:
+    The offsets as int64 NumPy arrays.
+
+  Raises:
+    ValueError: for an empty or non-integer level, offsets that do not start
+      at 0 or decrease, or a level whose last offset is not the number of
+      items of the next level (rows, for the last level).
+  """
+  if len(offsets) == 0:
+    raise ValueError("Expected at least one LoD level, got none.")
+  checked = [
+    check_integer_level("offsets", level, o) for level, o in enumerate(offsets)
+  ]
+  for level, o in enumerate(checked):
+    if o.size == 0:
+      raise ValueError(f"LoD level {level} has no offsets; expected at least [0].")
+    if o[0] != 0:
+      raise ValueError(
+        f"LoD level {level}, index 0: offsets must start at 0, got {o[0]}."
+      )
+    drops = np.flatnonzero(np.diff(o) < 0)
+    if drops.size:
+      i = int(drops[0])
+      raise ValueError(
+        f"LoD level {level}, index {i + 1}: offsets must be non-decreasing, "
+        f"got {o[i]} at index {i} then {o[i + 1]}."
+      )
+  for level in range(len(checked) - 1):
+    last, count = checked[level][-1], checked[level + 1].size - 1
+    if last != count:
+      raise ValueError(
+        f"LoD level {level}: last offset {last} must equal the number of "
+        f"sequences at level {level + 1}, which is {count}."
+      )
+  if checked[-1][-1] != num_rows:
+    raise ValueError(
+      f"LoD level {len(checked) - 1} (last): last offset {checked[-1][-1]} must "
+      f"equal the number of rows of `values`, which is {num_rows}."
+    )
+  return checked
+
+
+# -- arguments of the ops ----------------------------------------------------------
+
+
+def is_lod(x: Any) -> bool:
+  """True for a LoDTensor (an ``is_leaf`` for pytrees of LoDTensors)."""
+  return isinstance(x, _lod.LoDTensor)
+
+
+def check_lod(x: Any, name: str, *, levels: Sequence[int] | None = None) -> LoDTensor:
+  """`x` must be a LoDTensor, with one of the allowed numbers of levels."""
+  if not is_lod(x):
+    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  if levels is not None and x.num_levels not in levels:
+    allowed = " or ".join(str(n) for n in levels)
+    raise ValueError(
+      f"Expected `{name}` to have {allowed} LoD level(s), got {x.num_levels}."
+    )
+  return x
+
+
+def check_integer(dtype: Any, name: str) -> None:
+  """Integer ops (ids, lengths, indices) reject float and bool arrays."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+    raise TypeError(f"Expected `{name}` to have an integer dtype, got {dtype}.")
+
+
+def check_float(dtype: Any, name: str) -> None:
+  """Float ops (pooling, softmax, convolution) reject integer arrays."""
+  if not np.issubdtype(np.dtype(dtype), np.inexact):
+    raise TypeError(f"Expected `{name}` to have a float dtype, got {np.dtype(dtype)}.")
+
+
+def check_rank(shape: Sequence[int], name: str, allowed: Sequence[int], doc: str):
+  """`shape` must have one of the `allowed` ranks; `doc` describes the shape."""
+  if len(shape) not in allowed:
+    raise ValueError(
+      f"Expected `{name}` to have shape {doc} (rank "
+      f"{' or '.join(str(r) for r in allowed)}), got {tuple(shape)}."
+    )
+
+
+def check_level(x: LoDTensor, level: int, name: str) -> int:
+  """A level index of `x` in ``[-num_levels, num_levels)``, made non-negative."""
+  if isinstance(level, bool) or not isinstance(level, int | np.integer):
+    raise TypeError(f"Expected `{name}` to be an int, got {level!r}.")
+  if not -x.num_levels <= level < x.num_levels:
+    raise ValueError(
+      f"Expected `{name}` in [{-x.num_levels}, {x.num_levels}) (the LoD levels of "
+      f"the tensor), got {level}."
+    )
+  return int(level) % x.num_levels
+
+
+def static_int(value: Any, name: str, minimum: int | None = None) -> int:
+  """A static (Python or NumPy) int argument, at least `minimum`."""
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(f"Expected `{name}` to be a static int, got {value!r}.")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"Expected `{name}` >= {minimum}, got {value}.")
+  return int(value)
+
+
+def per_sequence(
+  value: Any, name: str, count_capacity: int, num_sequences: Any, fill: Any = 0
+) -> jax.Array:
+  """A per-sequence argument with leading dimension `count_capacity`.
+
+  Accepts ``[count_capacity, ...]``, or in eager calls ``[num_sequences,
+  ...]`` (the real count), which is padded with `fill` up to the capacity.
+  """
+  array = jnp.asarray(value)
+  if array.ndim == 0:
+    raise ValueError(
+      f"Expected `{name}` to have leading dimension {count_capacity} (count "
+      f"capacity), got a scalar."
+    )
+  rows = array.shape[0]
+  if rows == count_capacity:
+    return array
+  if is_concrete(num_sequences) and rows == int(num_sequences):
+    pad = [(0, count_capacity - rows)] + [(0, 0)] * (array.ndim - 1)
+    return jnp.pad(array, pad, constant_values=fill)
+  real = f" or {int(num_sequences)} (sequences)" if is_concrete(num_sequences) else ""
+  raise ValueError(
+    f"Expected `{name}` to have leading dimension {count_capacity} (count "
+    f"capacity){real}, got shape {array.shape}."
+  )
+
+
+def check_pad_value(pad_value: jax.typing.ArrayLike, x: LoDTensor) -> jax.Array:
+  """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype."""
+  pad = jnp.asarray(pad_value, x.values.dtype)
+  try:
+    return jnp.broadcast_to(pad, x.feature_shape)
+  except ValueError:
+    raise ValueError(
+      f"Expected `pad_value` to be a scalar or to broadcast to the feature shape "
+      f"{x.feature_shape}, got shape {pad.shape}."
+    ) from None
+
+
+POOL_TYPES = ("sum", "average", "sqrt", "max", "min", "first", "last")
+
+
+def check_pool_type(pool_type: str) -> str:
+  """One of `POOL_TYPES`, lower-cased (the argument is case-insensitive)."""
+  if not isinstance(pool_type, str):
+    raise TypeError(f"Expected `pool_type` to be a str, got {pool_type!r}.")
+  pool = pool_type.lower()
+  if pool not in POOL_TYPES:
+    allowed = ", ".join(repr(p) for p in POOL_TYPES)
+    raise ValueError(
+      f"Expected `pool_type` to be one of {allowed} (case-insensitive), got "
+      f"{pool_type!r}."
+    )
+  return pool
+
+
+def check_pool_dtype(dtype: Any, pool: str) -> None:
+  """Every pool type but ``first`` and ``last`` needs float values."""
+  if pool in ("first", "last") or np.issubdtype(np.dtype(dtype), np.floating):
+    return
+  raise TypeError(
+    f"Expected `x.values` to have a float dtype for pool_type {pool!r}, got "
+    f"{np.dtype(dtype)}; only 'first' and 'last' accept any dtype."
+  )
+
+
+# -- rank tables -------------------------------------------------------------------
+
+
+def check_pair(x: Any, table: Any, name: str) -> None:
+  """`x` is a LoDTensor whose last level `table` ranks.
+
+  Checks the types and capacities, and eagerly the lengths (`check_ranked`).
+  """
+  # `jaxlod.ops` imports this module: import its RankTable at call time.
+  from jaxlod.ops._rank import RankTable
+
+  if not is_lod(x):
+    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  if not isinstance(table, RankTable):
+    raise TypeError(f"Expected `table` to be a RankTable, got {type(table).__name__}.")
+  count = x.capacity.sequences[-1]
+  if count != table.count_capacity:
+    raise ValueError(
+      f"Expected the rank table's count capacity {table.count_capacity} to equal "
+      f"the count capacity of `{name}`'s last level, got {count}."
+    )
+  if x.time_capacity[-1] > table.time_capacity:
+    raise ValueError(
+      f"Expected the rank table's time capacity {table.time_capacity} to be at "
+      f"least the time capacity of `{name}`'s last level, got "
+      f"{x.time_capacity[-1]}."
+    )
+  check_ranked(x.lengths(), table, f"`{name}`", "last level")
+
+
+def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) -> None:
+  """Eagerly checks that `table` ranks sequences of these `lengths`.
+
+  Under `jit` nothing is checked (the table is data there).
+  """
+  if not is_concrete(lengths, table.order, table.lengths):
+    return
+  expected = np.asarray(lengths)[np.asarray(table.order)]
+  ranked = np.asarray(table.lengths)
+  if not np.array_equal(expected, ranked):
+    bad = int(np.flatnonzero(expected != ranked)[0])
+    raise ValueError(
+      f"The rank table does not describe {name}'s {level}: at rank {bad} it has "
+      f"length {int(ranked[bad])}, {name} has {int(expected[bad])}."
+    )
+
+
+# -- pytrees of per-sequence arrays and step functions -----------------------------
+
+
+def leaf_name(path) -> str:
+  """A pytree key path as text, ``(root)`` for the root."""
+  return jax.tree_util.keystr(path) or "(root)"
+
+
+def _shape_str(x: Any) -> str:
+  return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def check_rows(tree: Any, count: int, name: str) -> None:
+  """Every leaf of `tree` has leading dimension `count` (the count capacity)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != count:
+      raise ValueError(
+        f"Expected `{name}` leaf {leaf_name(path)} to have leading dimension "
+        f"{count} (count capacity), got shape {jnp.shape(leaf)}."
+      )
+
+
+def check_step_out(out: Any, carry: Any, b: int) -> tuple[Any, Any]:
+  """`out` of a step function is ``(new_carry, y)``, the carry unchanged in
+  structure, shapes and dtypes, every leaf of `y` ``[b, ...]``.
+
+  Returns:
+    ``(new_carry, y)``.
+  """
+  if not (isinstance(out, tuple | list) and len(out) == 2):
+    raise TypeError(
+      f"Expected `step_fn` to return a pair (new_carry, output), got {out!r}."
+    )
+  new_carry, y = out
+  if jax.tree.structure(new_carry) != jax.tree.structure(carry):
+    raise ValueError(
+      "Expected `step_fn` to return a carry with the structure of `init_carry`: "
+      f"{jax.tree.structure(carry)}, got {jax.tree.structure(new_carry)}."
+    )
+  pairs = zip(
+    jax.tree_util.tree_leaves_with_path(carry), jax.tree.leaves(new_carry), strict=True
+  )
+  for (path, old), new in pairs:
+    if old.shape != new.shape or old.dtype != new.dtype:
+      raise ValueError(
+        f"Expected `step_fn` to keep carry leaf {leaf_name(path)} as "
+        f"{_shape_str(old)}, got {_shape_str(new)}."
+      )
+  for path, leaf in jax.tree_util.tree_leaves_with_path(y):
+    if leaf.ndim == 0 or leaf.shape[0] != b:
+      raise ValueError(
+        f"Expected `step_fn` output leaf {leaf_name(path)} to have leading "
+        f"dimension {b} (the phase's batch size), got {_shape_str(leaf)}."
+      )
+  return new_carry, y

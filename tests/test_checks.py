@@ -1,0 +1,218 @@
+"""Tests of the argument and value checks (jaxlod/_checks.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from jaxlod import Buckets, Capacity, LoDTensor, _checks
+from jaxlod.ops import rank_table
+
+
+def _x():
+  buckets = Buckets.fixed(tokens=8, sequences=4, time=5)
+  return LoDTensor.from_lengths(np.arange(6.0), [[2, 0, 4]], buckets=buckets)
+
+
+def test_per_sequence_pads_the_real_count_eagerly():
+  out = _checks.per_sequence(np.array([5, 6, 7]), "offset", 4, 3, fill=-1)
+  assert out.tolist() == [5, 6, 7, -1]
+  with pytest.raises(ValueError, match=r"`offset` .* 4 \(count capacity\) or 3"):
+    _checks.per_sequence(np.array([5, 6]), "offset", 4, 3)
+  with pytest.raises(ValueError, match="got a scalar"):
+    _checks.per_sequence(np.int32(5), "offset", 4, 3)
+
+
+def test_checks_name_the_argument():
+  with pytest.raises(TypeError, match="`x` to be a LoDTensor, got ndarray"):
+    _checks.check_lod(np.zeros(3), "x")
+  with pytest.raises(ValueError, match="`x` to have 1 LoD level"):
+    _checks.check_lod(LoDTensor.from_lengths(np.zeros(3), [[1], [3]]), "x", levels=(1,))
+  with pytest.raises(TypeError, match="`ids` to have an integer dtype, got float32"):
+    _checks.check_integer(np.float32, "ids")
+  with pytest.raises(TypeError, match="`ids` to have an integer dtype, got bool"):
+    _checks.check_integer(np.bool_, "ids")
+  with pytest.raises(TypeError, match="`x` to have a float dtype, got int32"):
+    _checks.check_float(np.int32, "x")
+  with pytest.raises(ValueError, match=r"`x` to have shape \[rows\] \(rank 1\)"):
+    _checks.check_rank((2, 3), "x", (1,), "[rows]")
+  with pytest.raises(ValueError, match=r"`ref_level` in \[-1, 1\) .* got 1"):
+    _checks.check_level(_x(), 1, "ref_level")
+
+
+def test_require():
+  _checks.require(np.array([True, True]), "fine")
+  with pytest.raises(ValueError, match="broken"):
+    _checks.require(np.array([True, False]), "broken")
+  err, _ = checkify.checkify(jax.jit(lambda v: _checks.require(v > 0, "neg")))(
+    jnp.array([1, -1])
+  )
+  with pytest.raises(checkify.JaxRuntimeError, match="neg"):
+    err.throw()
+
+
+def test_static_int():
+  assert _checks.static_int(np.int32(3), "n", minimum=1) == 3
+  with pytest.raises(TypeError, match="`n` to be a static int, got 3.0"):
+    _checks.static_int(3.0, "n")
+  with pytest.raises(TypeError, match="`n` to be a static int"):
+    _checks.static_int(jnp.int32(3), "n")
+  with pytest.raises(ValueError, match="`n` >= 1, got 0"):
+    _checks.static_int(0, "n", minimum=1)
+
+
+def test_require_each_names_the_first_bad_item():
+  message = "item {i}: value {value} is negative"
+  _checks.require_each(np.array([False, False]), message, value=np.array([1, 2]))
+  _checks.require_each(np.zeros((0,), bool), message)
+  with pytest.raises(ValueError, match="item 1: value -2 is negative"):
+    _checks.require_each(
+      np.array([False, True, True]), message, value=np.array([1, -2, -3])
+    )
+
+  def f(v):
+    _checks.require_each(v < 0, message, value=v)
+    return v
+
+  err, _ = checkify.checkify(jax.jit(f))(jnp.array([1, -2, -3]))
+  with pytest.raises(checkify.JaxRuntimeError, match="item 1: value -2 is negative"):
+    err.throw()
+
+
+def _throw(f, *args):
+  err, _ = checkify.checkify(jax.jit(f))(*args)
+  err.throw()
+
+
+def test_require_formats_fields_eagerly_and_under_jit():
+  message = "{n} rows, more than {limit}; got {rows}"
+  _checks.require(np.int32(3) <= 4, message, n=3, limit=4, rows=np.arange(2))
+  with pytest.raises(ValueError, match=r"^5 rows, more than 4; got \[0, 1\]$"):
+    _checks.require(np.int32(5) <= 4, message, n=np.int32(5), limit=4, rows=[0, 1])
+
+  def f(n):
+    _checks.require(n <= 4, "{n} rows, more than 4", n=n)
+    return n
+
+  with pytest.raises(checkify.JaxRuntimeError, match="5 rows, more than 4"):
+    _throw(f, jnp.int32(5))
+  _throw(f, jnp.int32(4))
+
+
+def test_require_traced_message():
+  def f(n):
+    _checks.require(n <= 4, "{n} rows, more than 4", traced="too many rows", n=n)
+    return n
+
+  with pytest.raises(ValueError, match="^5 rows, more than 4$"):
+    f(jnp.int32(5))
+  with pytest.raises(checkify.JaxRuntimeError, match="too many rows"):
+    _throw(f, jnp.int32(5))
+
+
+def test_require_each_traced_message_and_scalar_values():
+  message = "item {i}: value {value} is past {limit}"
+
+  def f(v, limit):
+    _checks.require_each(
+      v > limit, message, traced="a value is past", value=v, limit=limit
+    )
+    return v
+
+  with pytest.raises(ValueError, match="item 2: value 7 is past 5"):
+    f(np.array([1, 2, 7, 9]), 5)
+  with pytest.raises(checkify.JaxRuntimeError, match="a value is past"):
+    _throw(f, jnp.array([1, 2, 7, 9]), jnp.int32(5))
+  _throw(f, jnp.array([1, 2]), jnp.int32(5))
+
+
+def test_check_lengths_fit():
+  lengths = jnp.array([3, 0, 5])
+  _checks.check_lengths_fit(lengths, 5, "op")
+  with pytest.raises(
+    ValueError,
+    match=r"op: the longest sequence has 5 rows, more than `maxlen` 4; data is "
+    r"never truncated\.",
+  ):
+    _checks.check_lengths_fit(lengths, 4, "op", "`maxlen`")
+
+  def f(lengths):
+    _checks.check_lengths_fit(lengths, 4, "op")
+    return lengths
+
+  with pytest.raises(
+    checkify.JaxRuntimeError,
+    match=r"op: a sequence is longer than the requested time capacity 4",
+  ):
+    _throw(f, lengths)
+
+
+def test_check_fits_names_the_size():
+  real = Capacity(tokens=6, sequences=(3,), time=(5,))
+  _checks.check_fits(real, Capacity(6, (3,), (5,)), "op")
+  with pytest.raises(
+    ValueError,
+    match=r"op: the output needs time \(longest sequence\) at level 0 5, more than "
+    r"its capacity 4",
+  ):
+    _checks.check_fits(real, Capacity(6, (3,), (4,)), "op")
+
+
+def test_check_offsets_is_paddles_check_lod():
+  assert [o.tolist() for o in _checks.check_offsets([[0, 2], [0, 1, 3]], 3)] == [
+    [0, 2],
+    [0, 1, 3],
+  ]
+  with pytest.raises(ValueError, match=r"LoD level 1, index 2: offsets must be"):
+    _checks.check_offsets([[0, 2], [0, 3, 1]], 1)
+  with pytest.raises(ValueError, match=r"must equal the number of rows of `values`"):
+    _checks.check_offsets([[0, 2]], 3)
+  with pytest.raises(ValueError, match=r"Expected integer offsets at LoD level 0"):
+    _checks.check_integer_level("offsets", 0, [0.0, 1.5])
+
+
+def test_pool_and_pad_value_checks():
+  assert _checks.check_pool_type("MAX") == "max"
+  with pytest.raises(ValueError, match=r"`pool_type` to be one of 'sum'"):
+    _checks.check_pool_type("median")
+  with pytest.raises(TypeError, match=r"`pool_type` to be a str"):
+    _checks.check_pool_type(1)
+  with pytest.raises(TypeError, match=r"float dtype for pool_type 'sum'"):
+    _checks.check_pool_dtype(np.int32, "sum")
+  _checks.check_pool_dtype(np.int32, "last")
+  x = _x().with_values(jnp.zeros((8, 2)))
+  assert _checks.check_pad_value(1.0, x).tolist() == [1.0, 1.0]
+  with pytest.raises(ValueError, match=r"broadcast to the feature shape \(2,\)"):
+    _checks.check_pad_value(jnp.zeros(3), x)
+
+
+def test_check_pair_and_ranked():
+  x = _x()
+  table = rank_table(x)
+  _checks.check_pair(x, table, "x")
+  with pytest.raises(TypeError, match="Expected `table` to be a RankTable"):
+    _checks.check_pair(x, None, "x")
+  buckets = Buckets.fixed(tokens=8, sequences=4, time=5)
+  other = LoDTensor.from_lengths(np.arange(6.0), [[4, 0, 2]], buckets=buckets)
+  with pytest.raises(ValueError, match=r"does not describe `x`'s last level"):
+    _checks.check_pair(other, table, "x")
+
+
+def test_check_rows_and_step_out():
+  assert _checks.is_lod(_x()) and not _checks.is_lod(np.zeros(3))
+  _checks.check_rows({"h": jnp.zeros((4, 2))}, 4, "init_carry")
+  with pytest.raises(
+    ValueError,
+    match=r"`init_carry` leaf \['h'\] to have leading dimension 4 \(count "
+    r"capacity\), got shape \(3, 2\)\.",
+  ):
+    _checks.check_rows({"h": jnp.zeros((3, 2))}, 4, "init_carry")
+  carry = jnp.zeros((2, 3))
+  assert _checks.check_step_out((carry, carry), carry, 2)[0] is carry
+  with pytest.raises(TypeError, match="to return a pair"):
+    _checks.check_step_out(carry, carry, 2)
+  with pytest.raises(ValueError, match=r"keep carry leaf \(root\) as float32\[2, 3\]"):
+    _checks.check_step_out((carry[:, :1], carry), carry, 2)
+  with pytest.raises(ValueError, match=r"output leaf \(root\) to have leading"):
+    _checks.check_step_out((carry, carry[:1]), carry, 2)

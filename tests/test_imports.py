@@ -1,0 +1,107 @@
+"""No module of jaxlod uses another module's `_private` names.
+
+A module's public face is its names without a leading underscore; importing
+a private *module* of the package (``from jaxlod.ops import _segment``) is
+fine, importing or reading a private *name* of another module is not
+(docs/STYLE: one home per concept, used through its public names). The scan
+reads the source (AST) and imports nothing.
+"""
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).parent.parent / "jaxlod"
+ROOT = PACKAGE.parent
+
+
+def _is_module(dotted: str, root: pathlib.Path) -> bool:
+  """True when `dotted` (e.g. ``jaxlod.ops._rnn``) names a module or package."""
+  path = root.joinpath(*dotted.split("."))
+  return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _private(name: str) -> bool:
+  return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _absolute(node: ast.ImportFrom, file: pathlib.Path, root: pathlib.Path) -> str:
+  """The absolute module of ``from ... import``, resolving relative imports."""
+  if not node.level:
+    return node.module or ""
+  parts = list(file.relative_to(root).with_suffix("").parts)
+  base = parts[: len(parts) - node.level]
+  return ".".join(base + ([node.module] if node.module else []))
+
+
+def _module_of(node: ast.expr, modules: dict[str, str], root: pathlib.Path):
+  """The jaxlod module an expression names (``_lod``, ``jaxlod.ops``), if any."""
+  if isinstance(node, ast.Name):
+    return modules.get(node.id)
+  if isinstance(node, ast.Attribute):
+    parent = _module_of(node.value, modules, root)
+    if parent is not None and _is_module(f"{parent}.{node.attr}", root):
+      return f"{parent}.{node.attr}"
+  return None
+
+
+def private_uses(file: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+  """``file: name`` for each private name `file` takes from another module."""
+  tree = ast.parse(file.read_text(), filename=str(file))
+  modules: dict[str, str] = {}  # local name -> jaxlod module it is bound to
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] == "jaxlod":
+          if alias.asname:
+            modules[alias.asname] = alias.name
+          else:
+            modules["jaxlod"] = "jaxlod"
+    elif isinstance(node, ast.ImportFrom):
+      source = _absolute(node, file, root)
+      if source.split(".")[0] != "jaxlod":
+        continue
+      for alias in node.names:
+        dotted = f"{source}.{alias.name}"
+        if _is_module(dotted, root):
+          modules[alias.asname or alias.name] = dotted
+        elif _private(alias.name):
+          found.append((node.lineno, alias.name))
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and _private(node.attr):
+      parent = _module_of(node.value, modules, root)
+      if parent is not None and not _is_module(f"{parent}.{node.attr}", root):
+        found.append((node.lineno, node.attr))
+  where = file.relative_to(root).as_posix()
+  return [f"{where}:{line}: {name}" for line, name in sorted(found)]
+
+
+def test_the_scan_finds_private_names(tmp_path):
+  source = tmp_path / "jaxlod" / "ops" / "_mine.py"
+  source.parent.mkdir(parents=True)
+  source.write_text(
+    "from jaxlod import _lod\n"
+    "from jaxlod.ops import _segment, _rnn as r\n"
+    "from jaxlod.ops._array import _gather, owners\n"
+    "import jaxlod.ops\n"
+    "_lod._check_offsets\n"
+    "r._is_lod\n"
+    "_lod.__name__\n"
+    "jaxlod.ops._rank._level\n"
+    "_segment.require\n"
+  )
+  for name in ("_lod", "ops/__init__", "ops/_segment", "ops/_rnn", "ops/_array"):
+    (tmp_path / "jaxlod" / f"{name}.py").touch()
+  (tmp_path / "jaxlod" / "__init__.py").touch()
+  (tmp_path / "jaxlod" / "ops" / "_rank.py").touch()
+  assert private_uses(source, tmp_path) == [
+    "jaxlod/ops/_mine.py:3: _gather",
+    "jaxlod/ops/_mine.py:5: _check_offsets",
+    "jaxlod/ops/_mine.py:6: _is_lod",
+    "jaxlod/ops/_mine.py:8: _level",
+  ]
+
+
+def test_no_module_uses_another_modules_private_names():
+  found = [use for file in sorted(PACKAGE.rglob("*.py")) for use in private_uses(file)]
+  assert not found, "private names used across modules:\n" + "\n".join(found)
