@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -70,10 +72,35 @@ def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
   return np.concatenate([array, pad], axis=0)
 
 
+def owners(offsets: jax.Array, items: jax.Array, count: int) -> jax.Array:
+  """The sequence (in ``[0, count)``) whose offsets span each item. Jittable.
+
+  Args:
+    offsets: int32 ``[count + 1]``, one LoD level's offsets.
+    items: int32 ``[n]``, item indices (rows, or sequences of the next level).
+    count: the level's count capacity, at least 1.
+
+  Returns:
+    int32 ``[n]``. Items past the last offset get the last sequence; callers
+    mask them.
+  """
+  seq = jnp.searchsorted(offsets, items, side="right").astype(jnp.int32) - 1
+  return jnp.clip(seq, 0, count - 1)
+
+
+def _is_array(value: Any) -> bool:
+  return isinstance(value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+
+
 # -- the pytree ----------------------------------------------------------------
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["values", "offsets", "num_outer"],
+  meta_fields=["time_capacity"],
+)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoDTensor:
   """Packed rows of variable-length sequences with multi-level offsets.
 
@@ -87,15 +114,28 @@ class LoDTensor:
   every op handles them for free and a jitted function never recompiles for a
   batch of the same capacities.
 
-  It is a pytree. Dynamic leaves: ``values`` ``[token_capacity, *features]``,
-  ``offsets`` (a tuple of int32 ``[count_capacity + 1]`` arrays, one per
-  level) and ``num_outer`` (int32 scalar: the real number of level-0
-  sequences; deeper counts are the last offset of the level above). Static
-  auxiliary data: the time capacity of each level. Token and count
-  capacities are read from the shapes.
+  A frozen dataclass, registered as a pytree with
+  `jax.tree_util.register_dataclass`: ``values``, ``offsets`` and
+  ``num_outer`` are its dynamic leaves, ``time_capacity`` its static data;
+  token and count capacities are read from the shapes. Equality is identity
+  (``==`` is ``is``; compare the fields to compare values), as arrays have
+  no single truth value.
 
   Build one on the host with `from_lengths`, `from_offsets`, `from_sequences`
   or `from_padded`; they validate the LoD and never truncate data.
+
+  The constructor ``LoDTensor(values, offsets, num_outer, time_capacity)``
+  checks shapes, not values; prefer the builders.
+
+  Attributes:
+    values: ``[token_capacity, *features]`` packed rows, zeros past the last
+      offset.
+    offsets: a tuple of one int32 ``[count_capacity_l + 1]`` array per level
+      (any sequence is accepted and stored as a tuple).
+    num_outer: int32 scalar, the real number of level-0 sequences (deeper
+      counts are the last offset of the level above).
+    time_capacity: static, per level, a bound on the longest sequence (any
+      sequence of ints is accepted and stored as a tuple).
 
   Example:
     >>> import numpy as np
@@ -110,63 +150,45 @@ class LoDTensor:
     Capacity(tokens=8, sequences=(8,), time=(8,))
   """
 
-  def __init__(
-    self,
-    values: jax.Array,
-    offsets: Sequence[jax.Array],
-    num_outer: jax.Array,
-    time_capacity: Sequence[int],
-  ):
-    """Low-level constructor: no value checks. Prefer the ``from_*`` builders.
+  values: jax.Array
+  offsets: tuple[jax.Array, ...]
+  num_outer: jax.Array
+  time_capacity: tuple[int, ...]
 
-    Args:
-      values: ``[token_capacity, *features]`` packed rows, zeros past the last
-        offset.
-      offsets: one int32 ``[count_capacity_l + 1]`` array per level.
-      num_outer: int32 scalar, the real number of level-0 sequences.
-      time_capacity: per level, a static bound on the longest sequence.
+  def __post_init__(self):
+    """Stores `offsets` and `time_capacity` as tuples; checks the shapes.
+
+    JAX runs this too when it rebuilds the pytree, with whatever a
+    transformation put in the leaves (axis specs, `None`, shape structs,
+    shards stacked on a leading axis). So only array leaves are checked, and
+    a ``num_outer`` with leading axes (``[S]`` for S stacked shards) allows
+    the same leading axes on the other leaves.
+
+    Raises:
+      ValueError: for no levels, not one time capacity per level, a scalar
+        ``values``, or offsets not of shape ``[count_capacity + 1]``.
     """
-    offsets = tuple(offsets)
-    time_capacity = tuple(int(t) for t in time_capacity)
+    offsets = tuple(self.offsets)
+    time_capacity = tuple(int(t) for t in self.time_capacity)
+    object.__setattr__(self, "offsets", offsets)
+    object.__setattr__(self, "time_capacity", time_capacity)
     if len(offsets) == 0:
       raise ValueError("Expected at least one LoD level, got none.")
     if len(time_capacity) != len(offsets):
       raise ValueError(
         f"Expected one time capacity per level ({len(offsets)}), got {time_capacity}."
       )
-    if jnp.ndim(values) == 0:
+    lead = len(self.num_outer.shape) if _is_array(self.num_outer) else 0
+    if _is_array(self.values) and len(self.values.shape) <= lead:
       raise ValueError(
         "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar."
       )
     for level, o in enumerate(offsets):
-      if jnp.ndim(o) != 1 or jnp.shape(o)[0] < 1:
+      if _is_array(o) and (len(o.shape) != lead + 1 or o.shape[-1] < 1):
         raise ValueError(
           f"Expected offsets of level {level} to have shape [count_capacity + 1], "
-          f"got {jnp.shape(o)}."
+          f"got {tuple(o.shape)}."
         )
-    self.values = values
-    self.offsets = offsets
-    self.num_outer = num_outer
-    self.time_capacity = time_capacity
-
-  # -- pytree protocol --------------------------------------------------------
-
-  def tree_flatten_with_keys(self):
-    keys = jax.tree_util.GetAttrKey
-    children = (
-      (keys("values"), self.values),
-      (keys("offsets"), self.offsets),
-      (keys("num_outer"), self.num_outer),
-    )
-    return children, self.time_capacity
-
-  @classmethod
-  def tree_unflatten(cls, time_capacity, children):
-    # Transformations put arbitrary objects in the leaves: no checks here.
-    obj = object.__new__(cls)
-    obj.values, obj.offsets, obj.num_outer = children
-    obj.time_capacity = time_capacity
-    return obj
 
   # -- host builders ----------------------------------------------------------
 
@@ -375,12 +397,23 @@ class LoDTensor:
   def lengths(self, level: int = -1) -> jax.Array:
     """Lengths of the sequences at `level`: int32 ``[count_capacity]``.
 
+    `level` counts from 0 (outermost), negative from the last (the default).
     Padding sequences have length 0. Jittable.
     """
     return jnp.diff(self.offsets[self._level(level)])
 
-  def num_sequences(self, level: int = 0) -> jax.Array:
-    """Real number of sequences at `level` (int32 scalar). Jittable."""
+  def num_sequences(self, level: int = -1) -> jax.Array:
+    """Real number of sequences at `level` (int32 scalar). Jittable.
+
+    `level` counts from 0 (outermost), negative from the last (the default).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxlod import LoDTensor
+      >>> x = LoDTensor.from_lengths(np.zeros(7), [[1, 2], [5, 1, 1]])
+      >>> int(x.num_sequences()), int(x.num_sequences(0))
+      (3, 2)
+    """
     level = self._level(level)
     if level == 0:
       return jnp.asarray(self.num_outer)
@@ -390,6 +423,42 @@ class LoDTensor:
   def num_rows(self) -> jax.Array:
     """Real number of rows of ``values`` (int32 scalar). Jittable."""
     return self.offsets[-1][-1]
+
+  def row_mask(self) -> jax.Array:
+    """Which rows of ``values`` are real: bool ``[token_capacity]``. Jittable.
+
+    Rows past the last offset are padding (zeros, in no sequence).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxlod import LoDTensor, Buckets
+      >>> buckets = Buckets.fixed(tokens=4, sequences=2, time=2)
+      >>> x = LoDTensor.from_lengths(np.ones(3), [[2, 1]], buckets=buckets)
+      >>> x.row_mask().tolist()
+      [True, True, True, False]
+    """
+    return jnp.arange(self.capacity.tokens) < self.num_rows
+
+  def segment_ids(self) -> jax.Array:
+    """The last-level sequence of each row: int32 ``[token_capacity]``. Jittable.
+
+    Padding rows get the last level's count capacity, one past every
+    sequence slot, so that `jax.ops.segment_sum` and friends with
+    ``num_segments=count_capacity`` drop them.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxlod import LoDTensor, Buckets
+      >>> buckets = Buckets.fixed(tokens=5, sequences=3, time=2)
+      >>> x = LoDTensor.from_lengths(np.ones(3), [[2, 0, 1]], buckets=buckets)
+      >>> x.segment_ids().tolist()
+      [0, 0, 2, 3, 3]
+    """
+    count = self.capacity.sequences[-1]
+    if count == 0:  # no sequence slots: every row is padding
+      return jnp.zeros((self.capacity.tokens,), jnp.int32)
+    rows = jnp.arange(self.capacity.tokens, dtype=jnp.int32)
+    return jnp.where(self.row_mask(), owners(self.offsets[-1], rows, count), count)
 
   def with_values(self, values: jax.Array) -> LoDTensor:
     """The same LoD over new rows ``[token_capacity, *new_features]``."""

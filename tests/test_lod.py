@@ -1,5 +1,7 @@
 """Tests of `LoDTensor`: builders, validation, padding, accessors, round trips."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,9 @@ def test_from_lengths_two_levels():
   assert x.capacity == Capacity(tokens=9, sequences=(2, 3), time=(2, 4))
   assert int(x.num_sequences(0)) == 2
   assert int(x.num_sequences(1)) == 3
+  # Every level argument defaults to the last level.
+  assert int(x.num_sequences()) == 3
+  assert x.lengths().tolist() == [3, 2, 4]
   assert_nested_equal(x.to_list(), [[values[:3], values[3:5]], [values[5:]]])
 
 
@@ -317,6 +322,64 @@ def test_jit_identity_and_tree_map():
   assert_lod_equal(jax.jit(lambda x: x)(x), x)
   doubled = jax.tree.map(lambda a: a * 2, x)
   np.testing.assert_array_equal(doubled.values, np.asarray(x.values) * 2)
+
+
+def test_frozen_dataclass_with_identity_equality():
+  x = LoDTensor.from_lengths(np.ones(3, np.float32), [[1, 2]])
+  assert dataclasses.is_dataclass(x)
+  names = [f.name for f in dataclasses.fields(x)]
+  assert names == ["values", "offsets", "num_outer", "time_capacity"]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    x.values = x.values * 2
+  y = jax.tree.map(lambda a: a, x)
+  assert x == x and x != y  # identity: arrays are never compared
+  assert {x: 1}[x] == 1
+  z = dataclasses.replace(x, values=x.values * 2)
+  assert z.values.tolist() == [2.0, 2.0, 2.0] and z.offsets is x.offsets
+
+
+def test_constructor_stores_tuples():
+  x = LoDTensor(jnp.zeros(3), [jnp.array([0, 3])], jnp.int32(1), [np.int64(3)])
+  assert isinstance(x.offsets, tuple) and x.time_capacity == (3,)
+  assert type(x.time_capacity[0]) is int
+  assert jax.tree.structure(x) == jax.tree.structure(
+    LoDTensor(jnp.ones(3), (jnp.array([0, 3]),), jnp.int32(1), (3,))
+  )
+
+
+def test_transformations_rebuild_it_with_other_leaves():
+  x = LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[1, 2]])
+  # Shards stacked on a leading axis (the Batcher's and jaxlod.parallel's form).
+  stacked = jax.tree.map(lambda *a: np.stack(a), x, x, x)
+  assert stacked.offsets[0].shape == (3, 3) and stacked.values.shape == (3, 3, 2)
+  counts = jax.vmap(lambda x: x.segment_ids())(stacked)
+  assert counts.tolist() == [[0, 1, 1]] * 3
+  assert jax.eval_shape(lambda x: x, x).values.shape == (3, 2)
+  assert jax.tree.map(lambda a: None, x).values is None
+  spec = jax.vmap(lambda x: x.values, in_axes=(0,))(stacked)
+  assert spec.shape == (3, 3, 2)
+
+
+def test_row_mask_and_segment_ids():
+  buckets = Buckets.fixed(tokens=8, sequences=(3, 4), time=(2, 5))
+  x = LoDTensor.from_lengths(
+    np.ones(6, np.float32), [[1, 2], [5, 0, 1]], buckets=buckets
+  )
+
+  @jax.jit
+  def both(x):
+    return x.row_mask(), x.segment_ids()
+
+  mask, ids = both(x)
+  assert mask.dtype == jnp.bool_ and mask.tolist() == [True] * 6 + [False] * 2
+  assert ids.dtype == jnp.int32 and ids.tolist() == [0, 0, 0, 0, 0, 2, 4, 4]
+  sums = jax.ops.segment_sum(jnp.arange(8.0), ids, num_segments=4)
+  assert sums.tolist() == [10.0, 0.0, 5.0, 0.0]  # padding rows dropped
+  empty = LoDTensor.from_lengths(
+    np.ones(0, np.float32), [[]], buckets=Buckets.fixed(tokens=2, sequences=0, time=0)
+  )
+  assert empty.row_mask().tolist() == [False, False]
+  assert empty.segment_ids().tolist() == [0, 0]
 
 
 # -- validation ---------------------------------------------------------------------

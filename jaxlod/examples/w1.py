@@ -82,7 +82,7 @@ def train(steps: int, seed: int = 0) -> None:
   def loss_fn(params, x, table):
     outputs, _ = lstm(params, x, table)
     error = jnp.mean((outputs.values - running_mean(x)) ** 2, axis=-1)
-    real = jnp.arange(x.capacity.tokens) < x.num_rows
+    real = x.row_mask()
     return jnp.sum(jnp.where(real, error, 0.0)) / x.num_rows
 
   @jax.jit

@@ -21,7 +21,7 @@ from jaxlod._checks import (
   require,
   static_int,
 )
-from jaxlod._lod import LoDTensor
+from jaxlod._lod import LoDTensor, owners
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops._rank import RankTable
 
@@ -114,15 +114,6 @@ def _cell_rows(x: LoDTensor, table: RankTable):
   lengths = jnp.asarray(table.lengths)[None, :]
   starts = x.offsets[-1][:-1][table.order][None, :]
   return (starts + steps).reshape(-1), (steps < lengths).reshape(-1)
-
-
-def owners(offsets: jax.Array, items: jax.Array, count: int) -> jax.Array:
-  """The sequence (in ``[0, count)``) whose offsets span each item.
-
-  Items past the last offset get the last sequence; callers mask them.
-  """
-  seq = jnp.searchsorted(offsets, items, side="right").astype(jnp.int32) - 1
-  return jnp.clip(seq, 0, count - 1)
 
 
 def _row_cells(x: LoDTensor, table: RankTable):

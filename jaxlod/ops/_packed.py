@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxlod._lod import LoDTensor
-from jaxlod.ops._array import gather, owners
+from jaxlod._lod import LoDTensor, owners
+from jaxlod.ops._array import gather
 from jaxlod.ops._rank import RankTable
 
 

@@ -27,11 +27,6 @@ from jaxlod.ops._segment import Rows, masked_segment_sum, rows
 _check_pool_type = check_pool_type  # alias for callers being migrated
 
 
-def _segments(layout: Rows, count: int) -> jax.Array:
-  """Each row's sequence; padding rows get `count`, which reductions drop."""
-  return jnp.where(layout.valid, layout.segment, count)
-
-
 def _extreme(x: LoDTensor, layout: Rows, largest: bool) -> jax.Array:
   """Per-sequence max or min, its gradient going to the first extreme row.
 
@@ -40,7 +35,7 @@ def _extreme(x: LoDTensor, layout: Rows, largest: bool) -> jax.Array:
   """
   tokens, count = x.capacity.tokens, x.capacity.sequences[-1]
   flat = x.values.reshape(tokens, int(np.prod(x.feature_shape)))
-  segment = _segments(layout, count)
+  segment = x.segment_ids()
   reduce = jax.ops.segment_max if largest else jax.ops.segment_min
   best = reduce(lax.stop_gradient(flat), segment, num_segments=count)
   hit = layout.valid[:, None] & (flat == best[layout.segment])
@@ -217,7 +212,7 @@ def sequence_softmax(x: LoDTensor) -> LoDTensor:
     return x.with_values(jnp.zeros_like(x.values))
   layout = rows(x)
   flat = x.values.reshape(-1)
-  segment = _segments(layout, count)
+  segment = x.segment_ids()
   top = jax.ops.segment_max(lax.stop_gradient(flat), segment, num_segments=count)
   top = jnp.where(jnp.isfinite(top), top, 0)
   shifted = jnp.where(layout.valid, flat - top[layout.segment], 0)

@@ -87,7 +87,7 @@ def sequence_reshape(x: LoDTensor, new_dim: int) -> LoDTensor:
   )
   new_tokens = -(-tokens * dim // new_dim)
   # Masking the padding rows keeps them zero and gives them zero gradient.
-  valid = _segment.rows(x).valid[:, None]
+  valid = x.row_mask()[:, None]
   real = jnp.where(valid, x.values, jnp.zeros((), x.values.dtype))
   flat = jnp.pad(real.reshape(-1), (0, new_tokens * new_dim - tokens * dim))
   last = (x.offsets[-1] * dim // new_dim).astype(jnp.int32)

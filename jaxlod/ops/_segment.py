@@ -19,8 +19,7 @@ import numpy as np
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
 from jaxlod._checks import check_fits, is_concrete
-from jaxlod._lod import Capacity, LoDTensor
-from jaxlod.ops._array import owners
+from jaxlod._lod import Capacity, LoDTensor, owners
 
 # alias for callers being migrated: jaxlod/nn and ops/_decode.py import these
 # checks from here; their home is `jaxlod._checks`.

@@ -139,7 +139,7 @@ def sequence_conv(
   out = windows.reshape(windows.shape[0], filter.shape[0]) @ filter
   if bias is not None:
     out = out + bias
-  valid = _segment.rows(x).valid[:, None]
+  valid = x.row_mask()[:, None]
   return x.with_values(jnp.where(valid, out, jnp.zeros((), out.dtype)))
 
 
@@ -196,7 +196,7 @@ def sequence_enumerate(
   ids = x.with_values(x.values.reshape(x.values.shape[0]))
   windows, inside = _windows(ids, list(range(win_size)))
   pad = pad.astype(windows.dtype)
-  valid = _segment.rows(x).valid[:, None]
+  valid = x.row_mask()[:, None]
   values = jnp.where(inside, windows, jnp.where(valid, pad, jnp.zeros((), pad.dtype)))
   chosen = _segment.output_capacity(
     capacity, bound=x.capacity, real=_segment.real_sizes(x), where="sequence_enumerate"

@@ -71,7 +71,7 @@ def main(out: str, process_id: int, num_processes: int, port: int) -> None:
       ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.values, tgt_out.values
       )
-      real = jnp.arange(tgt_out.capacity.tokens) < tgt_out.num_rows
+      real = tgt_out.row_mask()
       return jnp.sum(jnp.where(real, ce, 0.0))
 
     total, grads = jax.value_and_grad(loss)(params)

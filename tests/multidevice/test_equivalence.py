@@ -93,7 +93,7 @@ def _rnn_loss(model):
   def loss(params, fields):
     x = fields[0]
     carry, ys = model.apply(params, x, return_carry=True)
-    real = jnp.arange(x.capacity.tokens) < x.num_rows
+    real = x.row_mask()
     total = jnp.sum(jnp.where(real[:, None], ys.values, 0.0) ** 2)
     total += sum(jnp.sum(jnp.tanh(c)) for c in jax.tree.leaves(carry))
     return total, x.num_rows
@@ -106,7 +106,7 @@ def _seq2seq_loss(model):
     _, src, tgt_in, tgt_out = fields
     logits = model.apply(params, src, tgt_in)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.values, tgt_out.values)
-    real = jnp.arange(tgt_out.capacity.tokens) < tgt_out.num_rows
+    real = tgt_out.row_mask()
     return jnp.sum(jnp.where(real, ce, 0.0)), tgt_out.num_rows
 
   return loss
