@@ -68,6 +68,9 @@ def test_paddle_example_level_0_ranks_by_number_of_subsequences():
   # Negative levels count from the last.
   _assert_tables_equal(rank_table(x, level=-2), table)
   _assert_tables_equal(rank_table(x, level=-1), rank_table(x, level=1))
+  # The default is the last level, as for dynamic_rnn and LoDTensor.lengths.
+  _assert_tables_equal(rank_table(x), rank_table(x, level=1))
+  assert rank_table(x).level == 1
 
 
 def test_ties_keep_original_order():

@@ -182,7 +182,7 @@ def _table_arrays(xp, lengths, time_capacity: int, ladder: tuple[int, ...]):
 
 
 def rank_table(
-  x: LoDTensor, level: int = 0, *, ladder: Sequence[int] | None = None
+  x: LoDTensor, level: int = -1, *, ladder: Sequence[int] | None = None
 ) -> RankTable:
   """Ranks the sequences of one LoD level of `x` by length.
 
@@ -196,7 +196,9 @@ def rank_table(
 
   Args:
     x: a LoDTensor.
-    level: the LoD level to rank (negative counts from the last).
+    level: the LoD level to rank (negative counts from the last); by
+      default the last, the level `dynamic_rnn` runs over and
+      `lod_to_array` reads.
     ladder: static batch sizes of the phases; the count capacity is always
       included. Default: `default_ladder` of the level's count capacity.
 
@@ -208,8 +210,10 @@ def rank_table(
     >>> from jaxlod import LoDTensor
     >>> from jaxlod.ops import rank_table
     >>> x = LoDTensor.from_lengths(np.zeros(7), [[1, 2], [5, 1, 1]])
-    >>> rank_table(x, level=1).items()
+    >>> rank_table(x).items()  # the last level: sub-sequences by rows
     [(0, 5), (1, 1), (2, 1)]
+    >>> rank_table(x, level=0).items()  # outer sequences by sub-sequences
+    [(1, 2), (0, 1)]
   """
   if not isinstance(x, LoDTensor):
     raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
