@@ -3,7 +3,7 @@
 A module's public face is its names without a leading underscore; importing
 a private *module* of the package (``from jaxlod.ops import _segment``) is
 fine, importing or reading a private *name* of another module is not
-(docs/STYLE: one home per concept, used through its public names). The scan
+(the house style: one home per concept, used through its public names). The scan
 reads the source (AST) and imports nothing.
 """
 
