@@ -11,24 +11,27 @@ a `lax.while_loop` over steps ``[start_k, end_k)`` at the static batch size
 The backward pass runs the phases in reverse, each stepping ``t`` downward and
 calling the VJP of the step, summing the gradients of parameters and static
 inputs across steps. With ``remat=False`` the forward pass saves the step's
-VJP residuals: those that depend on the carry or the step input are stored
-per step in the schedule layout of `jaxlod.ops._packed`, those that depend only on
-parameters and static inputs (a concatenated kernel, say) are computed once
-per phase, so nothing of size ``time x weights`` is stored. The residuals
-come from the step under `jax.checkpoint` with a policy that keeps matrix
-products and transcendental functions and recomputes cheap elementwise
-ops, and a residual that is the step input unchanged is read again from the
-inputs: an LSTM step keeps its carries and five activations per row rather
-than thirteen leaves. With ``remat=True`` it saves only the carries and the
-backward pass recomputes each step.
+VJP residuals, each in the place its `Slot` names: those that depend on the
+carry or the step input are stored per step in the schedule layout of
+`jaxlod.ops._packed`, those that depend only on parameters and static inputs
+(a concatenated kernel, say) are computed once per phase, so nothing of size
+``time x weights`` is stored. The residuals come from the step under
+`jax.checkpoint` with a policy that keeps matrix products and transcendental
+functions and recomputes cheap elementwise ops, and a residual that is the
+step input unchanged is read again from the inputs: an LSTM step keeps its
+carries and five activations per row rather than thirteen leaves. With
+``remat=True`` it saves only the carries and the backward pass recomputes
+each step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import itertools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +41,15 @@ from jax.extend import core as jex_core
 
 from jaxlod._vma import vary, varying_axes
 
+Leaves = list[jax.Array]  # a flat list of arrays: carry, inputs, residuals...
+ShapeDtype = tuple[tuple[int, ...], Any]  # a shape and a dtype
+# ``fn(carry_leaves, x_leaves, inv_leaves) -> (carry_leaves, y_leaves)``
+StepFn = Callable[[Leaves, Leaves, Leaves], tuple[Leaves, Leaves]]
+# ``(step_offsets, saved_offsets, lengths, phase_starts, phase_ends)``: see
+# `make_loop`.
+Bounds = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+Where = list[tuple[int, int]]  # per stored leaf: (buffer, index in it)
+
 # -- helpers -------------------------------------------------------------------------
 
 
@@ -45,34 +57,36 @@ def is_float(x: Any) -> bool:
   return bool(jnp.issubdtype(x.dtype, jnp.inexact))
 
 
-def _split(leaves: list, mask: tuple[bool, ...]) -> tuple[list, list]:
+def _split(leaves: Sequence[Any], mask: Sequence[bool]) -> tuple[list, list]:
   yes = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
   no = [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]
   return yes, no
 
 
-def _merge(yes: list, no: list, mask: tuple[bool, ...]) -> list:
+def _merge(yes: Sequence[Any], no: Sequence[Any], mask: Sequence[bool]) -> list:
   yes, no = iter(yes), iter(no)
   return [next(yes) if m else next(no) for m in mask]
 
 
-def _mask(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+def _mask(active: jax.Array, new: jax.Array, old: jax.typing.ArrayLike) -> jax.Array:
   """Rows where `active` take `new`; the others keep `old`."""
   shape = active.shape + (1,) * (new.ndim - 1)
   return jnp.where(active.reshape(shape), new, old)
 
 
-def _slab(buffer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
+def _slab(buffer: jax.Array, offset: jax.typing.ArrayLike, size: int) -> jax.Array:
   """Rows ``[offset, offset + size)`` of `buffer`."""
   return lax.dynamic_slice_in_dim(buffer, offset, size, axis=0)
 
 
-def _put(buffer: jax.Array, offset: jax.Array, value: jax.Array) -> jax.Array:
+def _put(
+  buffer: jax.Array, offset: jax.typing.ArrayLike, value: jax.Array
+) -> jax.Array:
   """Writes `value` at rows ``[offset, offset + len(value))``."""
   return lax.dynamic_update_slice_in_dim(buffer, value.astype(buffer.dtype), offset, 0)
 
 
-def _start(t: jax.Array, ndim: int) -> tuple[jax.Array, ...]:
+def _start(t: jax.typing.ArrayLike, ndim: int) -> tuple[jax.Array, ...]:
   """Index ``(t, 0, ..., 0)`` of one integer type (x64 mode included)."""
   t = jnp.asarray(t)
   return (t, *(jnp.zeros_like(t),) * (ndim - 1))
@@ -98,18 +112,54 @@ def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStr
   )
 
 
+# -- residual slots ------------------------------------------------------------------
+
+
+class SlotKind(enum.Enum):
+  """Where the backward pass finds one residual leaf of the step's VJP.
+
+  * ``SAVED``: the leaf depends on the carry or the step input; the forward
+    pass stores it per step in buffer `Slot.index` (leaves that are one value
+    share a buffer).
+  * ``INVARIANT``: the leaf depends on neither (parameters and static inputs
+    only); it is computed once per phase.
+  * ``INPUT``: the leaf is the step input leaf `Slot.index` unchanged; the
+    backward pass reads it again from the inputs rather than storing it.
+  """
+
+  SAVED = "saved"
+  INVARIANT = "invariant"
+  INPUT = "input"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """The place of one residual leaf: a kind and, but for ``INVARIANT``, an
+  index (a buffer for ``SAVED``, an input leaf for ``INPUT``)."""
+
+  kind: SlotKind
+  index: int | None = None
+
+
+INVARIANT = Slot(SlotKind.INVARIANT)
+
+
 def step_slots(
-  fn: Callable, num_step_args: int, *args, reloadable: tuple[int, ...] = ()
-) -> tuple[int, ...]:
+  fn: Callable[..., Any],
+  num_step_args: int,
+  *args: Any,
+  reloadable: tuple[int, ...] = (),
+) -> tuple[Slot, ...]:
   """Which output leaves of ``fn(*args)`` depend on its first args.
 
   A dependency walk over the jaxpr of `fn`: inputs are the leaves of the
   first `num_step_args` arguments; an equation's outputs depend on all its
-  inputs (conservative). Returns, per output leaf, -1 when it depends on
-  none of them, ``-2 - k`` when it is, unchanged, the input leaf
-  ``reloadable[k]`` (a flat index among those leaves: the caller can load it
-  again rather than store it), else a slot number shared by outputs that are
-  the same value (so each is stored once).
+  inputs (conservative). Returns, per output leaf, `INVARIANT` when it
+  depends on none of them, ``Slot(INPUT, k)`` when it is, unchanged, the
+  input leaf ``reloadable[k]`` (a flat index among those leaves: the caller
+  can load it again rather than store it), else ``Slot(SAVED, i)`` with a
+  buffer number `i` shared by outputs that are the same value (so each is
+  stored once).
   """
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   num_leaves = len(jax.tree.leaves(args[:num_step_args]))
@@ -117,16 +167,25 @@ def step_slots(
   for eqn in jaxpr.eqns:
     if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
       dependent.update(eqn.outvars)
-  reload = {jaxpr.invars[i]: -2 - k for k, i in enumerate(reloadable)}
+  reload = {jaxpr.invars[i]: Slot(SlotKind.INPUT, k) for k, i in enumerate(reloadable)}
   slots, seen = [], {}
   for v in jaxpr.outvars:
     if isinstance(v, jex_core.Var) and v in reload:
       slots.append(reload[v])
     elif isinstance(v, jex_core.Var) and v in dependent:
-      slots.append(seen.setdefault(v, len(seen)))
+      slots.append(Slot(SlotKind.SAVED, seen.setdefault(v, len(seen))))
     else:
-      slots.append(-1)
+      slots.append(INVARIANT)
   return tuple(slots)
+
+
+def _first_saved(leaves: Sequence[Any], slots: Sequence[Slot]) -> list:
+  """Per ``SAVED`` buffer, the first of `leaves` that goes there."""
+  first = {}
+  for leaf, slot in zip(leaves, slots, strict=True):
+    if slot.kind is SlotKind.SAVED:
+      first.setdefault(slot.index, leaf)
+  return [first[i] for i in range(len(first))]
 
 
 # Cheap elementwise and layout primitives: with saved residuals the backward
@@ -139,7 +198,7 @@ _CHEAP = frozenset({
 })  # fmt: skip
 
 
-def _save_costly(prim, *_, **__) -> bool:
+def _save_costly(prim: jex_core.Primitive, *_: Any, **__: Any) -> bool:
   return prim.name not in _CHEAP
 
 
@@ -156,7 +215,7 @@ class Phase:
   """
 
   size: int
-  fn: Callable
+  fn: StepFn
   consts: tuple[int, ...]
 
 
@@ -174,7 +233,7 @@ class LoopSpec:
   static_float: tuple[bool, ...]
   const_float: tuple[bool, ...]
   y_float: tuple[bool, ...]
-  y_tails: tuple[tuple[tuple[int, ...], Any], ...]  # per output leaf
+  y_tails: tuple[ShapeDtype, ...]  # per output leaf
   return_sequences: bool
   remat: bool
   # Mesh axes every carry, input, static and buffer varies over (under
@@ -188,7 +247,9 @@ class LoopSpec:
   def inv_float(self, phase: Phase) -> tuple[bool, ...]:
     return self.static_float + tuple(self.const_float[i] for i in phase.consts)
 
-  def differentiable(self, phase: Phase, nodiff_step: list, nodiff_inv: list):
+  def differentiable(
+    self, phase: Phase, nodiff_step: list, nodiff_inv: list
+  ) -> Callable[[list, list], tuple[list, list]]:
     """The step as a function of its float leaves only.
 
     ``f(diff_step, diff_inv) -> (float outputs, non-float outputs)``, where
@@ -198,7 +259,7 @@ class LoopSpec:
     out_float = self.carry_float + self.y_float
     num_carry = len(self.carry_float)
 
-    def f(diff_step, diff_inv):
+    def f(diff_step: list, diff_inv: list) -> tuple[list, list]:
       step = _merge(diff_step, nodiff_step, step_float)
       inv = _merge(diff_inv, nodiff_inv, self.inv_float(phase))
       new_carry, y = phase.fn(step[:num_carry], step[num_carry:], inv)
@@ -224,35 +285,48 @@ class SavePlan:
   backward pass reads it again from the inputs.
   """
 
-  # Residual mode: per leaf, its buffer, -1 (loop-invariant) or -2 - k (step
-  # input leaf k, read again).
-  slots: tuple[int, ...] | None
-  tree: Any  # residual mode: tree structure of the VJP function
-  shapes: tuple[tuple[tuple[int, ...], Any], ...]  # per buffer, at this phase
+  # Residual mode: per leaf of the VJP function, its `Slot`; `None` when the
+  # plan stores the carries and the backward pass recomputes each step.
+  slots: tuple[Slot, ...] | None
+  tree: jax.tree_util.PyTreeDef | None  # residual mode: tree of the VJP function
+  shapes: tuple[ShapeDtype, ...]  # per buffer, at this phase
+
+  @property
+  def recompute(self) -> bool:
+    """True when the plan stores only the carries (``remat=True``)."""
+    return self.slots is None
 
   @property
   def per_step(self) -> tuple[bool, ...] | None:
-    return None if self.slots is None else tuple(s != -1 for s in self.slots)
+    if self.slots is None:
+      return None
+    return tuple(s.kind is not SlotKind.INVARIANT for s in self.slots)
 
-  def stacked(self, leaves: list) -> list:
+  def stacked(self, leaves: Sequence[jax.Array]) -> Leaves:
     """The leaves to store, one per buffer."""
-    first = {}
-    for leaf, slot in zip(leaves, self.slots, strict=True):
-      if slot >= 0:
-        first.setdefault(slot, leaf)
-    return [first[i] for i in range(len(self.shapes))]
+    return _first_saved(leaves, self.slots)
 
-  def residuals(self, stacked: list, invariants: list, x: list) -> list:
+  def residuals(self, stacked: Leaves, invariants: Leaves, x: Leaves) -> Leaves:
     """All residual leaves from the stored, invariant and input (`x`) ones."""
     invariants = iter(invariants)
-    return [
-      stacked[s] if s >= 0 else next(invariants) if s == -1 else x[-2 - s]
-      for s in self.slots
-    ]
+
+    def leaf(slot: Slot) -> jax.Array:
+      if slot.kind is SlotKind.SAVED:
+        return stacked[slot.index]
+      if slot.kind is SlotKind.INPUT:
+        return x[slot.index]
+      return next(invariants)
+
+    return [leaf(slot) for slot in self.slots]
 
 
-def _residual_leaves(spec: LoopSpec, phase: Phase):
-  def residuals(diff_step, nodiff_step, diff_inv, nodiff_inv):
+def _residual_leaves(spec: LoopSpec, phase: Phase) -> Callable[..., Leaves]:
+  """``residuals(diff_step, nodiff_step, diff_inv, nodiff_inv)``: the leaves of
+  the step's VJP function."""
+
+  def residuals(
+    diff_step: list, nodiff_step: list, diff_inv: list, nodiff_inv: list
+  ) -> Leaves:
     f = spec.differentiable(phase, nodiff_step, nodiff_inv)
     _, vjp, _ = jax.vjp(f, diff_step, diff_inv, has_aux=True)
     return jax.tree.leaves(vjp)
@@ -260,7 +334,15 @@ def _residual_leaves(spec: LoopSpec, phase: Phase):
   return residuals
 
 
-def _phase_avals(spec: LoopSpec, phase, carry, values, statics, consts):
+def _phase_avals(
+  spec: LoopSpec,
+  phase: Phase,
+  carry: Leaves,
+  values: Leaves,
+  statics: Leaves,
+  consts: Leaves,
+) -> tuple[list[jax.ShapeDtypeStruct], ...]:
+  """Abstract ``(diff_step, nodiff_step, diff_inv, nodiff_inv)`` of a phase."""
   b = phase.size
   step = [_abstract(c, (b, *c.shape[1:])) for c in carry]
   step += [_abstract(v, (b, *v.shape[1:])) for v in values]
@@ -271,15 +353,38 @@ def _phase_avals(spec: LoopSpec, phase, carry, values, statics, consts):
   return diff_step, nodiff_step, diff_inv, nodiff_inv
 
 
-def make_plans(spec: LoopSpec, carry, values, statics, consts) -> list[SavePlan]:
-  """Per phase: what to store per step (from abstract shapes only)."""
-  # Step leaves reach the residual function flattened as (diff_step,
-  # nodiff_step): where each input leaf x_t[k] (after the carry) sits there.
+def _input_positions(spec: LoopSpec) -> tuple[int, ...]:
+  """Where each input leaf x_t[k] sits among the step leaves as the residual
+  function receives them, flattened as (diff_step, nodiff_step)."""
   step_mask = spec.carry_float + spec.x_float
   diff, nodiff = _split(list(range(len(step_mask))), step_mask)
   position = {leaf: j for j, leaf in enumerate(diff + nodiff)}
   num_carry = len(spec.carry_float)
-  inputs = tuple(position[num_carry + k] for k in range(len(spec.x_float)))
+  return tuple(position[num_carry + k] for k in range(len(spec.x_float)))
+
+
+def _residual_plan(
+  spec: LoopSpec, phase: Phase, avals: tuple, inputs: tuple[int, ...]
+) -> SavePlan:
+  """The plan of a phase that saves residuals (``remat=False``)."""
+  fn = _residual_leaves(spec, phase)
+  slots = step_slots(fn, 2, *avals, reloadable=inputs)
+  leaves = jax.eval_shape(fn, *avals)
+  shapes = tuple((leaf.shape, leaf.dtype) for leaf in _first_saved(leaves, slots))
+
+  def vjp_tree(*args: Any) -> Callable[..., Any]:
+    f = spec.differentiable(phase, args[1], args[3])
+    return jax.vjp(f, args[0], args[2], has_aux=True)[1]
+
+  tree = jax.tree.structure(jax.eval_shape(vjp_tree, *avals))
+  return SavePlan(slots, tree, shapes)
+
+
+def make_plans(
+  spec: LoopSpec, carry: Leaves, values: Leaves, statics: Leaves, consts: Leaves
+) -> list[SavePlan]:
+  """Per phase: what to store per step (from abstract shapes only)."""
+  inputs = _input_positions(spec)
   plans = []
   for phase in spec.phases:
     if spec.remat:
@@ -287,25 +392,11 @@ def make_plans(spec: LoopSpec, carry, values, statics, consts) -> list[SavePlan]
       plans.append(SavePlan(None, None, shapes))
       continue
     avals = _phase_avals(spec, phase, carry, values, statics, consts)
-    fn = _residual_leaves(spec, phase)
-    slots = step_slots(fn, 2, *avals, reloadable=inputs)
-    leaves = jax.eval_shape(fn, *avals)
-    firsts = {}
-    for leaf, slot in zip(leaves, slots, strict=True):
-      if slot >= 0:
-        firsts.setdefault(slot, (leaf.shape, leaf.dtype))
-    shapes = tuple(firsts[i] for i in range(len(firsts)))
-
-    def vjp_tree(*args, phase=phase):
-      f = spec.differentiable(phase, args[1], args[3])
-      return jax.vjp(f, args[0], args[2], has_aux=True)[1]
-
-    tree = jax.tree.structure(jax.eval_shape(vjp_tree, *avals))
-    plans.append(SavePlan(slots, tree, shapes))
+    plans.append(_residual_plan(spec, phase, avals, inputs))
   return plans
 
 
-def by_row(spec: LoopSpec, plans: list[SavePlan]) -> bool:
+def by_row(spec: LoopSpec, plans: Sequence[SavePlan]) -> bool:
   """True when every phase stores leaves ``[size_k, *tail]`` of equal tails."""
   first = plans[0]
   for phase, plan in zip(spec.phases, plans, strict=True):
@@ -337,7 +428,38 @@ class _PhaseData:
     return t < self.lengths, self.step_offsets[t], self.saved_offsets[t]
 
 
-def _phase_data(spec, phase, k, statics, consts, bounds):
+class _Saved(NamedTuple):
+  """What one phase's forward pass keeps for its backward pass."""
+
+  buffers: Leaves  # stored per step: residuals or carries
+  invariants: Leaves  # the ``INVARIANT`` residuals of the phase
+
+
+class _ForwardState(NamedTuple):
+  """The forward loop's carry."""
+
+  carry: Leaves  # [size, ...] each
+  ys: Leaves  # time-major outputs (empty without `return_sequences`)
+  buffers: Leaves  # per-step storage for the backward pass
+
+
+class _BackwardState(NamedTuple):
+  """The backward loop's carry: cotangents of the float leaves only."""
+
+  g_carry: Leaves  # [size, ...] each
+  g_values: Leaves  # time-major, like the inputs
+  g_statics: Leaves  # [size, ...] each, summed over the phase's steps
+  g_consts: Leaves  # summed over the steps of every phase
+
+
+def _phase_data(
+  spec: LoopSpec,
+  phase: Phase,
+  k: int,
+  statics: Leaves,
+  consts: Leaves,
+  bounds: Bounds,
+) -> _PhaseData:
   step_offsets, saved_offsets, lengths, phase_starts, phase_ends = bounds
   b = phase.size
   inv = [s[:b] for s in statics] + [consts[i] for i in phase.consts]
@@ -353,7 +475,9 @@ def _phase_data(spec, phase, k, statics, consts, bounds):
   )
 
 
-def _step_vjp(spec, phase, data, c, x):
+def _step_vjp(
+  spec: LoopSpec, phase: Phase, data: _PhaseData, c: Leaves, x: Leaves
+) -> tuple[Leaves, Callable[..., Any]]:
   """``(outputs, vjp)`` of the step at carry `c` and input `x`."""
   diff_step, nodiff_step = _split(c + x, spec.carry_float + spec.x_float)
   f = spec.differentiable(phase, nodiff_step, data.nodiff_inv)
@@ -361,7 +485,7 @@ def _step_vjp(spec, phase, data, c, x):
   return _merge(outs, aux, spec.carry_float + spec.y_float), vjp
 
 
-def _row_groups(plan: SavePlan, rows: int) -> tuple[list, list]:
+def _row_groups(plan: SavePlan, rows: int) -> tuple[Where, list[ShapeDtype]]:
   """Row layout: the stored leaves of one row shape and dtype share a buffer.
 
   Returns per stored leaf ``(buffer, index in it)`` and per buffer its shape
@@ -380,13 +504,21 @@ def _row_groups(plan: SavePlan, rows: int) -> tuple[list, list]:
   ]
 
 
-def _row_start(j: int, offset: jax.Array, ndim: int) -> tuple[jax.Array, ...]:
+def _row_start(
+  j: int, offset: jax.typing.ArrayLike, ndim: int
+) -> tuple[jax.Array, ...]:
   """Index ``(j, offset, 0, ..., 0)`` of one integer type."""
   offset = jnp.asarray(offset)
   return (jnp.asarray(j, offset.dtype), *_start(offset, ndim - 1))
 
 
-def _store(where, buffers, t, offset, leaves):
+def _store(
+  where: Where | None,
+  buffers: Leaves,
+  t: jax.Array,
+  offset: jax.Array,
+  leaves: Leaves,
+) -> Leaves:
   """Stores a step's leaves at its rows (row layout: `where` from
   `_row_groups`) or, when `where` is `None`, at index `t`."""
   if where is not None:
@@ -404,7 +536,10 @@ def _store(where, buffers, t, offset, leaves):
   ]
 
 
-def _load(where, buffers, t, offset, size):
+def _load(
+  where: Where | None, buffers: Leaves, t: jax.Array, offset: jax.Array, size: int
+) -> Leaves:
+  """A step's stored leaves (`size` rows each), as `_store` wrote them."""
   if where is not None:
     return [
       lax.dynamic_slice(
@@ -417,15 +552,23 @@ def _load(where, buffers, t, offset, size):
   return [lax.dynamic_index_in_dim(buf, t, keepdims=False) for buf in buffers]
 
 
-def _forward_phase(spec, phase, plan, row_layout, data, values, state):
+def _forward_phase(
+  spec: LoopSpec,
+  phase: Phase,
+  plan: SavePlan | None,
+  row_layout: bool,
+  data: _PhaseData,
+  values: Leaves,
+  state: _ForwardState,
+) -> _ForwardState:
   """One phase forward; stores per-step residuals (or carries) when planned."""
-  residual_mode = plan is not None and plan.per_step is not None
+  residual_mode = plan is not None and not plan.recompute
   b = phase.size
   where = _row_groups(plan, spec.saved_rows)[0] if row_layout else None
 
-  def body(t, state):
+  def body(t: jax.Array, state: _ForwardState) -> _ForwardState:
     c, ys, buffers = state
-    active, offset, saved = data.cells(t)
+    active, offset, saved_at = data.cells(t)
     x = [_slab(v, offset, b) for v in values]
     if residual_mode:
       out, vjp = _step_vjp(spec, phase, data, c, x)
@@ -435,48 +578,78 @@ def _forward_phase(spec, phase, plan, row_layout, data, values, state):
       stored = c if plan is not None else []
       inv = _merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
       new_c, y = phase.fn(c, x, inv)
-    buffers = _store(where, buffers, t, saved, stored)
+    buffers = _store(where, buffers, t, saved_at, stored)
     c = [_mask(active, n, o) for n, o in zip(new_c, c, strict=True)]
     if spec.return_sequences:
       # Rows past the active batch land in the next step's slab, which that
       # step then overwrites.
       ys = [_put(buf, offset, leaf) for buf, leaf in zip(ys, y, strict=True)]
-    return c, ys, buffers
+    return _ForwardState(c, ys, buffers)
 
   return lax.fori_loop(data.first, data.last, body, state)
 
 
-def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, state):
+def _y_zeros(spec: LoopSpec, phase: Phase) -> Leaves:
+  """Zero cotangents of the float step outputs, when only the final carry is
+  returned."""
+  if spec.return_sequences:
+    return []
+  return [
+    spec.zeros((phase.size, *tail), d)
+    for (tail, d), f in zip(spec.y_tails, spec.y_float, strict=True)
+    if f
+  ]
+
+
+def _const_slots(spec: LoopSpec, phase: Phase) -> list[int]:
+  """Where each float constant of the phase sits among all float constants."""
+  position = list(itertools.accumulate(spec.const_float, initial=0))
+  return [position[i] for i in phase.consts if spec.const_float[i]]
+
+
+def _accumulate(
+  g_statics: Leaves, g_consts: Leaves, g_inv: Leaves, const_slots: list[int]
+) -> tuple[Leaves, Leaves]:
+  """Adds a step's cotangents of the static and constant leaves."""
+  g_inv_statics, g_inv_consts = g_inv[: len(g_statics)], g_inv[len(g_statics) :]
+  g_statics = [a + g for a, g in zip(g_statics, g_inv_statics, strict=True)]
+  g_consts = list(g_consts)
+  for slot, g in zip(const_slots, g_inv_consts, strict=True):
+    g_consts[slot] = g_consts[slot] + g
+  return g_statics, g_consts
+
+
+def _backward_phase(
+  spec: LoopSpec,
+  phase: Phase,
+  plan: SavePlan,
+  row_layout: bool,
+  data: _PhaseData,
+  saved: _Saved,
+  values: Leaves,
+  g_ys: Leaves,
+  state: _BackwardState,
+) -> _BackwardState:
   """One phase backward, `t` stepping down; returns the updated cotangents.
 
-  ``state = (g_carry [size], g_values, g_statics [size], g_consts)``; the
+  `state` holds ``g_carry`` and ``g_statics`` at the phase's size; the
   constants' gradients accumulate across all phases.
   """
   b = phase.size
   buffers, invariants = saved
   where = _row_groups(plan, spec.saved_rows)[0] if row_layout else None
-  y_zeros = []
-  if not spec.return_sequences:
-    y_zeros = [
-      spec.zeros((b, *tail), d)
-      for (tail, d), f in zip(spec.y_tails, spec.y_float, strict=True)
-      if f
-    ]
-  # Where each float constant of the phase sits among all float constants.
-  position = list(itertools.accumulate(spec.const_float, initial=0))
-  const_slots = [position[i] for i in phase.consts if spec.const_float[i]]
+  y_zeros, const_slots = _y_zeros(spec, phase), _const_slots(spec, phase)
 
-  def body(i, state):
+  def body(i: jax.Array, state: _BackwardState) -> _BackwardState:
     g_c, g_values, g_statics, g_consts = state
     t = data.first + data.last - 1 - i
-    active, offset, saved = data.cells(t)
-    stored = _load(where, buffers, t, saved, b)
+    active, offset, saved_at = data.cells(t)
+    stored = _load(where, buffers, t, saved_at, b)
     x = [_slab(v, offset, b) for v in values]
-    if plan.per_step is None:
+    if plan.recompute:
       _, vjp = _step_vjp(spec, phase, data, stored, x)
     else:
-      residuals = plan.residuals(stored, invariants, x)
-      vjp = jax.tree.unflatten(plan.tree, residuals)
+      vjp = jax.tree.unflatten(plan.tree, plan.residuals(stored, invariants, x))
     g_out = [_mask(active, g, jnp.zeros_like(g)) for g in g_c]
     g_out += [_mask(active, _slab(g, offset, b), jnp.zeros((), g.dtype)) for g in g_ys]
     g_step, g_inv = vjp(g_out + y_zeros)
@@ -487,12 +660,8 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
       _put(buf, offset, _mask(active, g, _slab(buf, offset, b)))
       for buf, g in zip(g_values, g_x, strict=True)
     ]
-    g_inv_statics, g_inv_consts = g_inv[: len(g_statics)], g_inv[len(g_statics) :]
-    g_statics = [a + g for a, g in zip(g_statics, g_inv_statics, strict=True)]
-    g_consts = list(g_consts)
-    for slot, g in zip(const_slots, g_inv_consts, strict=True):
-      g_consts[slot] = g_consts[slot] + g
-    return g_c, g_values, g_statics, g_consts
+    g_statics, g_consts = _accumulate(g_statics, g_consts, g_inv, const_slots)
+    return _BackwardState(g_c, g_values, g_statics, g_consts)
 
   return lax.fori_loop(data.first, data.last, body, state)
 
@@ -500,7 +669,14 @@ def _backward_phase(spec, phase, plan, row_layout, data, saved, values, g_ys, st
 # -- all phases ---------------------------------------------------------------------
 
 
-def _invariant_residuals(spec, phase, plan, carry, values, data):
+def _invariant_residuals(
+  spec: LoopSpec,
+  phase: Phase,
+  plan: SavePlan,
+  carry: Leaves,
+  values: Leaves,
+  data: _PhaseData,
+) -> Leaves:
   """Residuals that depend on no step data, from any carry and input (zeros)."""
   b = phase.size
   step = [spec.zeros((b, *c.shape[1:]), c.dtype) for c in carry]
@@ -512,7 +688,7 @@ def _invariant_residuals(spec, phase, plan, carry, values, data):
   return [leaf for leaf, p in zip(leaves, plan.per_step, strict=True) if not p]
 
 
-def _buffers(spec, plan, row_layout):
+def _buffers(spec: LoopSpec, plan: SavePlan, row_layout: bool) -> Leaves:
   # Row layout: one buffer per row shape (see `_row_groups`), each leaf at its
   # own index, so a step's store is one contiguous row copy per leaf. Packing
   # the leaves side by side along the features fused a concatenate into every
@@ -524,7 +700,15 @@ def _buffers(spec, plan, row_layout):
   return [spec.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
 
 
-def _forward(spec, plans, carry, values, statics, consts, bounds):
+def _forward(
+  spec: LoopSpec,
+  plans: list[SavePlan] | None,
+  carry: Leaves,
+  values: Leaves,
+  statics: Leaves,
+  consts: Leaves,
+  bounds: Bounds,
+) -> tuple[Leaves, Leaves, list[_Saved]]:
   """Runs every phase. With `plans`, also stores what the backward needs.
 
   Returns ``(ys, final_carry, saved)``; `saved` holds per phase the stored
@@ -542,34 +726,46 @@ def _forward(spec, plans, carry, values, statics, consts, bounds):
     invariants = []
     if plan is not None and not row_layout:
       buffers = _buffers(spec, plan, False)
-    if plan is not None and plan.per_step is not None:
+    if plan is not None and not plan.recompute:
       invariants = _invariant_residuals(spec, phase, plan, carry, values, data)
-    state = ([c[: phase.size] for c in carry], ys, buffers)
+    state = _ForwardState([c[: phase.size] for c in carry], ys, buffers)
     c, ys, buffers = _forward_phase(spec, phase, plan, row_layout, data, values, state)
     carry = [_set_prefix(full, part) for full, part in zip(carry, c, strict=True)]
-    saved.append((buffers, invariants))
+    saved.append(_Saved(buffers, invariants))
   if row_layout:  # the phases shared the buffers: keep the final ones
-    saved = [(buffers, invariants) for _, invariants in saved]
+    saved = [_Saved(buffers, invariants) for _, invariants in saved]
   return ys, carry, saved
 
 
-def _backward(spec, plans, saved, primals, g_ys, g_carry):
+def _float_zeros(spec: LoopSpec, leaves: Leaves, mask: Sequence[bool]) -> Leaves:
+  return [spec.zeros(a.shape, a.dtype) for a in _split(leaves, mask)[0]]
+
+
+def _fill(grads: Leaves, mask: Sequence[bool]) -> list[jax.Array | None]:
+  """The float leaves' `grads`, with `None` for the others."""
+  return _merge(grads, [None] * (len(mask) - len(grads)), mask)
+
+
+def _backward(
+  spec: LoopSpec,
+  plans: list[SavePlan],
+  saved: list[_Saved],
+  primals: tuple[Leaves, Leaves, Leaves, Leaves, Bounds],
+  g_ys: Leaves,
+  g_carry: Leaves,
+) -> tuple[list[jax.Array | None], ...]:
   """Phases in reverse; cotangents of (carry, values, statics, consts)."""
   carry, values, statics, consts, bounds = primals
   row_layout = by_row(spec, plans)
-
-  def zeros(leaves, mask):
-    return [spec.zeros(a.shape, a.dtype) for a in _split(leaves, mask)[0]]
-
   g_carry = _split(g_carry, spec.carry_float)[0]
-  g_values = zeros(values, spec.x_float)
-  g_statics = zeros(statics, spec.static_float)
-  g_consts = zeros(consts, spec.const_float)
+  g_values = _float_zeros(spec, values, spec.x_float)
+  g_statics = _float_zeros(spec, statics, spec.static_float)
+  g_consts = _float_zeros(spec, consts, spec.const_float)
   g_ys = _split(g_ys, spec.y_float)[0] if spec.return_sequences else []
   for k in reversed(range(len(spec.phases))):
     phase = spec.phases[k]
     data = _phase_data(spec, phase, k, statics, consts, bounds)
-    state = (
+    state = _BackwardState(
       [g[: phase.size] for g in g_carry],
       g_values,
       [spec.zeros((phase.size, *g.shape[1:]), g.dtype) for g in g_statics],
@@ -583,16 +779,35 @@ def _backward(spec, plans, saved, primals, g_ys, g_carry):
       full + _pad_rows(part, spec.count)
       for full, part in zip(g_statics, g_phase_statics, strict=True)
     ]
-
-  def fill(grads, mask):
-    return _merge(grads, [None] * (len(mask) - len(grads)), mask)
-
   return (
-    fill(g_carry, spec.carry_float),
-    fill(g_values, spec.x_float),
-    fill(g_statics, spec.static_float),
-    fill(g_consts, spec.const_float),
+    _fill(g_carry, spec.carry_float),
+    _fill(g_values, spec.x_float),
+    _fill(g_statics, spec.static_float),
+    _fill(g_consts, spec.const_float),
   )
+
+
+# -- the custom VJP -----------------------------------------------------------------
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Perturbed:
+  """Per leaf of (carry, values, statics, consts): whether it is perturbed.
+
+  A static pytree node (no leaves): the residuals carry the flags as
+  structure, so the backward pass reads them at trace time.
+  """
+
+  flags: tuple[bool, ...]
+
+
+class _Residuals(NamedTuple):
+  """What `_loop_fwd` hands `_loop_bwd`."""
+
+  perturbed: _Perturbed
+  saved: list[_Saved]  # per phase
+  primals: tuple[Leaves, Leaves, Leaves, Leaves, Bounds]
 
 
 def _unwrap(tree: Any) -> tuple[Any, list[bool]]:
@@ -603,13 +818,13 @@ def _unwrap(tree: Any) -> tuple[Any, list[bool]]:
   return values, [leaf.perturbed for leaf in leaves]
 
 
-def _instantiate(cotangent: Any) -> jax.Array:
+def _instantiate(cotangent: jax.Array | SymbolicZero) -> jax.Array:
   if isinstance(cotangent, SymbolicZero):
     return jnp.zeros(cotangent.shape, cotangent.dtype)
   return cotangent
 
 
-def _differentiated(spec: LoopSpec, flags: list[bool]) -> LoopSpec:
+def _differentiated(spec: LoopSpec, flags: Sequence[bool]) -> LoopSpec:
   """`spec` differentiating only the perturbed inputs (input side only).
 
   Carry and outputs stay differentiable: their cotangents carry the
@@ -619,7 +834,7 @@ def _differentiated(spec: LoopSpec, flags: list[bool]) -> LoopSpec:
   x, rest = len(spec.x_float), flags[len(spec.carry_float) :]
   statics = len(spec.static_float)
 
-  def keep(mask, perturbed):
+  def keep(mask: tuple[bool, ...], perturbed: Sequence[bool]) -> tuple[bool, ...]:
     return tuple(m and p for m, p in zip(mask, perturbed, strict=True))
 
   return dataclasses.replace(
@@ -630,7 +845,7 @@ def _differentiated(spec: LoopSpec, flags: list[bool]) -> LoopSpec:
   )
 
 
-def _check_consts_vary(spec: LoopSpec, consts: list) -> None:
+def _check_consts_vary(spec: LoopSpec, consts: Leaves) -> None:
   """Raises for a differentiated constant that varies over fewer mesh axes
   than the data: its gradient would be summed over devices at every step,
   a collective inside loops whose trip counts differ per device."""
@@ -652,7 +867,39 @@ def _shape_dtype(x: Any) -> str:
   return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
 
-def make_loop(spec: LoopSpec):
+def _loop_fwd(spec: LoopSpec, *args: Any) -> tuple[tuple[Leaves, Leaves], _Residuals]:
+  """The forward rule: runs the phases, storing what `_loop_bwd` needs."""
+  (carry, values, statics, consts, bounds), flags = _unwrap(args)
+  # The perturbed flags are static; `bounds` are integers, never perturbed.
+  flags = tuple(flags[: len(flags) - len(jax.tree.leaves(bounds))])
+  local = _differentiated(spec, flags)
+  _check_consts_vary(local, consts)
+  plans = make_plans(local, carry, values, statics, consts)
+  ys, final, saved = _forward(local, plans, carry, values, statics, consts, bounds)
+  primals = (carry, values, statics, consts, bounds)
+  return (ys, final), _Residuals(_Perturbed(flags), saved, primals)
+
+
+def _loop_bwd(
+  spec: LoopSpec, residuals: _Residuals, cotangents: tuple[Any, Any]
+) -> tuple[Any, ...]:
+  """The backward rule: cotangents of the inputs from those of ``(ys, carry)``."""
+  perturbed, saved, primals = residuals
+  local = _differentiated(spec, perturbed.flags)
+  g_ys, g_carry = vary(
+    jax.tree.map(
+      _instantiate, cotangents, is_leaf=lambda x: isinstance(x, SymbolicZero)
+    ),
+    spec.vma,
+  )
+  plans = make_plans(local, *primals[:4])
+  grads = _backward(local, plans, saved, primals, g_ys, g_carry)
+  return (*grads, None)
+
+
+def make_loop(
+  spec: LoopSpec,
+) -> Callable[[Leaves, Leaves, Leaves, Leaves, Bounds], tuple[Leaves, Leaves]]:
   """The phased loop as a function with a custom VJP.
 
   ``loop(carry, values, statics, consts, bounds) -> (ys, carry)``: flat lists
@@ -663,34 +910,15 @@ def make_loop(spec: LoopSpec):
   """
 
   @jax.custom_vjp
-  def loop(carry, values, statics, consts, bounds):
+  def loop(
+    carry: Leaves, values: Leaves, statics: Leaves, consts: Leaves, bounds: Bounds
+  ) -> tuple[Leaves, Leaves]:
     ys, final, _ = _forward(spec, None, carry, values, statics, consts, bounds)
     return ys, final
 
-  def loop_fwd(*args):
-    (carry, values, statics, consts, bounds), flags = _unwrap(args)
-    flags = flags[: len(flags) - len(jax.tree.leaves(bounds))]
-    # The perturbed flags are static: the residuals carry them as structure
-    # (an empty tuple for a perturbed input, None for the others).
-    marks = tuple(() if f else None for f in flags)
-    local = _differentiated(spec, flags)
-    _check_consts_vary(local, consts)
-    plans = make_plans(local, carry, values, statics, consts)
-    ys, final, saved = _forward(local, plans, carry, values, statics, consts, bounds)
-    return (ys, final), (marks, saved, (carry, values, statics, consts, bounds))
-
-  def loop_bwd(residuals, cotangents):
-    marks, saved, primals = residuals
-    local = _differentiated(spec, [m is not None for m in marks])
-    g_ys, g_carry = vary(
-      jax.tree.map(
-        _instantiate, cotangents, is_leaf=lambda x: isinstance(x, SymbolicZero)
-      ),
-      spec.vma,
-    )
-    plans = make_plans(local, *primals[:4])
-    grads = _backward(local, plans, saved, primals, g_ys, g_carry)
-    return (*grads, None)
-
-  loop.defvjp(loop_fwd, loop_bwd, symbolic_zeros=True)
+  loop.defvjp(
+    functools.partial(_loop_fwd, spec),
+    functools.partial(_loop_bwd, spec),
+    symbolic_zeros=True,
+  )
   return loop
