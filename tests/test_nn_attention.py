@@ -256,13 +256,29 @@ def test_width_errors():
   padded, lengths, _ = _memory()
   wide = np.ones((COUNT, FEATURES + 2), np.float32)
   for attention in (DotAttention(), CosineAttention()):
-    name = type(attention).__name__
     with pytest.raises(
       ValueError,
-      match=rf"{name} needs a query as wide as the memory: got query width \(hidden\) "
-      rf"{FEATURES + 2} and memory features {FEATURES}",
+      match=rf"Expected `query` of width {FEATURES} \(memory features\), got "
+      rf"{FEATURES + 2}\.",
     ):
       attention.apply({}, wide, padded, lengths)
+
+
+@pytest.mark.parametrize(
+  "name", ["DotAttention", "GeneralAttention", "CosineAttention"]
+)
+def test_keys_only_for_additive_attention(name):
+  padded, lengths, _ = _memory()
+  attention = {
+    "DotAttention": DotAttention,
+    "GeneralAttention": GeneralAttention,
+    "CosineAttention": CosineAttention,
+  }[name]()
+  query = np.ones((COUNT, FEATURES), np.float32)
+  variables = attention.init(jax.random.key(0), query, padded, lengths)
+  assert attention.apply(variables, padded, method="keys") is None
+  with pytest.raises(ValueError, match=rf"{name} precomputes no keys .*got `keys`"):
+    attention.apply(variables, query, padded, lengths, keys=padded)
 
 
 @pytest.mark.parametrize(

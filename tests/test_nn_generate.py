@@ -3,6 +3,7 @@ memory, checked against teacher-forced scoring of the same hypotheses."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -13,7 +14,7 @@ import pytest
 
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import ensemble_generate
-from jaxlod.ops import beam_search, rank_table
+from jaxlod.ops import DecodeSettings, beam_search, ensemble_step, rank_table
 from tests.test_nn_seq2seq import (
   S2S_SRC_BUCKETS,
   SRC_VOCAB,
@@ -27,19 +28,24 @@ BOS, EOS, MAX_LENGTH = 0, 1, 5
 TGT_BUCKETS = Buckets.fixed(tokens=24, sequences=4, time=6)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "beam_size", "alpha"))
-def generate(params, src, method="beam", beam_size=3, alpha=0.6):
-  return _seq2seq().apply(
-    params,
-    src,
-    method,
-    method="generate",
+def settings(beam_size=3, alpha=0.6, **kwargs):
+  return DecodeSettings(
     bos_id=BOS,
     eos_id=EOS,
     max_length=MAX_LENGTH,
     beam_size=beam_size,
     length_penalty=alpha,
+    **kwargs,
   )
+
+
+BEAM = settings()
+GREEDY = settings(beam_size=1, alpha=0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("search",))
+def generate(params, src, search=BEAM):
+  return _seq2seq().apply(params, src, search, method="generate")
 
 
 def teacher_forced_logps(members, src, hyps):
@@ -96,24 +102,16 @@ def test_generate_is_beam_search_over_the_decode_step():
   src, _, _ = _seq2seq_batch()
   model = _seq2seq()
   memory = model.apply(params, src, method="encode")
-  keys = model.apply(params, memory, method="precompute")
+  padded = model.apply(params, memory, method="precompute")
+  assert padded.keys is not None  # additive attention: keys computed once
   carry = model.apply(params, memory, method="initial_state")
 
-  def step(carry, tokens, static):
-    (memory, lengths), (keys, _) = static
-    carry, logits, _ = model.apply(
-      params, carry, tokens, memory, lengths, keys, method="decode_step"
-    )
+  def step(carry, tokens, memory):
+    carry, logits, _ = model.apply(params, carry, tokens, memory, method="decode_step")
     return carry, jax.nn.log_softmax(logits, axis=-1)
 
   expected = beam_search(
-    step,
-    carry,
-    beam_size=3,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=MAX_LENGTH,
-    static_inputs=(memory, keys),
+    step, carry, settings(), static_inputs=padded, num_sources=src.num_sequences(-1)
   )
   out = generate(params, src)
   assert out.ids.recursive_lengths() == expected.ids.recursive_lengths()
@@ -122,14 +120,26 @@ def test_generate_is_beam_search_over_the_decode_step():
     np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
 
 
-def test_greedy_is_beam_size_one():
+def test_greedy_takes_the_argmax_of_the_log_probs():
   params = _seq2seq_params()
   src, _, _ = _seq2seq_batch()
-  greedy = generate(params, src, method="greedy")
-  beam = generate(params, src, beam_size=1, alpha=0.0)
-  assert greedy.ids.recursive_lengths() == beam.ids.recursive_lengths()
-  np.testing.assert_array_equal(greedy.ids.values, beam.ids.values)
-  np.testing.assert_allclose(greedy.scores.values, beam.scores.values, rtol=1e-6)
+  out = generate(params, src, GREEDY)
+  hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
+  members = [(_seq2seq(), params)]
+  for source, score in zip(
+    teacher_forced_logps(members, src, hyps), out.scores.to_list(), strict=True
+  ):
+    ((logp, target),) = source
+    np.testing.assert_array_equal(logp.argmax(-1), target)
+    np.testing.assert_allclose(
+      score, [logp[np.arange(len(target)), target].sum()], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_compaction_off_gives_the_same_hypotheses():
+  params = _seq2seq_params()
+  src, _, _ = _seq2seq_batch()
+  _same(generate(params, src, settings(ladder=())), generate(params, src))
 
 
 def test_generate_compiles_once_per_capacity():
@@ -140,8 +150,8 @@ def test_generate_compiles_once_per_capacity():
     jnp.asarray(rng.integers(0, 7, size=src.values.shape), jnp.int32)
   )
   before = generate._cache_size()
-  generate(params, src, beam_size=2)
-  generate(params, other, beam_size=2)
+  generate(params, src, settings(beam_size=2))
+  generate(params, other, settings(beam_size=2))
   assert generate._cache_size() == before + 1
 
 
@@ -151,10 +161,10 @@ def test_generate_takes_a_host_source_table():
   src, _, _ = _seq2seq_batch()
   table = rank_table(src, ladder=(4, 2, 1))
   assert rank_table(src).ladder == (4,)
-  kwargs = dict(bos_id=BOS, eos_id=EOS, max_length=MAX_LENGTH, beam_size=2)
+  search = settings(beam_size=2)
 
   def f(params, src, table):
-    return model.apply(params, src, method="generate", src_table=table, **kwargs)
+    return model.apply(params, src, search, method="generate", src_table=table)
 
   want = jax.jit(f)(params, src, None)
   got = jax.jit(f)(params, src, table)
@@ -167,27 +177,24 @@ def test_generate_takes_a_host_source_table():
   # A table of other lengths, at the same capacities.
   other = rank_table(_ids([1, 2, 3, 4], SRC_VOCAB, S2S_SRC_BUCKETS, seed=0))
   with pytest.raises(ValueError, match="The rank table does not describe `inputs`"):
-    model.apply(params, src, method="generate", src_table=other, **kwargs)
+    model.apply(params, src, search, method="generate", src_table=other)
 
 
 def test_generate_errors():
   params = _seq2seq_params()
   src, tgt_in, _ = _seq2seq_batch()
   model = _seq2seq()
-  with pytest.raises(
-    ValueError, match=r'`method` to be "beam" or "greedy", got \'top-k\''
-  ):
-    model.apply(
-      params, src, "top-k", method="generate", bos_id=0, eos_id=1, max_length=3
-    )
+  with pytest.raises(TypeError, match=r"`settings` to be a DecodeSettings, got dict"):
+    model.apply(params, src, {"beam_size": 2}, method="generate")
   with pytest.raises(ValueError, match=r"generate needs parameters"):
-    model.init(
-      jax.random.key(0), src, method="generate", bos_id=0, eos_id=1, max_length=3
-    )
-  with pytest.raises(ValueError, match=r"`eos_id` in \[0, 6\)"):
-    model.apply(params, src, method="generate", bos_id=0, eos_id=6, max_length=3)
-  with pytest.raises(ValueError, match=r"`bos_id` in \[0, 6\) \(`tgt_vocab`\), got 6"):
-    model.apply(params, src, method="generate", bos_id=6, eos_id=1, max_length=3)
+    model.init(jax.random.key(0), src, settings(), method="generate")
+  for name in ("bos_id", "eos_id"):
+    bad = dataclasses.replace(BEAM, **{name: 6})
+    with pytest.raises(
+      ValueError,
+      match=rf"`{name}` in \[0, 6\) \(the vocabulary of `step_fn`\), got 6",
+    ):
+      model.apply(params, src, bad, method="generate")
 
 
 def _two_members():
@@ -200,17 +207,9 @@ def _two_members():
   ]
 
 
-@functools.partial(jax.jit, static_argnames=("models", "method", "beam_size"))
-def ensemble(models, variables, src, method="beam", beam_size=3):
-  return ensemble_generate(
-    list(zip(models, variables, strict=True)),
-    src,
-    method,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=MAX_LENGTH,
-    beam_size=beam_size,
-  )
+@functools.partial(jax.jit, static_argnames=("models", "search"))
+def ensemble(models, variables, src, search=BEAM):
+  return ensemble_generate(list(zip(models, variables, strict=True)), src, search)
 
 
 def _same(a, b):
@@ -219,12 +218,12 @@ def _same(a, b):
   np.testing.assert_allclose(a.scores.values, b.scores.values, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("method", ["beam", "greedy"])
-def test_an_ensemble_of_one_member_is_generate(method):
+@pytest.mark.parametrize("search", [settings(), GREEDY], ids=["beam", "greedy"])
+def test_an_ensemble_of_one_member_is_generate(search):
   params = _seq2seq_params()
   src, _, _ = _seq2seq_batch()
-  got = ensemble((_seq2seq(),), (params,), src, method)
-  _same(got, generate(params, src, method))
+  got = ensemble((_seq2seq(),), (params,), src, search)
+  _same(got, generate(params, src, search))
 
 
 def test_ensemble_beam_scores_are_the_mean_teacher_forced_scores():
@@ -240,15 +239,7 @@ def test_ensemble_beam_scores_are_the_mean_teacher_forced_scores():
   )
   # Not either member's own search.
   for model, params in members:
-    alone = model.apply(
-      params,
-      src,
-      method="generate",
-      bos_id=BOS,
-      eos_id=EOS,
-      max_length=MAX_LENGTH,
-      beam_size=3,
-    )
+    alone = model.apply(params, src, settings(), method="generate")
     assert not np.allclose(alone.scores.values, out.scores.values)
 
 
@@ -256,7 +247,7 @@ def test_ensemble_greedy_takes_the_argmax_of_the_mean_log_probs():
   members = _two_members()
   src, _, _ = _seq2seq_batch()
   models, variables = zip(*members, strict=True)
-  out = ensemble(models, variables, src, "greedy")
+  out = ensemble(models, variables, src, GREEDY)
   hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
   for source, score in zip(
     teacher_forced_logps(members, src, hyps), out.scores.to_list(), strict=True
@@ -271,17 +262,27 @@ def test_ensemble_greedy_takes_the_argmax_of_the_mean_log_probs():
 def test_ensemble_generate_errors():
   members = _two_members()
   src, _, _ = _seq2seq_batch()
-  kw = dict(bos_id=BOS, eos_id=EOS, max_length=MAX_LENGTH)
-  with pytest.raises(ValueError, match=r"at least one `\(model, variables\)` member"):
-    ensemble_generate([], src, **kw)
+  search = settings()
+  with pytest.raises(ValueError, match=r"Expected at least one member, got none\."):
+    ensemble_generate([], src, search)
   with pytest.raises(TypeError, match=r"`members\[1\]` to be a \(Seq2Seq, variables\)"):
-    ensemble_generate([members[0], members[1][1]], src, **kw)
+    ensemble_generate([members[0], members[1][1]], src, search)
   with pytest.raises(TypeError, match=r"`members\[0\]` .* got \(Dense, dict\)\."):
-    ensemble_generate([(nn.Dense(3), members[0][1])], src, **kw)
+    ensemble_generate([(nn.Dense(3), members[0][1])], src, search)
   other = _seq2seq().clone(tgt_vocab=9)
   with pytest.raises(ValueError, match=r"share `tgt_vocab`, got \[6, 9\]"):
-    ensemble_generate([members[0], (other, members[0][1])], src, **kw)
-  with pytest.raises(ValueError, match=r"`method` to be \"beam\" or \"greedy\""):
-    ensemble_generate(members, src, "top-k", **kw)
+    ensemble_generate([members[0], (other, members[0][1])], src, search)
+  bad = DecodeSettings(bos_id=BOS, eos_id=6, max_length=MAX_LENGTH)
   with pytest.raises(ValueError, match=r"`eos_id` in \[0, 6\)"):
-    ensemble_generate(members, src, bos_id=BOS, eos_id=6, max_length=MAX_LENGTH)
+    ensemble_generate(members, src, bad)
+
+
+def test_ensemble_step_is_the_mean_of_the_log_softmax():
+  logits = [jnp.array([[1.0, 2.0, 0.5]]), jnp.array([[0.0, -1.0, 3.0]])]
+  steps = [lambda c, t, s, x=x: (c + 1, x) for x in logits]
+  carries, log_probs = ensemble_step(steps)((0, 5), jnp.zeros(1, int), (None, None))
+  assert carries == (1, 6)
+  expected = np.mean([jax.nn.log_softmax(x) for x in logits], axis=0)
+  np.testing.assert_allclose(log_probs, expected, rtol=1e-6)
+  _, alone = ensemble_step(steps[:1])((0,), jnp.zeros(1, int), (None,))
+  np.testing.assert_array_equal(alone, jax.nn.log_softmax(logits[0]))

@@ -20,7 +20,7 @@ from jaxlod.nn import (
   GeneralAttention,
   Seq2Seq,
 )
-from jaxlod.ops import rank_table
+from jaxlod.ops import Memory, rank_table
 from tests.helpers import assert_close
 
 HIDDEN, FEATURES, INPUTS, UNITS = 4, 4, 3, 5
@@ -196,13 +196,10 @@ def test_decoder_step_is_one_step_of_the_loop():
   apply = jax.jit(functools.partial(decoder.apply, return_weights=True))
   outputs, weights = apply(params, tgt, memory)
   carry = decoder.apply(params, memory, INPUTS, method="initial_state")
-  keys = decoder.apply(params, memory, method="precompute")
-  assert keys.values.shape == (memory.capacity.tokens, UNITS)
-  padded, lengths = memory.to_padded()
+  padded = decoder.apply(params, memory, method="precompute")
+  assert padded.keys.shape == (*padded.values.shape[:2], UNITS)
   x0 = tgt.to_padded()[0][:, 0]
-  _, y, w = decoder.apply(
-    params, carry, x0, padded, lengths, keys.to_padded()[0], method="step"
-  )
+  _, y, w = decoder.apply(params, carry, x0, padded, method="step")
   started = np.asarray(tgt.lengths()) > 0
   assert_close(
     np.asarray(y)[started], np.asarray(outputs.to_padded()[0][:, 0])[started]
@@ -214,7 +211,7 @@ def test_decoder_step_is_one_step_of_the_loop():
   plain, plain_params, _, _ = _decoder_setup("lstm-dot")
   carry = plain.apply(plain_params, memory, INPUTS, method="initial_state")
   assert jax.tree.map(np.shape, carry) == ((COUNT, HIDDEN), (COUNT, HIDDEN))
-  assert plain.apply(plain_params, memory, method="precompute") is None
+  assert plain.apply(plain_params, memory, method="precompute").keys is None
 
 
 def test_decoder_without_jit_and_parameter_tree():
@@ -459,9 +456,11 @@ def test_seq2seq_dropout_on_target_embeddings_and_decoder_outputs():
   # Decoding never drops: the decode step (all `generate` runs) needs no rng
   # and gives the dropout-free logits.
   rng = np.random.default_rng(0)
-  memory = rng.normal(size=(4, 6, HIDDEN)).astype(np.float32)
+  values = rng.normal(size=(4, 6, HIDDEN)).astype(np.float32)
+  keys = rng.normal(size=(4, 6, UNITS)).astype(np.float32)
+  memory = Memory(values, np.array([3, 0, 5, 2]), keys)
   carry = (np.ones((4, HIDDEN), np.float32),) * 2, np.ones((4, HIDDEN), np.float32)
-  args = (carry, np.array([0, 2, 3, 5]), memory, np.array([3, 0, 5, 2]))
+  args = (carry, np.array([0, 2, 3, 5]), memory)
   steps = [m.apply(params, *args, method="decode_step") for m in (model, _seq2seq())]
   np.testing.assert_array_equal(steps[0][1], steps[1][1])
 
@@ -487,14 +486,11 @@ def test_seq2seq_decode_step_path():
   memory = _jit_method(model, "encode")(params, src)
   assert memory.recursive_lengths() == [S2S_SRC_LENGTHS]
   carry = model.apply(params, memory, method="initial_state")
-  keys = model.apply(params, memory, method="precompute")
-  padded, lengths = memory.to_padded()
+  padded = model.apply(params, memory, method="precompute")
   tokens = tgt_in.to_padded()[0][:, 0]
-  _, first, weights = model.apply(
-    params, carry, tokens, padded, lengths, keys.to_padded()[0], method="decode_step"
-  )
+  _, first, weights = model.apply(params, carry, tokens, padded, method="decode_step")
   started = np.asarray(tgt_in.lengths()) > 0
-  assert first.shape == (4, TGT_VOCAB) and weights.shape == (4, padded.shape[1])
+  assert first.shape == (4, TGT_VOCAB) and weights.shape == (4, 6)
   assert_close(
     np.asarray(first)[started], np.asarray(logits.to_padded()[0][:, 0])[started]
   )
@@ -507,7 +503,7 @@ def test_seq2seq_decode_step_path():
   assert_close(with_weights.values, logits.values)
   assert all_weights.recursive_lengths() == [S2S_TGT_LENGTHS]
   padded_weights = np.asarray(all_weights.to_padded()[0])
-  assert padded_weights.shape[2] == padded.shape[1]
+  assert padded_weights.shape[2] == 6
   assert_close(padded_weights[started, 0], np.asarray(weights)[started])
   pairs = zip(S2S_SRC_LENGTHS, S2S_TGT_LENGTHS, strict=True)
   for i, (n_src, n_tgt) in enumerate(pairs):
@@ -536,7 +532,7 @@ def test_decoder_memory_count_errors():
   checked = checkify.checkify(jax.jit(decoder.apply))
   err, _ = checked(params, tgt, fewer)
   with pytest.raises(
-    checkify.JaxRuntimeError, match=r"`memory` and `tgt` have different numbers"
+    checkify.JaxRuntimeError, match=r"memory has 3 sequences, tgt has 6\."
   ):
     err.throw()
 
@@ -570,8 +566,8 @@ def test_seq2seq_width_error_at_trace_time():
   src, tgt_in, _ = _seq2seq_batch()
   with pytest.raises(
     ValueError,
-    match=rf"DotAttention needs a query as wide as the memory: got query width "
-    rf"\(hidden\) {HIDDEN + 2} and memory features {HIDDEN}",
+    match=rf"Expected `query` of width {HIDDEN} \(memory features\), got "
+    rf"{HIDDEN + 2}\.",
   ):
     jax.eval_shape(model.init, jax.random.key(0), src, tgt_in)
 
@@ -593,9 +589,9 @@ def test_seq2seq_input_errors(case, error, match):
   model, params = _seq2seq(), _seq2seq_params()
   src, tgt_in, _ = _seq2seq_batch()
   if case == "step_tokens":
-    memory = np.zeros((4, 6, HIDDEN), np.float32)
+    memory = Memory(np.zeros((4, 6, HIDDEN), np.float32), np.zeros(4, np.int32))
     carry = (np.zeros((4, HIDDEN), np.float32),) * 2, np.zeros((4, HIDDEN))
-    args = (carry, np.zeros((4, 1), np.int32), memory, np.zeros(4, np.int32))
+    args = (carry, np.zeros((4, 1), np.int32), memory)
     with pytest.raises(error, match=match):
       model.apply(params, *args, method="decode_step")
     return

@@ -553,13 +553,13 @@ def test_attention_decoder_eager_equals_decoding_with_step():
   assert outputs.values.shape == (12, HIDDEN + 5)
   assert weights.values.shape == (12, 6)
   # Decoding by hand, step by step over the padded batch in the caller's order.
-  carry = decoder.initial_state(memory)
-  padded, lengths = memory.to_padded()
-  keys = decoder.precompute(memory).to_padded()[0]
+  carry = decoder.initial_state(memory, FEATURES)
+  padded = decoder.precompute(memory)
+  assert padded.keys.shape == (6, 6, UNITS)
   x, tgt_lengths = TGT.to_padded()
   ys, ws = [], []
   for t in range(x.shape[1]):
-    carry, y, w = decoder.step(carry, x[:, t], padded, lengths, keys)
+    carry, y, w = decoder.step(carry, x[:, t], padded)
     ys.append(y)
     ws.append(w)
   assert_close(
@@ -743,30 +743,28 @@ def test_errors_attention_widths():
   for attention in (DotAttention(), CosineAttention()):
     with pytest.raises(
       ValueError,
-      match=r"Expected `query` to have width 5 \(the memory's features\), got "
-      r"width 4\.",
+      match=r"Expected `query` of width 5 \(memory features\), got 4\.",
     ):
       attention(query, memory)
   with pytest.raises(
-    ValueError, match=r"Expected `query` to have width 3 \(`hidden`\), got width 4\."
+    ValueError, match=r"Expected `query` of width 3 \(`hidden`\), got 4\."
   ):
     GeneralAttention(3, 5, rngs=rngs)(query, memory)
   with pytest.raises(
     ValueError,
-    match=r"Expected `memory` rows of width 7 \(the attention's `features`\), got "
-    r"width 5\.",
+    match=r"Expected `memory` of width 7 \(`features`\), got 5\.",
   ):
     GeneralAttention(HIDDEN, 7, rngs=rngs)(query, memory)
   additive = AdditiveAttention(HIDDEN, 7, UNITS, rngs=rngs)
-  with pytest.raises(ValueError, match=r"Expected `memory` rows of width 7"):
+  with pytest.raises(ValueError, match=r"Expected `memory` of width 7"):
     additive(query, memory)
-  with pytest.raises(ValueError, match=r"Expected `memory` rows of width 7"):
+  with pytest.raises(ValueError, match=r"Expected `memory` of width 7"):
     additive.keys(memory)
   additive = AdditiveAttention(HIDDEN, 5, UNITS, rngs=rngs)
   with pytest.raises(
     ValueError,
-    match=r"Expected `keys` to have shape \(6, 6, 6\) \(\[b, source_capacity, "
-    r"units\] from `memory`\), got \(6, 6, 5\)\.",
+    match=r"Expected `keys` to have shape \[b, source_capacity, units\] = "
+    r"\(6, 6, 6\), got \(6, 6, 5\)\.",
   ):
     additive(query, memory, keys=jnp.zeros((6, 6, 5)))
 
@@ -775,12 +773,10 @@ def test_errors_attention_memory_forms():
   attention = DotAttention()
   memory = _lod(MEMORY_LENGTHS, HIDDEN, MEMORY_BUCKETS)
   padded, lengths = memory.to_padded()
-  with pytest.raises(
-    ValueError, match=r"Expected `lengths` to be None when `memory` is"
-  ):
+  with pytest.raises(ValueError, match=r"Got `lengths` with a LoDTensor `memory`"):
     attention(jnp.zeros((6, HIDDEN)), memory, lengths)
   with pytest.raises(
-    ValueError, match=r"Expected `lengths` \[b\] with a padded `memory`"
+    ValueError, match=r"Expected `lengths` \[b\] \(real slots of each memory row\)"
   ):
     attention(jnp.zeros((6, HIDDEN)), padded)
   with pytest.raises(
@@ -791,8 +787,8 @@ def test_errors_attention_memory_forms():
     attention(jnp.zeros((6, HIDDEN)), padded.reshape(6, -1), lengths)
   with pytest.raises(
     ValueError,
-    match=r"Expected `query` and `memory` to have the same number of rows \(one "
-    r"memory sequence per query row\), got 5 and 6\.",
+    match=r"Expected one memory sequence per query row: `query` has 5 rows, "
+    r"`memory` has 6 sequences \(count capacity\)\.",
   ):
     attention(jnp.zeros((5, HIDDEN)), memory)
   with pytest.raises(
@@ -808,14 +804,14 @@ def test_errors_attention_decoder_memory_and_widths():
   )
   with pytest.raises(
     ValueError,
-    match=r"Expected `memory` to hold one sequence per `tgt` sequence: `tgt` has "
-    r"count capacity 6, `memory` has 8\.",
+    match=r"Expected `memory` to hold one sequence per `tgt` sequence: memory "
+    r"count capacity 8, tgt count capacity 6\.",
   ):
     decoder(TGT, wrong_capacity)
   four = _lod(MEMORY_LENGTHS[:4], HIDDEN, MEMORY_BUCKETS)
   with pytest.raises(
     ValueError,
-    match=r"`tgt` has 5 sequences, `memory` has 4\.",
+    match=r"memory has 4 sequences, tgt has 5\.",
   ):
     decoder(TGT, four)
   memory = _lod(MEMORY_LENGTHS, HIDDEN, MEMORY_BUCKETS)
@@ -824,15 +820,14 @@ def test_errors_attention_decoder_memory_and_widths():
   )
   with pytest.raises(
     ValueError,
-    match=r"Expected `tgt` rows of width 3 \(the cell's `in_features`\), got width "
-    r"4\.",
+    match=r"Expected `tgt` of width 3 \(the cell's `in_features`\), got 4\.",
   ):
     decoder(wide, memory)
   feeding = _decoder("dot", True)
   with pytest.raises(
     ValueError,
-    match=r"Expected `tgt` rows of width 3 \(the cell's `in_features` 7 less the 4 "
-    r"memory features fed back\), got width 4\.",
+    match=r"Expected `tgt` of width 3 \(the cell's `in_features` 7 less the 4 "
+    r"memory features fed back\), got 4\.",
   ):
     feeding(wide, memory)
   matrices = LoDTensor.from_lengths(
@@ -840,19 +835,17 @@ def test_errors_attention_decoder_memory_and_widths():
   )
   with pytest.raises(
     ValueError,
-    match=r"Expected `memory` values of shape \[source_tokens, features\], got "
-    r"\(16, 2, 2\)\.",
+    match=r"Expected a LoDTensor `memory` with one LoD level and values "
+    r"\[src_tokens, features\], got 1 level\(s\) and values of shape \(16, 2, 2\)\.",
   ):
     decoder(TGT, matrices)
   with pytest.raises(
-    ValueError,
-    match=r"Expected `memory` to have shape \[b, source_capacity, features\], got "
-    r"\(6, 6\)\.",
+    TypeError, match=r"Expected `memory` to be a LoDTensor, got ArrayImpl\."
   ):
-    decoder.initial_state(jnp.zeros((6, 6)))
+    decoder.initial_state(jnp.zeros((6, 6)), FEATURES)
   # Dot attention needs hidden == memory features.
   narrow = _lod(MEMORY_LENGTHS, 5, MEMORY_BUCKETS)
-  with pytest.raises(ValueError, match=r"Expected `query` to have width 5"):
+  with pytest.raises(ValueError, match=r"Expected `query` of width 5"):
     decoder(TGT, narrow)
 
 
@@ -869,20 +862,17 @@ def test_errors_attention_decoder_counts_under_jit():
   err, _ = run(state, TGT, four)
   with pytest.raises(
     checkify.JaxRuntimeError,
-    match=r"AttentionDecoder: `memory` and `tgt` have different numbers of sequences",
+    match=r"Expected `memory` to hold one sequence per `tgt` sequence: memory has "
+    r"4 sequences, tgt has 5\.",
   ):
     err.throw()
 
 
-def test_errors_initial_state_of_a_cell_without_in_features():
+def test_initial_state_of_a_cell_without_in_features():
   decoder = AttentionDecoder(
     PairCell(FEATURES, HIDDEN, rngs=nnx.Rngs(0)), DotAttention()
   )
   memory = _lod(MEMORY_LENGTHS, HIDDEN, MEMORY_BUCKETS)
-  with pytest.raises(
-    ValueError, match=r"Expected `input_features` \(the width of `x_t`\) to initialize"
-  ):
-    decoder.initial_state(memory)
   carry = decoder.initial_state(memory, input_features=FEATURES)
   assert carry["h"].shape == (6, HIDDEN)
   assert decoder(TGT, memory).values.shape == (12, 2 * HIDDEN)

@@ -32,8 +32,12 @@ FOUNDATION = {
     "shrink_memory",
     # Decoding (a contract).
     "Hypotheses",
+    "DecodeSettings",
     "beam_search",
-    "greedy_decode",
+    "ensemble_step",
+    # The attention-decoder core under the Flax layers.
+    "Memory",
+    "decoder_step",
   },
   # The Flax layer's names (a contract).
   "jaxlod.nn": {
@@ -56,6 +60,10 @@ FOUNDATION = {
     "DotAttention",
     "DynamicRNN",
     "GeneralAttention",
+    "HierarchicalEncoder",
+    "Seq2Seq",
+    "StackedRNN",
+    "ensemble_generate",
   },
   "jaxlod.data": {"Batch", "Batcher"},
   # Scale-out (a contract).

@@ -1,17 +1,21 @@
 """Flax (Linen) layers over `jaxlod.ops`: recurrent layers, attention over LoD
-memories and encoder-decoders. NNX versions live in `jaxlod.nn.nnx`."""
+memories and encoder-decoders. NNX twins with the same names, arguments and
+errors live in `jaxlod.nn.nnx`."""
 
 from jaxlod.nn._attention import (
   AdditiveAttention,
+  Attention,
   CosineAttention,
   DotAttention,
   GeneralAttention,
 )
+from jaxlod.nn._decoder import AttentionDecoder
 from jaxlod.nn._rnn import Bidirectional, DynamicRNN, HierarchicalEncoder, StackedRNN
-from jaxlod.nn._seq2seq import AttentionDecoder, Seq2Seq, ensemble_generate
+from jaxlod.nn._seq2seq import Seq2Seq, ensemble_generate
 
 __all__ = [
   "AdditiveAttention",
+  "Attention",
   "AttentionDecoder",
   "Bidirectional",
   "CosineAttention",

@@ -2,9 +2,11 @@
 
 Each module scores a decoder state ``query [b, hidden]`` against a memory
 ``[b, source_capacity, features]`` (one encoder output sequence per row,
-padded), then calls `jaxlod.ops.masked_attention`: padding slots get weight
-exactly 0 and an empty memory gives a zero context, never NaN. The memory may
-also be a one-level LoDTensor holding one sequence per query row.
+padded) with a score function of `jaxlod.ops`, then calls
+`jaxlod.ops.attend`: padding slots get weight exactly 0 and an empty memory
+gives a zero context, never NaN. The memory may also be a one-level
+LoDTensor holding one sequence per query row, or a `jaxlod.ops.Memory`.
+The NNX twins live in `jaxlod.nn.nnx`.
 """
 
 from __future__ import annotations
@@ -16,81 +18,56 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._lod import LoDTensor
-from jaxlod.ops._attention import masked_attention
-
-COSINE_EPS = 1e-8
+from jaxlod.ops import _attention as core
 
 
-def check_memory_lod(memory: LoDTensor) -> LoDTensor:
-  """A LoDTensor memory has one level and vector rows ``[src_tokens, F]``."""
-  if memory.num_levels != 1 or len(memory.feature_shape) != 1:
-    raise ValueError(
-      "Expected a LoDTensor `memory` with one LoD level and values [src_tokens, "
-      f"features], got {memory.num_levels} level(s) and values of shape "
-      f"{tuple(memory.values.shape)}."
-    )
-  return memory
+class Attention(nn.Module):
+  """The call protocol of the attentions: subclasses define `scores`.
 
-
-def padded_memory(
-  memory: jax.typing.ArrayLike | LoDTensor, lengths: jax.typing.ArrayLike | None
-) -> tuple[jax.Array, jax.Array]:
-  """``(memory [b, source_capacity, features], lengths [b])`` from either form.
-
-  Args:
-    memory: a padded array ``[b, source_capacity, features]`` or a one-level
-      LoDTensor ``values [src_token_capacity, features]``.
-    lengths: ``[b]`` real lengths for an array `memory`; `None` for a
-      LoDTensor (its LoD gives them).
-
-  Raises:
-    ValueError: for a missing or redundant `lengths`, a LoDTensor with more
-      than one level or with rows that are not vectors, or an array of the
-      wrong rank.
+  ``attention(query, memory, lengths=None, keys=None) -> (context,
+  weights)``, and ``keys(memory)``: what the attention computes once per
+  memory (`None` but for `AdditiveAttention`), passed back as ``keys=`` to
+  every step.
   """
-  if isinstance(memory, LoDTensor):
-    if lengths is not None:
-      raise ValueError(
-        "Got `lengths` with a LoDTensor `memory`, whose LoD gives the lengths; "
-        "pass `lengths=None`."
-      )
-    return check_memory_lod(memory).to_padded()
-  if lengths is None:
-    raise ValueError(
-      "Expected `lengths` [b] (real slots of each memory row) with an array "
-      "`memory`; only a LoDTensor `memory` takes `lengths=None`."
-    )
-  memory = jnp.asarray(memory)
-  if memory.ndim != 3:
-    raise ValueError(
-      "Expected `memory` to have shape [b, source_capacity, features], got "
-      f"{memory.shape}."
-    )
-  return memory, jnp.asarray(lengths)
+
+  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
+    """What this attention precomputes from a memory: nothing (`None`)."""
+    del memory
+
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    raise NotImplementedError
+
+  def __call__(
+    self,
+    query: jax.typing.ArrayLike,
+    memory: Any,
+    lengths: Any = None,
+    keys: Any = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """Attends `query` over `memory`.
+
+    Args:
+      query: ``[b, hidden]`` decoder states.
+      memory: ``[b, source_capacity, features]`` padded memory, a one-level
+        LoDTensor ``values [src_token_capacity, features]`` with ``b``
+        sequences, or a `jaxlod.ops.Memory`.
+      lengths: ``[b]`` int real lengths of an array `memory`; `None`
+        otherwise.
+      keys: ``keys(memory)``, ``[b, source_capacity, units]`` or a LoDTensor
+        with `memory`'s LoD; computed here when `None` (additive attention
+        only: the others take none).
+
+    Returns:
+      ``(context [b, features], weights [b, source_capacity])``.
+
+    Raises:
+      ValueError: for mismatched shapes or widths (naming both).
+    """
+    memory = core.as_memory(memory, lengths, keys)
+    return core.attend(self.scores(jnp.asarray(query), memory), memory)
 
 
-def _check_query(query: jax.typing.ArrayLike, memory: jax.Array) -> jax.Array:
-  query = jnp.asarray(query)
-  if query.ndim != 2:
-    raise ValueError(f"Expected `query` to have shape [b, hidden], got {query.shape}.")
-  if query.shape[0] != memory.shape[0]:
-    raise ValueError(
-      f"Expected one memory sequence per query row: `query` has {query.shape[0]} "
-      f"rows, `memory` has {memory.shape[0]} sequences (count capacity)."
-    )
-  return query
-
-
-def _check_same_width(query: jax.Array, memory: jax.Array, name: str) -> None:
-  if query.shape[-1] != memory.shape[-1]:
-    raise ValueError(
-      f"{name} needs a query as wide as the memory: got query width (hidden) "
-      f"{query.shape[-1]} and memory features {memory.shape[-1]}; "
-      "GeneralAttention and AdditiveAttention attend across widths."
-    )
-
-
-class DotAttention(nn.Module):
+class DotAttention(Attention):
   """Dot-product attention: ``score_j = <q, m_j>``. No parameters.
 
   Example:
@@ -103,37 +80,12 @@ class DotAttention(nn.Module):
     ((2, 3), [[0.5, 0.5], [1.0, 0.0]])
   """
 
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: jax.typing.ArrayLike | LoDTensor,
-    lengths: jax.typing.ArrayLike | None = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states; ``hidden`` must equal the
-        memory's ``features``.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        one-level LoDTensor ``values [src_token_capacity, features]`` with
-        ``b`` sequences.
-      lengths: ``[b]`` int real lengths of an array `memory`; `None` for a
-        LoDTensor.
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for mismatched shapes or widths (naming both).
-    """
-    memory, lengths = padded_memory(memory, lengths)
-    query = _check_query(query, memory)
-    _check_same_width(query, memory, "DotAttention")
-    scores = jnp.einsum("bh,bsh->bs", query, memory)
-    return masked_attention(scores, memory, lengths)
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.dot_scores``: the query must be as wide as the memory."""
+    return core.dot_scores(query, core.without_keys(memory, "DotAttention"))
 
 
-class GeneralAttention(nn.Module):
+class GeneralAttention(Attention):
   """Luong's general (bilinear) attention: ``score_j = <W q, m_j>``.
 
   ``W`` is a bias-free dense layer ``hidden -> features`` named ``query``.
@@ -162,42 +114,21 @@ class GeneralAttention(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: jax.typing.ArrayLike | LoDTensor,
-    lengths: jax.typing.ArrayLike | None = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        one-level LoDTensor ``values [src_token_capacity, features]`` with
-        ``b`` sequences.
-      lengths: ``[b]`` int real lengths of an array `memory`; `None` for a
-        LoDTensor.
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for mismatched shapes (naming both).
-    """
-    memory, lengths = padded_memory(memory, lengths)
-    query = _check_query(query, memory)
-    projected = nn.Dense(
-      memory.shape[-1],
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.general_scores`` with the ``query`` projection."""
+    memory = core.without_keys(memory, "GeneralAttention")
+    features = memory.values.shape[-1]
+    project = nn.Dense(
+      features,
       use_bias=False,
       dtype=self.dtype,
       param_dtype=self.param_dtype,
       name="query",
-    )(query)
-    scores = jnp.einsum("bf,bsf->bs", projected, memory)
-    return masked_attention(scores, memory, lengths)
+    )
+    return core.general_scores(query, memory, project)
 
 
-class AdditiveAttention(nn.Module):
+class AdditiveAttention(Attention):
   """Bahdanau's additive attention: ``score_j = v . tanh(K m_j + Q q)``.
 
   ``K`` is a bias-free dense layer ``features -> units`` named ``key``,
@@ -253,55 +184,19 @@ class AdditiveAttention(nn.Module):
       ``[..., source_capacity, units]``, or a LoDTensor with `memory`'s LoD
       and values ``[src_token_capacity, units]``.
     """
-    if isinstance(memory, LoDTensor):
-      return memory.with_values(self.key(memory.values))
-    return self.key(jnp.asarray(memory))
+    return core.map_rows(self.key, memory)
 
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: jax.typing.ArrayLike | LoDTensor,
-    lengths: jax.typing.ArrayLike | None = None,
-    keys: jax.typing.ArrayLike | LoDTensor | None = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        one-level LoDTensor ``values [src_token_capacity, features]`` with
-        ``b`` sequences.
-      lengths: ``[b]`` int real lengths of an array `memory`; `None` for a
-        LoDTensor.
-      keys: the precomputed ``keys(memory)``: ``[b, source_capacity, units]``
-        or a LoDTensor with `memory`'s LoD; computed here when `None`.
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for mismatched shapes (naming both).
-    """
-    memory, lengths = padded_memory(memory, lengths)
-    query = _check_query(query, memory)
-    if keys is None:
-      keys = self.keys(memory)
-    else:
-      if self.is_initializing():
-        self.keys(memory[:, :0])  # `key` gets its parameters even when unused.
-      keys = keys.to_padded()[0] if isinstance(keys, LoDTensor) else jnp.asarray(keys)
-      expected = (*memory.shape[:2], self.units)
-      if keys.shape != expected:
-        raise ValueError(
-          f"Expected `keys` to have shape [b, source_capacity, units] = {expected}, "
-          f"got {keys.shape}."
-        )
-    hidden = jnp.tanh(keys + self.query(query)[:, None, :])
-    scores = self.energy(hidden)[..., 0]
-    return masked_attention(scores, memory, lengths)
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.additive_scores``, computing the keys when the memory
+    has none."""
+    if memory.keys is None:
+      memory = memory._replace(keys=self.key(memory.values))
+    elif self.is_initializing():
+      self.key(memory.values[:, :0])  # `key` gets its parameters even when unused.
+    return core.additive_scores(query, memory, self.query, self.energy)
 
 
-class CosineAttention(nn.Module):
+class CosineAttention(Attention):
   """Cosine attention: ``score_j = <q, m_j> / (|q|_eps |m_j|_eps)``.
 
   ``|v|_eps = sqrt(|v|^2 + eps)``, so zero vectors (padding slots, a zero
@@ -319,36 +214,9 @@ class CosineAttention(nn.Module):
     [[0.5, 0.5, 0.0]]
   """
 
-  eps: float = COSINE_EPS
+  eps: float = core.COSINE_EPS
 
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: jax.typing.ArrayLike | LoDTensor,
-    lengths: jax.typing.ArrayLike | None = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states; ``hidden`` must equal the
-        memory's ``features``.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        one-level LoDTensor ``values [src_token_capacity, features]`` with
-        ``b`` sequences.
-      lengths: ``[b]`` int real lengths of an array `memory`; `None` for a
-        LoDTensor.
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for mismatched shapes or widths (naming both).
-    """
-    memory, lengths = padded_memory(memory, lengths)
-    query = _check_query(query, memory)
-    _check_same_width(query, memory, "CosineAttention")
-    dots = jnp.einsum("bh,bsh->bs", query, memory)
-    query_norm = jnp.sqrt(jnp.sum(query**2, axis=-1) + self.eps)
-    memory_norm = jnp.sqrt(jnp.sum(memory**2, axis=-1) + self.eps)
-    scores = dots / (query_norm[:, None] * memory_norm)
-    return masked_attention(scores, memory, lengths)
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.cosine_scores``: the query must be as wide as the memory."""
+    memory = core.without_keys(memory, "CosineAttention")
+    return core.cosine_scores(query, memory, self.eps)

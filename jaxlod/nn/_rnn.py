@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,30 +10,30 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxlod._checks import check_lod
 from jaxlod._lod import LoDTensor
-from jaxlod.ops._pool import _check_pool_type, sequence_pool
+from jaxlod.nn import _common
 from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
-from jaxlod.ops._segment import check_lod
 
 
-def cell_step(cell: nn.Module, carry: Any, x_row: Any) -> Callable:
-  """A pure step ``(carry, x_t) -> (carry, y_t)`` over the cell's parameters.
+def pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
+  """A bound module's `method` as a pure function over its variables.
 
-  `cell` is a bound submodule. While initializing, it is called once on one
-  row (`carry` and `x_row` give the shapes) so that its parameters exist;
-  the returned function applies an unbound copy to them, so `dynamic_rnn`
-  can trace it inside its loop and send gradients to the parameters.
+  While initializing, the method is called once on `example` (one row) so
+  that the parameters exist. The returned function applies an unbound copy
+  to them, so `dynamic_rnn` can trace it inside its loop and send gradients
+  to the parameters.
   """
-  if cell.is_initializing():
-    cell(jax.tree.map(lambda a: a[:1], carry), x_row)
-  variables = cell.variables
-  unbound = cell.clone(parent=None)
+  if module.is_initializing():
+    getattr(module, method)(*example)
+  variables = module.variables
+  unbound = module.clone(parent=None)
 
-  def step(c, x_t):
-    return unbound.apply(variables, c, x_t)
+  def apply(*args: Any) -> Any:
+    return unbound.apply(variables, *args, method=method)
 
-  return step
+  return apply
 
 
 class DynamicRNN(nn.Module):
@@ -126,7 +127,8 @@ class DynamicRNN(nn.Module):
       key = jax.random.key(0) if init_key is None else init_key
       initial_carry = self.cell.initialize_carry(key, (count, *x.feature_shape))
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
-    step = cell_step(self.cell, initial_carry, x_row)
+    first = jax.tree.map(lambda a: a[:1], initial_carry)
+    step = pure_method(self.cell, "__call__", first, x_row)
     outputs, carry = dynamic_rnn(
       lambda c, x_t, _: step(c, x_t),
       x,
@@ -137,25 +139,6 @@ class DynamicRNN(nn.Module):
       remat=self.remat,
     )
     return (carry, outputs) if return_carry else outputs
-
-
-# -- combinators -----------------------------------------------------------------
-
-
-def _concatenate(a: jax.Array, b: jax.Array) -> jax.Array:
-  """Concatenates two arrays along the last axis (the default `merge_fn`)."""
-  return jnp.concatenate([a, b], axis=-1)
-
-
-def _is_lod(x: Any) -> bool:
-  return isinstance(x, LoDTensor)
-
-
-def _zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
-  """`x`'s LoD over `values` ``[token_capacity, ...]``, padding rows set to 0."""
-  real = jnp.arange(x.capacity.tokens) < x.num_rows
-  real = real.reshape(real.shape + (1,) * (jnp.ndim(values) - 1))
-  return x.with_values(jnp.where(real, values, jnp.zeros((), values.dtype)))
 
 
 class Bidirectional(nn.Module):
@@ -229,14 +212,7 @@ class Bidirectional(nn.Module):
     key_forward = key_backward = None
     if init_key is not None:
       key_forward, key_backward = jax.random.split(init_key)
-    carry_forward = carry_backward = None
-    if initial_carry is not None:
-      if not (isinstance(initial_carry, tuple | list) and len(initial_carry) == 2):
-        raise TypeError(
-          "Expected `initial_carry` to be a pair (forward_carry, backward_carry), "
-          f"got {type(initial_carry).__name__}."
-        )
-      carry_forward, carry_backward = initial_carry
+    carry_forward, carry_backward = _common.split_pair(initial_carry)
     # Only a given table is passed on: an RNN of the documented call
     # signature need not take one.
     extra = {} if table is None else {"table": table}
@@ -256,32 +232,29 @@ class Bidirectional(nn.Module):
       return_carry=True,
       **extra,
     )
-    merge = _concatenate if self.merge_fn is None else self.merge_fn
-    outputs = jax.tree.map(
-      lambda f, b: _zero_padding(x, merge(f.values, b.values)),
-      forward,
-      backward,
-      is_leaf=_is_lod,
-    )
+    outputs = _common.merge_directions(x, forward, backward, self.merge_fn)
     carry = (carry_forward, carry_backward)
     return (carry, outputs) if return_carry else outputs
 
 
 class StackedRNN(nn.Module):
-  """Layers of RNNs applied in turn, with dropout on the rows between layers.
+  """Layers of RNNs applied in turn, with dropout on the rows.
 
   A multi-layer RNN over LoDTensors: each layer is any module taking a
   LoDTensor to a LoDTensor with the same LoD (a `DynamicRNN`, a
-  `Bidirectional`, ...). Between two layers (not after the last) the rows go
-  through ``flax.linen.Dropout(dropout_rate)``, which draws from the
-  ``'dropout'`` rng when not deterministic. Dropout keeps zero rows zero, so
-  padding rows stay zero. Parameters live under ``layers_0``,
-  ``layers_1``, ...
+  `Bidirectional`, ...). The rows go through ``flax.linen.Dropout`` (the
+  ``'dropout'`` rng, when not deterministic) between two layers at
+  `dropout_rate`, before the first at `input_dropout` and after the last at
+  `output_dropout`. Dropout keeps zero rows zero, so padding rows stay
+  zero. Parameters live under ``layers_0``, ``layers_1``, ...
 
   Attributes:
     layers: the layers, first to last.
     dropout_rate: the probability of dropping a value between layers, in
       ``[0, 1]``.
+    input_dropout: the same before the first layer.
+    output_dropout: the same after the last layer.
+    deterministic: no dropout (evaluation), unless the call overrides it.
     return_carry: also return each layer's final carry (every layer must then
       accept ``return_carry=True`` and return ``(carry, outputs)``).
 
@@ -302,6 +275,9 @@ class StackedRNN(nn.Module):
 
   layers: Sequence[nn.Module]
   dropout_rate: float = 0.0
+  input_dropout: float = 0.0
+  output_dropout: float = 0.0
+  deterministic: bool = True
   return_carry: bool = False
 
   @nn.compact
@@ -309,16 +285,19 @@ class StackedRNN(nn.Module):
     self,
     x: LoDTensor,
     *,
-    deterministic: bool = True,
+    deterministic: bool | None = None,
     return_carry: bool | None = None,
+    table: RankTable | None = None,
   ) -> Any:
     """Applies the layers in turn.
 
     Args:
       x: a LoDTensor ``values [token_capacity, *features]``.
-      deterministic: when `False`, apply dropout between layers (needs the
-        ``'dropout'`` rng).
+      deterministic: overrides the attribute; `False` applies dropout
+        (needs the ``'dropout'`` rng).
       return_carry: overrides the attribute.
+      table: `x`'s rank table, given to every layer as ``table=`` (all
+        layers rank the same lengths); `None`: not passed.
 
     Returns:
       The last layer's outputs, a LoDTensor with `x`'s LoD; with
@@ -326,26 +305,30 @@ class StackedRNN(nn.Module):
       layer's final carry, first layer first.
 
     Raises:
-      TypeError: if `x` is not a LoDTensor.
-      ValueError: for no layers or a `dropout_rate` outside ``[0, 1]``.
+      TypeError: if `x` or a layer's output is not a LoDTensor.
+      ValueError: for no layers or a dropout rate outside ``[0, 1]``.
     """
     x = check_lod(x, "x")
+    _common.check_layers(self.layers)
+    if deterministic is None:
+      deterministic = self.deterministic
     return_carry = self.return_carry if return_carry is None else return_carry
-    if len(self.layers) == 0:
-      raise ValueError("Expected `layers` to hold at least one layer, got none.")
-    if not 0.0 <= self.dropout_rate <= 1.0:
-      raise ValueError(f"Expected `dropout_rate` in [0, 1], got {self.dropout_rate!r}.")
+    rates = _common.stack_rates(
+      len(self.layers), self.input_dropout, self.dropout_rate, self.output_dropout
+    )
+    extra = {} if table is None else {"table": table}
     carries = []
-    for i, layer in enumerate(self.layers):
-      if i > 0:
-        dropout = nn.Dropout(self.dropout_rate, deterministic=deterministic)
-        x = x.with_values(dropout(x.values))
+    for i, rate in enumerate(rates):
+      drop = nn.Dropout(rate, deterministic=deterministic, name=f"dropout_{i}")
+      x = x.with_values(drop(x.values))
+      if i == len(self.layers):
+        break
       if return_carry:
-        carry, x = layer(x, return_carry=True)
+        carry, out = self.layers[i](x, return_carry=True, **extra)
         carries.append(carry)
       else:
-        x = layer(x)
-      x = check_lod(x, f"the output of layer {i}")
+        out = self.layers[i](x, **extra)
+      x = check_lod(out, f"the output of layer {i}")
     return (tuple(carries), x) if return_carry else x
 
 
@@ -408,14 +391,7 @@ class HierarchicalEncoder(nn.Module):
       ValueError: if `x` does not have 2 LoD levels, or for an unknown
         `pool_type`.
     """
-    x = check_lod(x, "x")
     return_carry = self.return_carry if return_carry is None else return_carry
-    if x.num_levels != 2:
-      raise ValueError(
-        "Expected `x` to have 2 LoD levels (level 0: outer sequences of level-1 "
-        f"sequences; level 1: sequences of rows), got {x.num_levels}."
-      )
-    _check_pool_type(self.pool_type)
-    inner = check_lod(self.inner(x, return_carry=False), "the inner output")
-    pooled = sequence_pool(inner, self.pool_type)
+    inner = functools.partial(self.inner, return_carry=False)
+    pooled = _common.pool_levels(x, inner, self.pool_type)
     return self.outer(pooled, return_carry=return_carry)

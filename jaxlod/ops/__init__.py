@@ -6,12 +6,25 @@ reorder_lod_tensor_by_rank and shrink_rnn_memory, with static shapes and
 gather-only backward passes; DynamicRNN (``while`` + ``while_grad``) as
 `dynamic_rnn`, a phased loop with a custom VJP; Paddle's ``sequence_*``
 ops on static capacities, jittable and differentiable; and decoding
-(`greedy_decode`, `beam_search`) as while loops with per-source early exit.
+(`beam_search`, greedy for a beam of one) as while loops with per-source
+early exit; the attention-decoder core (`Memory`, the score functions,
+`decoder_step`) that `jaxlod.nn`'s Linen and NNX layers call.
 """
 
 from jaxlod.ops._array import array_to_lod, lod_to_array, reorder_by_rank, shrink_memory
-from jaxlod.ops._attention import masked_attention
-from jaxlod.ops._decode import Hypotheses, beam_search, greedy_decode
+from jaxlod.ops._attention import (
+  Memory,
+  additive_scores,
+  as_memory,
+  attend,
+  cosine_scores,
+  decoder_step,
+  dot_scores,
+  general_scores,
+  lod_memory,
+  masked_attention,
+)
+from jaxlod.ops._decode import DecodeSettings, Hypotheses, beam_search, ensemble_step
 from jaxlod.ops._expand import (
   sequence_concat,
   sequence_erase,
@@ -19,6 +32,7 @@ from jaxlod.ops._expand import (
   sequence_expand_as,
   sequence_slice,
 )
+from jaxlod.ops._loss import sequence_cross_entropy
 from jaxlod.ops._pad import (
   sequence_mask,
   sequence_pad,
@@ -37,13 +51,23 @@ from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._window import sequence_conv, sequence_enumerate
 
 __all__ = [
+  "DecodeSettings",
   "Hypotheses",
+  "Memory",
+  "additive_scores",
+  "as_memory",
+  "attend",
+  "cosine_scores",
+  "decoder_step",
+  "dot_scores",
+  "ensemble_step",
+  "general_scores",
+  "lod_memory",
   "RankTable",
   "array_to_lod",
   "beam_search",
   "default_ladder",
   "dynamic_rnn",
-  "greedy_decode",
   "lod_reset",
   "lod_to_array",
   "masked_attention",
@@ -52,6 +76,7 @@ __all__ = [
   "reorder_by_rank",
   "sequence_concat",
   "sequence_conv",
+  "sequence_cross_entropy",
   "sequence_enumerate",
   "sequence_erase",
   "sequence_expand",

@@ -1,9 +1,275 @@
-"""Attention over a padded LoD memory: the masked softmax and the context."""
+"""The attention-decoder core: a typed memory, scores, the masked softmax and
+the decoder step, as pure functions.
+
+A decoder step attends from its state ``query [b, hidden]`` over an
+encoder's outputs, the external memory: a `Memory` of padded values ``[b,
+source_capacity, features]``, the real ``lengths [b]`` and, for additive
+attention, the precomputed ``keys [b, source_capacity, units]``. The Linen
+and NNX layers in `jaxlod.nn` and `jaxlod.nn.nnx` hold the parameters and
+call these functions; a `Memory` passes through `dynamic_rnn` and
+`beam_search` as a static input (its leaves have one row per sequence).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+from jaxlod._checks import check_lod, require
+from jaxlod._lod import LoDTensor
+from jaxlod.ops._rank import RankTable
+from jaxlod.ops._rnn import dynamic_rnn
+
+COSINE_EPS = 1e-8
+
+
+class Memory(NamedTuple):
+  """An encoder's outputs as a decoder step reads them, one row per query.
+
+  A pytree whose leaves all have the batch ``b`` as leading dimension, so
+  it can be a static input of `dynamic_rnn` (reordered by rank and shrunk
+  to each phase's batch) or of `beam_search` (repeated for each beam).
+
+  Attributes:
+    values: ``[b, source_capacity, features]`` padded memory.
+    lengths: ``[b]`` int real lengths, ``0 <= lengths <= source_capacity``.
+    keys: ``[b, source_capacity, units]`` what the attention precomputes
+      from the memory (additive attention's ``K m``), or `None`.
+  """
+
+  values: jax.Array
+  lengths: jax.Array
+  keys: jax.Array | None = None
+
+
+def check_memory_lod(memory: Any, name: str = "memory") -> LoDTensor:
+  """`memory` must be a LoDTensor of one level with vector rows.
+
+  Raises:
+    TypeError: for a memory that is not a LoDTensor.
+    ValueError: for more than one level or rows that are not vectors.
+  """
+  memory = check_lod(memory, name)
+  if memory.num_levels != 1 or len(memory.feature_shape) != 1:
+    raise ValueError(
+      f"Expected a LoDTensor `{name}` with one LoD level and values [src_tokens, "
+      f"features], got {memory.num_levels} level(s) and values of shape "
+      f"{tuple(memory.values.shape)}."
+    )
+  return memory
+
+
+def lod_memory(memory: LoDTensor, keys: LoDTensor | None = None) -> Memory:
+  """The `Memory` of a one-level LoDTensor and its precomputed keys.
+
+  Args:
+    memory: a LoDTensor ``values [src_token_capacity, features]``, one
+      sequence per decoder row.
+    keys: a LoDTensor with `memory`'s LoD and values ``[src_token_capacity,
+      units]`` (keys computed once on the packed rows), or `None`.
+
+  Returns:
+    ``Memory(values [count_capacity, time_capacity, features], lengths
+    [count_capacity], keys [count_capacity, time_capacity, units] | None)``.
+
+  Raises:
+    TypeError, ValueError: for a memory that is not a one-level LoDTensor of
+      vectors, or keys that are not a LoDTensor.
+  """
+  values, lengths = check_memory_lod(memory).to_padded()
+  if keys is not None:
+    keys = check_lod(keys, "keys").to_padded()[0]
+  return Memory(values, lengths, keys)
+
+
+def as_memory(
+  memory: Memory | LoDTensor | jax.typing.ArrayLike,
+  lengths: jax.typing.ArrayLike | None = None,
+  keys: LoDTensor | jax.typing.ArrayLike | None = None,
+) -> Memory:
+  """A `Memory` from any of the forms an attention layer accepts.
+
+  Args:
+    memory: a `Memory` (then `lengths` and `keys` are `None`), a one-level
+      LoDTensor ``values [src_token_capacity, features]`` (its LoD gives
+      the lengths), or a padded array ``[b, source_capacity, features]``.
+    lengths: ``[b]`` int real lengths of an array `memory`, else `None`.
+    keys: precomputed keys ``[b, source_capacity, units]``, or a LoDTensor
+      with `memory`'s LoD; `None` when there are none.
+
+  Raises:
+    ValueError: for a missing or redundant `lengths`, a LoDTensor with more
+      than one level or rows that are not vectors, or an array of the
+      wrong rank.
+  """
+  if isinstance(memory, Memory):
+    if lengths is not None or keys is not None:
+      raise ValueError(
+        "Got `lengths` or `keys` with a `Memory`, which holds both; pass "
+        "`lengths=None` and `keys=None`."
+      )
+    return memory
+  if isinstance(keys, LoDTensor):
+    keys = keys.to_padded()[0]
+  elif keys is not None:
+    keys = jnp.asarray(keys)
+  if isinstance(memory, LoDTensor):
+    if lengths is not None:
+      raise ValueError(
+        "Got `lengths` with a LoDTensor `memory`, whose LoD gives the lengths; "
+        "pass `lengths=None`."
+      )
+    values, lengths = check_memory_lod(memory).to_padded()
+    return Memory(values, lengths, keys)
+  if lengths is None:
+    raise ValueError(
+      "Expected `lengths` [b] (real slots of each memory row) with an array "
+      "`memory`; only a LoDTensor `memory` takes `lengths=None`."
+    )
+  values = jnp.asarray(memory)
+  if values.ndim != 3:
+    raise ValueError(
+      "Expected `memory` to have shape [b, source_capacity, features], got "
+      f"{values.shape}."
+    )
+  return Memory(values, jnp.asarray(lengths), keys)
+
+
+def without_keys(memory: Memory, name: str) -> Memory:
+  """An attention that precomputes nothing takes no `keys`."""
+  if memory.keys is not None:
+    raise ValueError(
+      f"{name} precomputes no keys (its `keys(memory)` is None), got `keys` of "
+      f"shape {tuple(memory.keys.shape)}."
+    )
+  return memory
+
+
+def map_rows(
+  fn: Callable[[jax.Array], jax.Array], memory: LoDTensor | jax.typing.ArrayLike
+) -> LoDTensor | jax.Array:
+  """`fn` over the rows of a memory: a LoDTensor's packed values (keeping
+  its LoD) or an array's last axis."""
+  if isinstance(memory, LoDTensor):
+    return memory.with_values(fn(memory.values))
+  return fn(jnp.asarray(memory))
+
+
+def check_query(query: jax.typing.ArrayLike, memory: Memory) -> jax.Array:
+  """`query` must be ``[b, hidden]`` with one memory row per query row."""
+  query = jnp.asarray(query)
+  if query.ndim != 2:
+    raise ValueError(f"Expected `query` to have shape [b, hidden], got {query.shape}.")
+  if query.shape[0] != memory.values.shape[0]:
+    raise ValueError(
+      f"Expected one memory sequence per query row: `query` has {query.shape[0]} "
+      f"rows, `memory` has {memory.values.shape[0]} sequences (count capacity)."
+    )
+  return query
+
+
+def check_width(name: str, actual: int, expected: int, what: str) -> None:
+  """A width (last dimension) must match: names both values."""
+  if actual != expected:
+    raise ValueError(f"Expected `{name}` of width {expected} ({what}), got {actual}.")
+
+
+def check_keys(memory: Memory, units: int) -> None:
+  """`memory.keys` must be ``[b, source_capacity, units]``."""
+  expected = (*memory.values.shape[:2], units)
+  if memory.keys is None or tuple(memory.keys.shape) != expected:
+    got = None if memory.keys is None else tuple(memory.keys.shape)
+    raise ValueError(
+      f"Expected `keys` to have shape [b, source_capacity, units] = {expected}, "
+      f"got {got}."
+    )
+
+
+def check_counts(tgt: LoDTensor, memory: LoDTensor) -> None:
+  """`memory` holds one sequence per last-level sequence of `tgt`.
+
+  The count capacities are compared at trace time, the real counts eagerly
+  (under `jit` through `jax.experimental.checkify`).
+  """
+  count, wanted = memory.capacity.sequences[-1], tgt.capacity.sequences[-1]
+  if count != wanted:
+    raise ValueError(
+      f"Expected `memory` to hold one sequence per `tgt` sequence: memory count "
+      f"capacity {count}, tgt count capacity {wanted}."
+    )
+  require(
+    memory.num_sequences(-1) == tgt.num_sequences(-1),
+    "Expected `memory` to hold one sequence per `tgt` sequence: memory has "
+    "{real} sequences, tgt has {real_tgt}.",
+    real=memory.num_sequences(-1),
+    real_tgt=tgt.num_sequences(-1),
+  )
+
+
+def dot_scores(query: jax.typing.ArrayLike, memory: Memory) -> jax.Array:
+  """Dot-product scores ``<q, m_j>``: ``[b, source_capacity]``.
+
+  Raises:
+    ValueError: for a query that is not ``[b, features]`` (naming both).
+  """
+  query = check_query(query, memory)
+  check_width("query", query.shape[-1], memory.values.shape[-1], "memory features")
+  return jnp.einsum("bf,bsf->bs", query, memory.values)
+
+
+def general_scores(
+  query: jax.typing.ArrayLike, memory: Memory, project: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+  """Luong's general scores ``<W q, m_j>``: ``[b, source_capacity]``.
+
+  Args:
+    query: ``[b, hidden]``.
+    memory: the `Memory`, values ``[b, source_capacity, features]``.
+    project: ``W``, ``[b, hidden] -> [b, features]`` (a bias-free dense
+      layer): the query is projected, never the memory.
+  """
+  return dot_scores(project(check_query(query, memory)), memory)
+
+
+def additive_scores(
+  query: jax.typing.ArrayLike,
+  memory: Memory,
+  project: Callable[[jax.Array], jax.Array],
+  energy: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+  """Bahdanau's additive scores ``v . tanh(K m_j + Q q)``: ``[b, source_capacity]``.
+
+  Args:
+    query: ``[b, hidden]``.
+    memory: the `Memory`, with ``keys = K m`` ``[b, source_capacity,
+      units]``.
+    project: ``Q``, ``[b, hidden] -> [b, units]``.
+    energy: ``v``, ``[..., units] -> [..., 1]``.
+
+  Raises:
+    ValueError: for keys of the wrong shape (naming both).
+  """
+  projected = project(check_query(query, memory))
+  check_keys(memory, projected.shape[-1])
+  return energy(jnp.tanh(memory.keys + projected[:, None, :]))[..., 0]
+
+
+def cosine_scores(
+  query: jax.typing.ArrayLike, memory: Memory, eps: float = COSINE_EPS
+) -> jax.Array:
+  """Cosine scores ``<q, m_j> / (|q|_eps |m_j|_eps)``: ``[b, source_capacity]``.
+
+  ``|v|_eps = sqrt(|v|^2 + eps)``, so zero vectors (padding slots, a zero
+  query) give finite scores and gradients.
+  """
+  query = check_query(query, memory)
+  dots = dot_scores(query, memory)
+  query_norm = jnp.sqrt(jnp.sum(query * query, axis=-1) + eps)
+  memory_norm = jnp.sqrt(jnp.sum(memory.values * memory.values, axis=-1) + eps)
+  return dots / (query_norm[:, None] * memory_norm)
 
 
 def masked_attention(
@@ -67,3 +333,115 @@ def masked_attention(
   weights = exp / jnp.where(total > 0, total, 1.0)
   context = jnp.einsum("bs,bsf->bf", weights, memory)
   return context, weights
+
+
+def attend(scores: jax.typing.ArrayLike, memory: Memory) -> tuple[jax.Array, jax.Array]:
+  """`masked_attention` of `scores` over a `Memory`: ``(context [b,
+  features], weights [b, source_capacity])``."""
+  return masked_attention(scores, memory.values, memory.lengths)
+
+
+def decoder_step(
+  cell: Callable[[Any, jax.Array], tuple[Any, jax.Array]],
+  attention: Callable[..., tuple[jax.Array, jax.Array]],
+  carry: Any,
+  x_t: jax.typing.ArrayLike,
+  memory: Memory,
+  *,
+  input_feeding: bool = False,
+) -> tuple[Any, jax.Array, jax.Array]:
+  """One step of an attention decoder over a batch of rows.
+
+  ::
+
+    x = concat(x_t, prev_context) if input_feeding else x_t
+    carry, h = cell(carry, x)
+    context, weights = attention(h, memory.values, memory.lengths[, keys=memory.keys])
+    y = concat(h, context)
+
+  Args:
+    cell: ``cell(carry, x [b, in]) -> (carry, h [b, hidden])``.
+    attention: ``attention(query [b, hidden], memory [b, source_capacity,
+      features], lengths [b]) -> (context [b, features], weights [b,
+      source_capacity])``, called with ``keys=memory.keys`` when the memory
+      has keys.
+    carry: the cell's carry (leaves ``[b, ...]``), or ``(cell_carry,
+      prev_context [b, features])`` with `input_feeding`.
+    x_t: ``[b, input_features]`` this step's inputs.
+    memory: the `Memory`, one row per batch row.
+    input_feeding: feed the previous context into the cell with the input
+      (Luong's input feeding).
+
+  Returns:
+    ``(carry, y [b, hidden + features], weights [b, source_capacity])``.
+  """
+  x_t = jnp.asarray(x_t)
+  if input_feeding:
+    carry, fed = carry
+    x_t = jnp.concatenate([x_t, fed.astype(x_t.dtype)], axis=-1)
+  carry, h = cell(carry, x_t)
+  if memory.keys is None:
+    context, weights = attention(h, memory.values, memory.lengths)
+  else:
+    context, weights = attention(h, memory.values, memory.lengths, keys=memory.keys)
+  y = jnp.concatenate([h, context.astype(h.dtype)], axis=-1)
+  if input_feeding:
+    carry = (carry, context.astype(fed.dtype))
+  return carry, y, weights
+
+
+def check_targets(tgt: Any) -> LoDTensor:
+  """A decoder's targets: a LoDTensor of vector rows."""
+  tgt = check_lod(tgt, "tgt")
+  if len(tgt.feature_shape) != 1:
+    raise ValueError(
+      "Expected `tgt.values` to have shape [token_capacity, input_features], got "
+      f"{tuple(tgt.values.shape)}."
+    )
+  return tgt
+
+
+def run_decoder(
+  step: Callable[[Any, jax.Array, Memory], tuple[Any, jax.Array, jax.Array]],
+  tgt: LoDTensor,
+  memory: Memory,
+  init_carry: Any,
+  *,
+  return_weights: bool = False,
+  table: RankTable | None = None,
+  ladder: Any = None,
+  remat: bool = True,
+) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+  """An attention decoder over every target sequence (teacher forcing).
+
+  `dynamic_rnn` of ``step(carry, x_t, memory) -> (carry, y_t, weights)``
+  (e.g. `decoder_step` over a layer's parameters) with `memory` as its
+  static input: reordered by rank once and shrunk to each phase's batch.
+
+  Args:
+    step: the pure decoder step.
+    tgt: a LoDTensor ``values [token_capacity, input_features]``.
+    memory: the `Memory`, leaves ``[count_capacity, ...]`` in `tgt`'s order.
+    init_carry: the carry, leaves ``[count_capacity, ...]`` in `tgt`'s order.
+    return_weights, table, ladder, remat: see `jaxlod.nn.AttentionDecoder`
+      and `dynamic_rnn`.
+
+  Returns:
+    The outputs ``y_t`` as a LoDTensor with `tgt`'s LoD, and with
+    `return_weights` the weights ``[token_capacity, source_capacity]`` too.
+  """
+
+  def step_fn(carry: Any, x_t: jax.Array, memory: Memory) -> tuple[Any, Any]:
+    carry, y, weights = step(carry, x_t, memory)
+    return carry, ((y, weights) if return_weights else y)
+
+  outputs, _ = dynamic_rnn(
+    step_fn,
+    tgt,
+    init_carry=init_carry,
+    static_inputs=memory,
+    table=table,
+    ladder=ladder,
+    remat=remat,
+  )
+  return outputs

@@ -9,6 +9,7 @@ follows the live sources, not the longest hypothesis in the batch. See
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -17,19 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._lod import Capacity, LoDTensor, is_concrete
-from jaxlod.ops import _search
-from jaxlod.ops._rank import default_ladder, normalize_ladder
-from jaxlod.ops._rnn import _check_rows, _check_step_out, _is_lod, _prepare_statics
-from jaxlod.ops._segment import (
-  build,
+from jaxlod._checks import (
   check_integer,
-  offsets_from_lengths,
+  check_rows,
+  check_step_out,
+  is_lod,
   require,
   require_each,
-  rows_of,
   static_int,
 )
+from jaxlod._lod import Capacity, LoDTensor
+from jaxlod.ops import _search
+from jaxlod.ops._rank import default_ladder, normalize_ladder
+from jaxlod.ops._rnn import prepare_statics
+from jaxlod.ops._segment import build, offsets_from_lengths, rows_of
 
 
 class Hypotheses(NamedTuple):
@@ -49,12 +51,96 @@ class Hypotheses(NamedTuple):
   scores: LoDTensor
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """The static settings of a decoding loop: one hashable value.
+
+  Every decoding entry point takes one (`beam_search`,
+  `jaxlod.nn.Seq2Seq.generate`, `jaxlod.nn.ensemble_generate`,
+  `jaxlod.parallel.generate`, and their NNX twins), so it can be a static
+  argument of `jax.jit`. Greedy decoding is ``beam_size=1``.
+
+  Attributes:
+    bos_id: the first input token of every source.
+    eos_id: the token that ends a hypothesis (not part of the results).
+    max_length: the most tokens a hypothesis holds (`eos` included): the
+      static length capacity of the results; a per-source ``max_lengths``
+      array of `beam_search` may lower it per source.
+    beam_size: slots per source; 1 decodes greedily.
+    length_penalty: the exponent ``alpha >= 0`` of GNMT's length penalty
+      ``((5 + steps) / 6) ** alpha`` dividing each hypothesis' summed
+      log-probability; 0 ranks (and scores) by summed log-probability.
+    num_results: hypotheses kept per source, best first, in ``[1,
+      beam_size]``; `None`: `beam_size` (Paddle's ``beam_search_decode``).
+    ladder: static source counts of the loop's phases (see `rank_table`):
+      between phases the live sources are compacted to a prefix. `None`:
+      halving sizes from the count capacity; ``()``: one phase at the full
+      size, a batch-wide stop (no compaction).
+
+  Raises:
+    TypeError, ValueError: for settings of the wrong type or out of range
+      (naming the field and the value).
+
+  Example:
+    >>> from jaxlod.ops import DecodeSettings
+    >>> greedy = DecodeSettings(bos_id=1, eos_id=2, max_length=20, beam_size=1)
+    >>> greedy.results, DecodeSettings(bos_id=1, eos_id=2, max_length=20).results
+    (1, 4)
+  """
+
+  bos_id: int
+  eos_id: int
+  max_length: int
+  beam_size: int = 4
+  length_penalty: float = 0.6
+  num_results: int | None = None
+  ladder: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    set_("bos_id", static_int(self.bos_id, "bos_id", minimum=0))
+    set_("eos_id", static_int(self.eos_id, "eos_id", minimum=0))
+    set_("max_length", static_int(self.max_length, "max_length", minimum=1))
+    set_("beam_size", static_int(self.beam_size, "beam_size", minimum=1))
+    if self.num_results is not None:
+      results = static_int(self.num_results, "num_results", minimum=1)
+      if results > self.beam_size:
+        raise ValueError(
+          f"Expected `num_results` <= `beam_size` ({self.beam_size}), got {results}."
+        )
+      set_("num_results", results)
+    penalty = self.length_penalty
+    if isinstance(penalty, bool) or not isinstance(
+      penalty, int | float | np.floating | np.integer
+    ):
+      raise TypeError(
+        f"Expected `length_penalty` to be a static float, got {penalty!r}."
+      )
+    if not float(penalty) >= 0:
+      raise ValueError(
+        f"Expected `length_penalty` >= 0 (the early exit's bound needs a penalty "
+        f"that grows with the length), got {float(penalty)}."
+      )
+    set_("length_penalty", float(penalty))
+    if self.ladder is not None:
+      if isinstance(self.ladder, str) or not isinstance(self.ladder, Sequence):
+        raise TypeError(
+          f"Expected `ladder` to be a sequence of ints or None, got {self.ladder!r}."
+        )
+      set_("ladder", tuple(self.ladder))
+
+  @property
+  def results(self) -> int:
+    """Hypotheses kept per source: `num_results`, or `beam_size`."""
+    return self.beam_size if self.num_results is None else self.num_results
+
+
 def _count(init_carry: Any, statics: Any) -> int:
   for tree in (init_carry, statics):
-    leaves = jax.tree.leaves(tree, is_leaf=_is_lod)
+    leaves = jax.tree.leaves(tree, is_leaf=is_lod)
     if leaves:
       first = leaves[0]
-      if _is_lod(first):
+      if is_lod(first):
         return first.capacity.sequences[-1]
       if jnp.ndim(first) == 0:
         raise ValueError(
@@ -70,7 +156,7 @@ def _count(init_carry: Any, statics: Any) -> int:
 def _num_sources(num_sources: Any, static_inputs: Any, count: int) -> jax.Array:
   """The real number of sources: given, from LoD static inputs, or `count`."""
   if num_sources is None:
-    lods = [x for x in jax.tree.leaves(static_inputs, is_leaf=_is_lod) if _is_lod(x)]
+    lods = [x for x in jax.tree.leaves(static_inputs, is_leaf=is_lod) if is_lod(x)]
     if not lods:
       return jnp.asarray(count, jnp.int32)
     counts = [x.num_sequences(-1) for x in lods]
@@ -93,73 +179,54 @@ def _num_sources(num_sources: Any, static_inputs: Any, count: int) -> jax.Array:
 
 
 def _max_lengths(
-  max_length: Any, length_capacity: int | None, count: int, num_sources: jax.Array
-) -> tuple[jax.Array, int]:
-  """Per-source max lengths ``[count]`` and the static length capacity."""
-  if length_capacity is not None:
-    length_capacity = static_int(length_capacity, "length_capacity", minimum=1)
-  if isinstance(max_length, int | np.integer) and not isinstance(max_length, bool):
-    max_length = static_int(max_length, "max_length", minimum=1)
-    if length_capacity is None:
-      length_capacity = max_length
-    elif max_length > length_capacity:
-      raise ValueError(
-        f"Expected `max_length` <= `length_capacity` ({length_capacity}), got "
-        f"{max_length}."
-      )
-    return jnp.full((count,), max_length, jnp.int32), length_capacity
-  lengths = jnp.asarray(max_length)
-  check_integer(lengths.dtype, "max_length")
+  max_lengths: Any, settings: DecodeSettings, count: int, num_sources: jax.Array
+) -> jax.Array:
+  """Per-source max lengths ``[count]``: `max_lengths`, or the settings' for all."""
+  cap = settings.max_length
+  if max_lengths is None:
+    return jnp.full((count,), cap, jnp.int32)
+  lengths = jnp.asarray(max_lengths)
+  check_integer(lengths.dtype, "max_lengths")
   if lengths.shape != (count,):
     raise ValueError(
-      f"Expected `max_length` to be a static int or an array of shape ({count},) "
-      f"(count capacity), got shape {lengths.shape}."
+      f"Expected `max_lengths` to have shape ({count},) (count capacity), got shape "
+      f"{lengths.shape}."
     )
-  if length_capacity is None:
-    if not is_concrete(lengths):
-      raise ValueError(
-        "A per-source `max_length` under jit needs a static `length_capacity` "
-        "(the longest hypothesis any source may reach)."
-      )
-    real_lengths = np.asarray(lengths)
-    if is_concrete(num_sources):
-      # Padding rows (at and past `num_sources`) are never decoded.
-      real_lengths = real_lengths[: int(num_sources)]
-    length_capacity = max(int(np.max(real_lengths, initial=1)), 1)
   real = jnp.arange(count) < num_sources
   require_each(
     real & (lengths < 1),
-    "Expected every `max_length` >= 1 (each source takes at least one step); "
+    "Expected every `max_lengths` >= 1 (each source takes at least one step); "
     "source {i} has {value}.",
     value=lengths,
   )
   require_each(
-    real & (lengths > length_capacity),
-    f"Expected every `max_length` <= `length_capacity` ({length_capacity}); "
+    real & (lengths > cap),
+    f"Expected every `max_lengths` <= `settings.max_length` ({cap}); "
     "source {i} has {value}.",
     value=lengths,
   )
-  return jnp.clip(lengths, 1, length_capacity).astype(jnp.int32), length_capacity
+  return jnp.clip(lengths, 1, cap).astype(jnp.int32)
 
 
-def _checked_step(step_fn: Callable, eos_id: int) -> Callable:
+def _checked_step(step_fn: Callable, bos_id: int, eos_id: int) -> Callable:
   """`step_fn` with its outputs checked at trace time."""
 
   def step(carry, tokens, statics):
     b = tokens.shape[0]
     out = step_fn(carry, tokens, statics)
-    new_carry, log_probs = _check_step_out(out, carry, b)
+    new_carry, log_probs = check_step_out(out, carry, b)
     log_probs = jnp.asarray(log_probs)
     if log_probs.ndim != 2 or not jnp.issubdtype(log_probs.dtype, jnp.floating):
       raise ValueError(
         f"Expected `step_fn` to return log_probs of shape [{b}, vocab] (float), "
         f"got {log_probs.dtype.name}{list(log_probs.shape)}."
       )
-    if not 0 <= eos_id < log_probs.shape[1]:
-      raise ValueError(
-        f"Expected `eos_id` in [0, {log_probs.shape[1]}) (the vocabulary of "
-        f"`step_fn`), got {eos_id}."
-      )
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+      if not 0 <= value < log_probs.shape[1]:
+        raise ValueError(
+          f"Expected `{name}` in [0, {log_probs.shape[1]}) (the vocabulary of "
+          f"`step_fn`), got {value}."
+        )
     return new_carry, log_probs
 
   return step
@@ -198,199 +265,46 @@ def _results(
   return Hypotheses(ids, scores)
 
 
-def _decode(
-  step_fn: Callable,
-  init_carry: Any,
-  static_inputs: Any,
-  *,
-  beam_size: int,
-  bos_id: int,
-  eos_id: int,
-  max_length: Any,
-  length_capacity: int | None,
-  num_sources: Any,
-  ladder: Sequence[int] | None,
-  compact: bool,
-  update: Callable,
-  alpha: float,
-  num_results: int,
-) -> Hypotheses:
-  """Shared by `greedy_decode` and `beam_search`."""
-  count = _count(init_carry, static_inputs)
-  _check_rows(init_carry, count, "init_carry")
-  statics = _prepare_statics(static_inputs, count, per="source")
-  n = _num_sources(num_sources, static_inputs, count)
-  lengths, length_capacity = _max_lengths(max_length, length_capacity, count, n)
-  if ladder is not None and not compact:
-    raise ValueError("Got a `ladder` with `compact=False`; the ladder sets compaction.")
+def _ladder(settings: DecodeSettings, count: int) -> tuple[int, ...]:
   if count == 0:
-    ladder = ()
-  elif not compact:
-    ladder = (count,)
-  elif ladder is None:
-    ladder = default_ladder(count, ratio=2.0, minimum=1, multiple=1)
-  else:
-    ladder = normalize_ladder(count, ladder)
-
-  def beams(a):
-    a = jnp.asarray(a)
-    return jnp.broadcast_to(a[:, None], (count, beam_size) + a.shape[1:])
-
-  carry = jax.tree.map(beams, init_carry)
-  statics = jax.tree.map(beams, statics)
-  step = _checked_step(step_fn, eos_id)
-  flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), (carry, statics))
-  probe = jax.eval_shape(
-    step, flat[0], jnp.zeros((count * beam_size,), jnp.int32), flat[1]
-  )
-  dtype = jnp.promote_types(probe[1].dtype, jnp.float32)
-  slots = _search.initial_slots(count, beam_size, length_capacity, n, bos_id, dtype)
-  state = _search.State(
-    slots=slots,
-    carry=carry,
-    statics=statics,
-    done=jnp.arange(count) >= n,
-    max_length=lengths,
-    source=jnp.arange(count, dtype=jnp.int32),
-  )
-  state = _search.run(state, step, update, ladder, length_capacity)
-  final = _search.scores(state.slots, alpha)
-  return _results(state.slots, final, num_results, n)
-
-
-def _check_ids(bos_id: Any, eos_id: Any) -> tuple[int, int]:
-  bos_id = static_int(bos_id, "bos_id", minimum=0)
-  return bos_id, static_int(eos_id, "eos_id", minimum=0)
-
-
-def greedy_decode(
-  step_fn: Callable[[Any, jax.Array, Any], tuple[Any, jax.Array]],
-  init_carry: Any,
-  *,
-  bos_id: int,
-  eos_id: int,
-  max_length: int | jax.typing.ArrayLike,
-  static_inputs: Any = None,
-  length_capacity: int | None = None,
-  num_sources: jax.typing.ArrayLike | None = None,
-  ladder: Sequence[int] | None = None,
-  compact: bool = True,
-) -> Hypotheses:
-  """Greedy decoding of every source, each stopping at its own `eos`.
-
-  Each source starts from its row of `init_carry` with token `bos_id` and
-  takes the most likely token at every step, until it emits `eos_id` or
-  reaches its max length. A `lax.while_loop` runs in phases over a ladder of
-  static source counts: finished sources are compacted out of the live set
-  between phases, so the cost follows the live sources. It equals
-  `beam_search` with ``beam_size=1`` and ``length_penalty=0``.
-
-  Args:
-    step_fn: ``step_fn(carry, token_ids [b], static) -> (new_carry,
-      log_probs [b, vocab])``; every leaf has leading dimension ``b``, a
-      static batch size, and rows are independent. `log_probs` must be
-      normalized (``log_softmax``).
-    init_carry: pytree of ``[count_capacity, ...]`` leaves, one row per
-      source, in the caller's order.
-    bos_id: the first input token of every source.
-    eos_id: the token that ends a hypothesis (not part of the results).
-    max_length: the most tokens a source generates (`eos` included): a
-      static int, or int ``[count_capacity]`` per source (each at least 1;
-      under `jit` with `length_capacity`).
-    static_inputs: pytree of arrays ``[count_capacity, ...]`` or of
-      LoDTensors with one sequence per source (e.g. an encoder's outputs,
-      the external memory), reaching the step as ``(padded [b,
-      source_capacity, ...], lengths [b])``. Default `None`.
-    length_capacity: static bound on `max_length` (default: `max_length`,
-      or the largest value of a concrete array over the real sources).
-    num_sources: the real number of sources (int scalar); rows past it are
-      padding and get no hypothesis. Default: the real count of the
-      LoDTensors in `static_inputs`, else every row.
-    ladder: static source counts of the phases (see `rank_table`); default
-      halving sizes from the count capacity.
-    compact: `False` steps every source until the whole batch is done (a
-      batch-wide stop), for comparison: the same hypotheses, with scores
-      equal up to rounding (a step's matrix products may round differently
-      at another batch size).
-
-  Returns:
-    `Hypotheses`: one hypothesis per real source with its summed
-    log-probability (`eos` included).
-
-  Raises:
-    ValueError: at trace time for a step whose carry changes shape or dtype
-      or whose `log_probs` are not ``[b, vocab]`` floats, `eos_id` outside
-      the vocabulary, or arguments of the wrong shape; eagerly (under `jit`
-      through `jax.experimental.checkify`) for a `max_length` below 1 or
-      above `length_capacity`.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jaxlod.ops import greedy_decode
-    >>> def step(count, tokens, _):  # emits 1, 2, ... then eos (0)
-    ...   next_id = jnp.where(count < 3, count + 1, 0)
-    ...   return count + 1, jnp.log(jax.nn.one_hot(next_id, 4) * 0.7 + 0.075)
-    >>> ids, scores = greedy_decode(
-    ...   step, jnp.array([0, 2]), bos_id=3, eos_id=0, max_length=5
-    ... )
-    >>> ids.to_list()[0][0].tolist(), ids.to_list()[1][0].tolist()
-    ([1, 2, 3], [3])
-  """
-  bos_id, eos_id = _check_ids(bos_id, eos_id)
-  update = functools.partial(_search.greedy_update, eos_id=eos_id)
-  return _decode(
-    step_fn,
-    init_carry,
-    static_inputs,
-    beam_size=1,
-    bos_id=bos_id,
-    eos_id=eos_id,
-    max_length=max_length,
-    length_capacity=length_capacity,
-    num_sources=num_sources,
-    ladder=ladder,
-    compact=compact,
-    update=update,
-    alpha=0.0,
-    num_results=1,
-  )
+    return ()
+  if settings.ladder is None:
+    return default_ladder(count, ratio=2.0, minimum=1, multiple=1)
+  return normalize_ladder(count, settings.ladder)
 
 
 def beam_search(
   step_fn: Callable[[Any, jax.Array, Any], tuple[Any, jax.Array]],
   init_carry: Any,
+  settings: DecodeSettings,
   *,
-  beam_size: int,
-  bos_id: int,
-  eos_id: int,
-  max_length: int | jax.typing.ArrayLike,
-  length_penalty: float = 0.6,
   static_inputs: Any = None,
-  num_results: int | None = None,
-  length_capacity: int | None = None,
+  max_lengths: jax.typing.ArrayLike | None = None,
   num_sources: jax.typing.ArrayLike | None = None,
-  ladder: Sequence[int] | None = None,
-  compact: bool = True,
 ) -> Hypotheses:
-  """Beam search of every source, each stopping when it is done.
+  """Beam search (greedy decoding for ``beam_size=1``) of every source.
 
   Paddle's ``beam_search`` in a `lax.while_loop`. Each source keeps
-  `beam_size` slots; at every step its candidates are its ended slots (kept
-  as they are) and every token after each live slot, scored by summed
-  log-probability, and the best `beam_size` candidates become its slots
-  (ended slots win ties). A live slot extended by `eos_id` ends (a finished
-  hypothesis, never extended again); so does every live slot when the
-  source reaches its max length. Finished hypotheses are ranked by GNMT's
-  length penalty: ``score = logp / ((5 + steps) / 6) ** length_penalty``,
-  ``steps`` counting `eos`.
+  ``settings.beam_size`` slots; at every step its candidates are its ended
+  slots (kept as they are) and every token after each live slot, scored by
+  summed log-probability, and the best `beam_size` candidates become its
+  slots (ended slots win ties). A live slot extended by `eos_id` ends (a
+  finished hypothesis, never extended again); so does every live slot when
+  the source reaches its max length. Finished hypotheses are ranked by
+  GNMT's length penalty: ``score = logp / ((5 + steps) / 6) **
+  length_penalty``, ``steps`` counting `eos`. With ``beam_size=1`` this is
+  greedy decoding: the most likely token at every step.
 
   A source is done when no slot is live, or when `num_results` slots have
   ended and no live slot can beat the `num_results`-th best of them under
   the length penalty (log-probabilities are at most 0, so a live slot's
-  descendants score at most ``logp / ((5 + max_length) / 6) ** length_penalty``);
-  going on would not change its results. Between phases of the loop the
-  live sources are compacted to a prefix and the loop moves to a smaller
-  static size, so done sources stop costing steps.
+  descendants score at most ``logp / ((5 + max_length) / 6) **
+  length_penalty``); going on would not change its results. Between phases
+  of the loop the live sources are compacted to a prefix and the loop moves
+  to a smaller static size of ``settings.ladder``, so done sources stop
+  costing steps; ``ladder=()`` runs one phase at the full size (a
+  batch-wide stop, as in Flax's ``examples/wmt``): the same hypotheses,
+  with scores equal up to rounding.
 
   Args:
     step_fn: ``step_fn(carry, token_ids [b], static) -> (new_carry,
@@ -399,33 +313,18 @@ def beam_search(
       independent. `log_probs` must be normalized (``log_softmax``).
     init_carry: pytree of ``[count_capacity, ...]`` leaves, one row per
       source, in the caller's order; every beam of a source starts from it.
-    beam_size: slots per source, static.
-    bos_id: the first input token of every source.
-    eos_id: the token that ends a hypothesis (not part of the results).
-    max_length: the most tokens a hypothesis holds (`eos` included): a
-      static int, or int ``[count_capacity]`` per source (each at least 1;
-      under `jit` with `length_capacity`), e.g. a multiple of each source's
-      length.
-    length_penalty: the exponent ``alpha >= 0`` of the length penalty; 0
-      ranks by summed log-probability.
-    static_inputs: pytree of arrays ``[count_capacity, ...]`` or of
-      LoDTensors with one sequence per source (e.g. an encoder's outputs,
-      the external memory), reaching the step as ``(padded [b,
-      source_capacity, ...], lengths [b])``, each source's rows repeated
-      for its beams. Default `None`.
-    num_results: hypotheses kept per source, best first, in ``[1,
-      beam_size]``; default `beam_size` (Paddle's ``beam_search_decode``).
-    length_capacity: static bound on `max_length` (default: `max_length`,
-      or the largest value of a concrete array over the real sources).
+    settings: the static `DecodeSettings` (ids, length capacity, beam).
+    static_inputs: pytree of arrays ``[count_capacity, ...]`` (e.g. a
+      `jaxlod.ops.Memory`, the external memory) or of LoDTensors with one
+      sequence per source, which reach the step as ``(padded [b,
+      source_capacity, ...], lengths [b])``; each source's rows are
+      repeated for its beams. Default `None`.
+    max_lengths: int ``[count_capacity]``, each source's most tokens (`eos`
+      included), in ``[1, settings.max_length]`` (e.g. a multiple of each
+      source's length); default ``settings.max_length`` for every source.
     num_sources: the real number of sources (int scalar); rows past it are
       padding and get no hypothesis. Default: the real count of the
       LoDTensors in `static_inputs`, else every row.
-    ladder: static source counts of the phases (see `rank_table`); default
-      halving sizes from the count capacity.
-    compact: `False` steps every source until the whole batch is done (a
-      batch-wide stop, as in Flax's ``examples/wmt``), for comparison: the
-      same hypotheses, with scores equal up to rounding (a step's matrix
-      products may round differently at another batch size).
 
   Returns:
     `Hypotheses`: up to `num_results` hypotheses per real source (fewer
@@ -434,64 +333,125 @@ def beam_search(
   Raises:
     ValueError: at trace time for a step whose carry changes shape or dtype
       or whose `log_probs` are not ``[b, vocab]`` floats, `eos_id` outside
-      the vocabulary, a negative `length_penalty`, `num_results` outside
-      ``[1, beam_size]``, or arguments of the wrong shape; eagerly (under
-      `jit` through `jax.experimental.checkify`) for a `max_length` below 1
-      or above `length_capacity`.
+      the vocabulary, or arguments of the wrong shape; eagerly (under `jit`
+      through `jax.experimental.checkify`) for a `max_lengths` below 1 or
+      above ``settings.max_length``.
 
   Not differentiable (the loop is a `lax.while_loop`).
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jaxlod.ops import beam_search
+    >>> from jaxlod.ops import DecodeSettings, beam_search
     >>> table = jnp.log(jnp.array([[0.1, 0.5, 0.4], [0.6, 0.3, 0.1], [0.5, 0.2, 0.3]]))
     >>> step = lambda carry, tokens, _: (carry, table[tokens])  # a bigram model
-    >>> ids, scores = beam_search(
-    ...   step, jnp.zeros(1), beam_size=2, bos_id=0, eos_id=0, max_length=3,
-    ...   length_penalty=0.0,
+    >>> settings = DecodeSettings(
+    ...   bos_id=0, eos_id=0, max_length=3, beam_size=2, length_penalty=0.0
     ... )
+    >>> ids, scores = beam_search(step, jnp.zeros(1), settings)
     >>> [h.tolist() for h in ids.to_list()[0]]
     [[1], [2]]
     >>> [round(float(s), 3) for s in scores.to_list()[0]]
     [-1.204, -1.609]
   """
-  bos_id, eos_id = _check_ids(bos_id, eos_id)
-  beam_size = static_int(beam_size, "beam_size", minimum=1)
-  if num_results is None:
-    num_results = beam_size
-  num_results = static_int(num_results, "num_results", minimum=1)
-  if num_results > beam_size:
-    raise ValueError(
-      f"Expected `num_results` <= `beam_size` ({beam_size}), got {num_results}."
-    )
-  if isinstance(length_penalty, bool) or not isinstance(
-    length_penalty, int | float | np.floating | np.integer
-  ):
+  if not isinstance(settings, DecodeSettings):
     raise TypeError(
-      f"Expected `length_penalty` to be a static float, got {length_penalty!r}."
+      f"Expected `settings` to be a DecodeSettings, got {type(settings).__name__}."
     )
-  alpha = float(length_penalty)
-  if not alpha >= 0:
-    raise ValueError(
-      f"Expected `length_penalty` >= 0 (the early exit's bound needs a penalty "
-      f"that grows with the length), got {alpha}."
+  count = _count(init_carry, static_inputs)
+  check_rows(init_carry, count, "init_carry")
+  statics = prepare_statics(static_inputs, count, per="source")
+  n = _num_sources(num_sources, static_inputs, count)
+  lengths = _max_lengths(max_lengths, settings, count, n)
+  beam_size, alpha = settings.beam_size, settings.length_penalty
+  eos_id = settings.eos_id
+
+  def beams(a):
+    a = jnp.asarray(a)
+    return jnp.broadcast_to(a[:, None], (count, beam_size) + a.shape[1:])
+
+  carry = jax.tree.map(beams, init_carry)
+  statics = jax.tree.map(beams, statics)
+  step = _checked_step(step_fn, settings.bos_id, eos_id)
+  flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), (carry, statics))
+  probe = jax.eval_shape(
+    step, flat[0], jnp.zeros((count * beam_size,), jnp.int32), flat[1]
+  )
+  dtype = jnp.promote_types(probe[1].dtype, jnp.float32)
+  slots = _search.initial_slots(
+    count, beam_size, settings.max_length, n, settings.bos_id, dtype
+  )
+  state = _search.State(
+    slots=slots,
+    carry=carry,
+    statics=statics,
+    done=jnp.arange(count) >= n,
+    max_length=lengths,
+    source=jnp.arange(count, dtype=jnp.int32),
+  )
+  if beam_size == 1:
+    update = functools.partial(_search.greedy_update, eos_id=eos_id)
+  else:
+    update = functools.partial(
+      _search.beam_update, eos_id=eos_id, alpha=alpha, num_results=settings.results
     )
-  update = functools.partial(
-    _search.beam_update, eos_id=eos_id, alpha=alpha, num_results=num_results
-  )
-  return _decode(
-    step_fn,
-    init_carry,
-    static_inputs,
-    beam_size=beam_size,
-    bos_id=bos_id,
-    eos_id=eos_id,
-    max_length=max_length,
-    length_capacity=length_capacity,
-    num_sources=num_sources,
-    ladder=ladder,
-    compact=compact,
-    update=update,
-    alpha=alpha,
-    num_results=num_results,
-  )
+  ladder = _ladder(settings, count)
+  state = _search.run(state, step, update, ladder, settings.max_length)
+  final = _search.scores(state.slots, alpha)
+  return _results(state.slots, final, settings.results, n)
+
+
+def ensemble_step(
+  steps: Sequence[Callable[[Any, jax.Array, Any], tuple[Any, jax.Array]]],
+) -> Callable[[tuple, jax.Array, tuple], tuple[tuple, jax.Array]]:
+  """A decoding step over the mean of several members' log-probabilities.
+
+  Member ``k``'s step ``steps[k](carry_k, token_ids [b], static_k) ->
+  (carry_k, logits [b, vocab])`` returns unnormalized logits; the ensemble
+  step takes the carries and the static inputs as tuples (one entry per
+  member) and returns the mean over members of their ``log_softmax`` (in
+  float32 or wider), the `step_fn` of `beam_search`. One member gives its
+  own log-probabilities exactly.
+
+  Args:
+    steps: the members' steps, all over the same vocabulary.
+
+  Returns:
+    ``step_fn(carries, token_ids [b], statics) -> (carries, log_probs [b,
+    vocab])``.
+
+  Raises:
+    ValueError: for no steps, or (when called) members whose vocabularies
+      differ.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlod.ops import ensemble_step
+    >>> a = lambda c, t, s: (c, jnp.log(jnp.array([[0.5, 0.5]])))
+    >>> b = lambda c, t, s: (c, jnp.log(jnp.array([[0.9, 0.1]])))
+    >>> _, log_probs = ensemble_step([a, b])((0, 0), jnp.zeros(1, int), (None, None))
+    >>> [round(float(p), 3) for p in jnp.exp(log_probs)[0]]  # geometric means
+    [0.671, 0.224]
+  """
+  steps = tuple(steps)
+  if not steps:
+    raise ValueError("Expected at least one member step, got none.")
+
+  def step_fn(carries, tokens, statics):
+    new, log_probs = [], []
+    for k, (step, carry, static) in enumerate(
+      zip(steps, carries, statics, strict=True)
+    ):
+      carry, logits = step(carry, tokens, static)
+      logits = jnp.asarray(logits)
+      if k and logits.shape[-1] != log_probs[0].shape[-1]:
+        raise ValueError(
+          f"Expected every member to share the vocabulary: member 0 gives "
+          f"{log_probs[0].shape[-1]} log-probabilities, member {k} gives "
+          f"{logits.shape[-1]}."
+        )
+      dtype = jnp.promote_types(logits.dtype, jnp.float32)
+      new.append(carry)
+      log_probs.append(jax.nn.log_softmax(logits.astype(dtype), axis=-1))
+    return tuple(new), jnp.mean(jnp.stack(log_probs), axis=0)
+
+  return step_fn

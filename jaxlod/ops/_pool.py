@@ -22,10 +22,6 @@ from jaxlod._checks import (
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._segment import Rows, masked_segment_sum, rows
 
-# alias for callers being migrated: jaxlod/nn/_rnn.py imports it from here;
-# its home is `jaxlod._checks.check_pool_type`.
-_check_pool_type = check_pool_type  # alias for callers being migrated
-
 
 def _extreme(x: LoDTensor, layout: Rows, largest: bool) -> jax.Array:
   """Per-sequence max or min, its gradient going to the first extreme row.

@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _checks
 from jaxlod._checks import check_pair, check_rows, check_step_out, is_lod, require
 from jaxlod._lod import LoDTensor
 from jaxlod._vma import vary, varying_axes
@@ -296,12 +295,3 @@ def dynamic_rnn(
     return final_carry
   outputs = [x0.with_values(_packed.unpack(y, layout)) for y in ys]
   return jax.tree.unflatten(y_tree, outputs), final_carry
-
-
-# alias for callers being migrated: ops/_decode.py imports these from here;
-# the checks live in `jaxlod._checks` (`check_rows`, `check_step_out`,
-# `is_lod`), `prepare_statics` is public above.
-_check_rows = _checks.check_rows  # alias for callers being migrated
-_check_step_out = _checks.check_step_out  # alias for callers being migrated
-_is_lod = _checks.is_lod  # alias for callers being migrated
-_prepare_statics = prepare_statics  # alias for callers being migrated

@@ -16,19 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _checks
 from jaxlod._buckets import Buckets
 from jaxlod._checks import check_fits, is_concrete
 from jaxlod._lod import Capacity, LoDTensor, owners
-
-# alias for callers being migrated: jaxlod/nn and ops/_decode.py import these
-# checks from here; their home is `jaxlod._checks`.
-check_integer = _checks.check_integer  # alias for callers being migrated
-check_lod = _checks.check_lod  # alias for callers being migrated
-require = _checks.require  # alias for callers being migrated
-require_each = _checks.require_each  # alias for callers being migrated
-static_int = _checks.static_int  # alias for callers being migrated
-
 
 # -- rows and their sequences -------------------------------------------------------
 

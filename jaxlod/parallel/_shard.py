@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlod._lod import LoDTensor
 from jaxlod._vma import vary, varying_axes
 from jaxlod.data import Batch
+from jaxlod.ops._decode import DecodeSettings
 
 
 def _check_axis(mesh: Any, axis: Any) -> None:
@@ -334,10 +335,9 @@ def _generate(variables, local, *, models, settings, mesh, axis):
 
   def decode(variables, local):
     members = list(zip(models, variables, strict=True))
-    src, src_table, max_length = local
-    extra = {} if max_length is None else {"max_length": max_length}
+    src, src_table, max_lengths = local
     return ensemble_generate(
-      members, src, src_table=src_table, **dict(settings), **extra
+      members, src, settings, max_lengths=max_lengths, src_table=src_table
     )
 
   return map_shards(decode, mesh, axis)(variables, local)
@@ -349,9 +349,9 @@ def generate(
   mesh: Mesh,
   axis: str = "data",
   *,
+  settings: DecodeSettings,
   src_table: Any = None,
-  max_length: Any,
-  **settings: Any,
+  max_lengths: Any = None,
 ) -> list[Any]:
   """Decodes a sharded batch of sources, each device its own sources.
 
@@ -365,11 +365,11 @@ def generate(
       src_token_capacity]``.
     mesh: the device mesh.
     axis: the mesh axis of the shards.
+    settings: the `jaxlod.ops.DecodeSettings` of the search.
     src_table: `src`'s stacked rank tables, or `None`.
-    max_length: an int, or per-source limits stacked like `src`: int
-      ``[N, count_capacity]`` (placed by `shard_batch`).
-    **settings: `ensemble_generate`'s other keyword arguments (`method`,
-      `bos_id`, `eos_id`, `beam_size`, ...); hashable values.
+    max_lengths: per-source limits stacked like `src`, int ``[N,
+      count_capacity]`` (placed by `shard_batch`), each at most
+      ``settings.max_length``; `None`: ``settings.max_length`` for all.
 
   Returns:
     One `jaxlod.ops.Hypotheses` per shard, in shard order, each in its
@@ -394,13 +394,11 @@ def generate(
       )
   models = tuple(model for model, _ in members)
   variables = replicate([v for _, v in members], mesh)
-  if isinstance(max_length, int | np.integer):
-    settings["max_length"], max_length = int(max_length), None
   out = _generate(
     variables,
-    (src, src_table, max_length),
+    (src, src_table, max_lengths),
     models=models,
-    settings=tuple(sorted(settings.items())),
+    settings=settings,
     mesh=mesh,
     axis=axis,
   )

@@ -7,6 +7,7 @@ JAX's start); collected only there (tests/conftest.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -26,6 +27,7 @@ from jaxlod.nn import (
   Seq2Seq,
   ensemble_generate,
 )
+from jaxlod.ops import DecodeSettings
 from jaxlod.parallel import data_parallel, generate, shard_batch
 from tests.helpers import assert_close
 
@@ -280,12 +282,14 @@ def test_beam_search_equals_one_device(mesh):
   model = _seq2seq()
   reference = _one_device(examples, batch.indices, np.float32)
   params = model.init(jax.random.key(2), reference[1], reference[2])
-  settings = dict(bos_id=0, eos_id=1, beam_size=3, num_results=2, length_capacity=9)
-  expected = jax.jit(
-    lambda p, src: ensemble_generate([(model, p)], src, max_length=8, **settings)
-  )(params, reference[1])
+  settings = DecodeSettings(
+    bos_id=0, eos_id=1, max_length=8, beam_size=3, num_results=2
+  )
+  expected = jax.jit(lambda p, src: ensemble_generate([(model, p)], src, settings))(
+    params, reference[1]
+  )
   placed = shard_batch(batch, mesh)
-  shards = generate((model, params), placed.fields[1], mesh, max_length=8, **settings)
+  shards = generate((model, params), placed.fields[1], mesh, settings=settings)
   assert len(shards) == SHARDS
   got_ids = [h for hyps in shards for h in hyps.ids.to_list()]
   got_scores = [s for hyps in shards for s in hyps.scores.to_list()]
@@ -301,8 +305,8 @@ def test_beam_search_equals_one_device(mesh):
     (model, params),
     placed.fields[1],
     mesh,
-    max_length=shard_batch(limits, mesh),
-    **settings,
+    settings=dataclasses.replace(settings, max_length=9),
+    max_lengths=shard_batch(limits, mesh),
   )
   flat = [h.tolist() for hyps in per_source for hs in hyps.ids.to_list() for h in hs]
   assert flat == [h.tolist() for hs in got_ids for h in hs]

@@ -1,5 +1,6 @@
-"""Flax NNX layers over `jaxlod.ops`: the `flax.nnx.Module` twins of
-`jaxlod.nn`'s recurrent layers, attentions and attention decoder.
+"""Flax NNX layers over `jaxlod.ops`: the `flax.nnx.Module` twins of every
+layer of `jaxlod.nn`, with the same names, arguments (plus ``rngs`` and
+input widths, as Flax's NNX layers), defaults and errors.
 
 They work with `nnx.jit`, `nnx.grad` and `nnx.Optimizer`; the recurrent
 layers run a cell inside `jaxlod.ops.dynamic_rnn` by splitting it into its
@@ -9,19 +10,31 @@ graph definition and state, so the same cell object can also run in
 
 from jaxlod.nn.nnx._attention import (
   AdditiveAttention,
+  Attention,
   CosineAttention,
   DotAttention,
   GeneralAttention,
 )
 from jaxlod.nn.nnx._decoder import AttentionDecoder
-from jaxlod.nn.nnx._rnn import Bidirectional, DynamicRNN
+from jaxlod.nn.nnx._rnn import (
+  Bidirectional,
+  DynamicRNN,
+  HierarchicalEncoder,
+  StackedRNN,
+)
+from jaxlod.nn.nnx._seq2seq import Seq2Seq, ensemble_generate
 
 __all__ = [
   "AdditiveAttention",
+  "Attention",
   "AttentionDecoder",
   "Bidirectional",
   "CosineAttention",
   "DotAttention",
   "DynamicRNN",
   "GeneralAttention",
+  "HierarchicalEncoder",
+  "Seq2Seq",
+  "StackedRNN",
+  "ensemble_generate",
 ]

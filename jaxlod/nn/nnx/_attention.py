@@ -1,10 +1,9 @@
 """NNX attention over a LoD memory: dot, general, additive and cosine scores.
 
-Every attention scores a decoder state ``query [b, hidden]`` against each
-slot of a padded memory ``[b, source_capacity, features]`` (an encoder's
-outputs, one sequence per query row), then calls
-`jaxlod.ops.masked_attention`: padding slots get weight 0 and an empty
-memory gives a zero context, never NaN.
+The twins of `jaxlod.nn`'s attentions, with the same call protocol, the same
+score functions of `jaxlod.ops` and the same errors; the constructors take
+the input widths (``hidden``, ``features``) and ``rngs``, as Flax's NNX
+layers do.
 """
 
 from __future__ import annotations
@@ -16,81 +15,44 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlod._lod import LoDTensor
-from jaxlod.ops._attention import masked_attention
-
-COSINE_EPS = 1e-8
+from jaxlod.ops import _attention as core
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-  return tuple(jnp.shape(x))
+class Attention(nnx.Module):
+  """The call protocol of the attentions (see `jaxlod.nn.Attention`).
 
-
-def padded_memory(
-  memory: LoDTensor | jax.typing.ArrayLike, lengths: jax.typing.ArrayLike | None
-) -> tuple[jax.Array, jax.Array]:
-  """``(memory [b, source_capacity, features], lengths [b])`` from either form.
-
-  Args:
-    memory: a LoDTensor ``values [source_tokens, features]`` (one sequence
-      per query row, padded here with `LoDTensor.to_padded`), or a padded
-      array ``[b, source_capacity, features]``.
-    lengths: ``[b]`` real lengths; `None` exactly when `memory` is a
-      LoDTensor.
-
-  Raises:
-    ValueError: for `lengths` given with a LoDTensor or missing with an
-      array, or a memory that is not ``[b, source_capacity, features]``.
+  ``attention(query, memory, lengths=None, keys=None) -> (context [b,
+  features], weights [b, source_capacity])`` over a padded memory ``[b,
+  source_capacity, features]`` with ``lengths [b]``, a one-level LoDTensor
+  or a `jaxlod.ops.Memory`; ``keys(memory)`` is what the attention
+  precomputes (`None` but for `AdditiveAttention`).
   """
-  if isinstance(memory, LoDTensor):
-    if lengths is not None:
-      raise ValueError(
-        "Expected `lengths` to be None when `memory` is a LoDTensor (its LoD "
-        "gives the lengths)."
-      )
-    memory, lengths = memory.to_padded()
-  elif lengths is None:
-    raise ValueError(
-      "Expected `lengths` [b] with a padded `memory` array; pass a LoDTensor "
-      "memory to take the lengths from its LoD."
-    )
-  memory, lengths = jnp.asarray(memory), jnp.asarray(lengths)
-  if memory.ndim != 3:
-    raise ValueError(
-      "Expected `memory` to have shape [b, source_capacity, features], got "
-      f"{memory.shape}."
-    )
-  return memory, lengths
+
+  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
+    """What this attention precomputes from a memory: nothing (`None`)."""
+    del memory
+
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    raise NotImplementedError
+
+  def __call__(
+    self,
+    query: jax.typing.ArrayLike,
+    memory: Any,
+    lengths: Any = None,
+    keys: Any = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """Attends `query` over `memory`: as `jaxlod.nn.Attention.__call__`."""
+    memory = core.as_memory(memory, lengths, keys)
+    return core.attend(self.scores(jnp.asarray(query), memory), memory)
 
 
-def _check_query(query: Any, memory: jax.Array, width: int, what: str) -> jax.Array:
-  query = jnp.asarray(query)
-  if query.ndim != 2:
-    raise ValueError(f"Expected `query` to have shape [b, hidden], got {query.shape}.")
-  if query.shape[0] != memory.shape[0]:
-    raise ValueError(
-      f"Expected `query` and `memory` to have the same number of rows (one "
-      f"memory sequence per query row), got {query.shape[0]} and "
-      f"{memory.shape[0]}."
-    )
-  if query.shape[1] != width:
-    raise ValueError(
-      f"Expected `query` to have width {width} ({what}), got width {query.shape[1]}."
-    )
-  return query
+def _linear(inputs: int, outputs: int, bias: bool, **common: Any) -> nnx.Linear:
+  return nnx.Linear(inputs, outputs, use_bias=bias, **common)
 
 
-def _check_memory_width(memory: jax.Array, features: int) -> None:
-  if memory.shape[-1] != features:
-    raise ValueError(
-      f"Expected `memory` rows of width {features} (the attention's "
-      f"`features`), got width {memory.shape[-1]}."
-    )
-
-
-class DotAttention(nnx.Module):
+class DotAttention(Attention):
   """Dot-product attention: ``score_j = <q, m_j>``. No parameters.
-
-  The query's width must equal the memory's features.
 
   Example:
     >>> import numpy as np
@@ -102,42 +64,12 @@ class DotAttention(nnx.Module):
     ([[0.5, 0.5]], [[0.5, 0.5, 0.0]])
   """
 
-  def keys(self, memory: Any) -> None:
-    """Nothing to precompute: returns `None`."""
-    del memory
-
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: LoDTensor | jax.typing.ArrayLike,
-    lengths: jax.typing.ArrayLike | None = None,
-    keys: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends from `query` over `memory`.
-
-    Args:
-      query: ``[b, features]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        LoDTensor with one sequence per query row.
-      lengths: ``[b]`` real lengths of a padded memory; `None` for a
-        LoDTensor.
-      keys: ignored (see `keys`).
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for a query whose width is not the memory's features (naming
-        both), or shapes that disagree.
-    """
-    del keys
-    memory, lengths = padded_memory(memory, lengths)
-    query = _check_query(query, memory, memory.shape[-1], "the memory's features")
-    scores = jnp.einsum("bf,bsf->bs", query, memory)
-    return masked_attention(scores, memory, lengths)
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.dot_scores``."""
+    return core.dot_scores(query, core.without_keys(memory, "DotAttention"))
 
 
-class GeneralAttention(nnx.Module):
+class GeneralAttention(Attention):
   """Luong's general (bilinear) attention: ``score_j = <W q, m_j>``.
 
   ``W`` is a bias-free ``nnx.Linear(hidden, features)`` named ``query``,
@@ -172,52 +104,19 @@ class GeneralAttention(nnx.Module):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
-    self.query = nnx.Linear(
-      hidden,
-      features,
-      use_bias=False,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      rngs=rngs,
-    )
+    common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+    self.query = _linear(hidden, features, False, **common)
 
-  def keys(self, memory: Any) -> None:
-    """Nothing to precompute: returns `None`."""
-    del memory
-
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: LoDTensor | jax.typing.ArrayLike,
-    lengths: jax.typing.ArrayLike | None = None,
-    keys: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends from `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        LoDTensor with one sequence per query row.
-      lengths: ``[b]`` real lengths of a padded memory; `None` for a
-        LoDTensor.
-      keys: ignored (see `keys`).
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for a query or memory of the wrong width, or shapes that
-        disagree.
-    """
-    del keys
-    memory, lengths = padded_memory(memory, lengths)
-    _check_memory_width(memory, self.query.out_features)
-    query = _check_query(query, memory, self.query.in_features, "`hidden`")
-    scores = jnp.einsum("bf,bsf->bs", self.query(query), memory)
-    return masked_attention(scores, memory, lengths)
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.general_scores`` with the ``query`` projection."""
+    memory = core.without_keys(memory, "GeneralAttention")
+    core.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
+    features = memory.values.shape[-1]
+    core.check_width("memory", features, self.query.out_features, "`features`")
+    return core.general_scores(query, memory, self.query)
 
 
-class AdditiveAttention(nnx.Module):
+class AdditiveAttention(Attention):
   """Bahdanau's additive attention: ``score_j = v . tanh(K m_j + Q q)``.
 
   ``K`` is a bias-free ``nnx.Linear(features, units)`` named ``key``, ``Q``
@@ -259,82 +158,37 @@ class AdditiveAttention(nnx.Module):
     rngs: nnx.Rngs,
   ):
     common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
-    self.key = nnx.Linear(features, units, use_bias=False, **common)
-    self.query = nnx.Linear(hidden, units, **common)
-    self.energy = nnx.Linear(units, 1, use_bias=False, **common)
+    self.key = _linear(features, units, False, **common)
+    self.query = _linear(hidden, units, True, **common)
+    self.energy = _linear(units, 1, False, **common)
 
   def keys(self, memory: LoDTensor | jax.typing.ArrayLike) -> LoDTensor | jax.Array:
-    """The memory's keys ``K m``, computed once per source.
+    """The keys ``K m`` (see `jaxlod.nn.AdditiveAttention.keys`)."""
+    return core.map_rows(self._key, memory)
 
-    Args:
-      memory: a LoDTensor ``values [source_tokens, features]`` or an array
-        ``[..., source_capacity, features]``.
+  def _key(self, values: jax.Array) -> jax.Array:
+    core.check_width("memory", values.shape[-1], self.key.in_features, "`features`")
+    return self.key(values)
 
-    Returns:
-      A LoDTensor with `memory`'s LoD and values ``[source_tokens, units]``
-      (padding rows stay zero: ``K`` has no bias), or an array ``[...,
-      source_capacity, units]``.
-
-    Raises:
-      ValueError: for a memory whose rows are not ``features`` wide.
-    """
-    if isinstance(memory, LoDTensor):
-      _check_memory_width(memory.values, self.key.in_features)
-      return memory.with_values(self.key(memory.values))
-    memory = jnp.asarray(memory)
-    _check_memory_width(memory, self.key.in_features)
-    return self.key(memory)
-
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: LoDTensor | jax.typing.ArrayLike,
-    lengths: jax.typing.ArrayLike | None = None,
-    keys: LoDTensor | jax.typing.ArrayLike | None = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends from `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        LoDTensor with one sequence per query row.
-      lengths: ``[b]`` real lengths of a padded memory; `None` for a
-        LoDTensor.
-      keys: the precomputed ``keys(memory)``: ``[b, source_capacity, units]``
-        or a LoDTensor with `memory`'s LoD; computed here when `None`.
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for a query, memory or keys of the wrong shape.
-    """
-    memory, lengths = padded_memory(memory, lengths)
-    _check_memory_width(memory, self.key.in_features)
-    query = _check_query(query, memory, self.query.in_features, "`hidden`")
-    if keys is None:
-      keys = self.key(memory)
-    elif isinstance(keys, LoDTensor):
-      keys = keys.to_padded()[0]
-    units = self.key.out_features
-    if _shape(keys) != (*memory.shape[:2], units):
-      raise ValueError(
-        f"Expected `keys` to have shape {(*memory.shape[:2], units)} ([b, "
-        f"source_capacity, units] from `memory`), got {_shape(keys)}."
-      )
-    hidden = jnp.tanh(keys + self.query(query)[:, None, :])
-    scores = self.energy(hidden)[..., 0]
-    return masked_attention(scores, memory, lengths)
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.additive_scores``, computing the keys when the memory
+    has none."""
+    features = memory.values.shape[-1]
+    core.check_width("memory", features, self.key.in_features, "`features`")
+    core.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
+    if memory.keys is None:
+      memory = memory._replace(keys=self.key(memory.values))
+    return core.additive_scores(query, memory, self.query, self.energy)
 
 
-class CosineAttention(nnx.Module):
-  """Cosine attention: ``score_j = <q, m_j> / (sqrt(|q|^2 + eps) sqrt(|m_j|^2 + eps))``.
+class CosineAttention(Attention):
+  """Cosine attention: ``score_j = <q, m_j> / (|q|_eps |m_j|_eps)``.
 
-  No parameters; the query's width must equal the memory's features.
+  ``|v|_eps = sqrt(|v|^2 + eps)``, so zero vectors (padding slots, a zero
+  query) give finite scores and gradients. No parameters.
 
   Args:
-    eps: added under each square root, so zero vectors score 0 (default
-      ``1e-8``).
+    eps: added to each squared norm (default 1e-8).
 
   Example:
     >>> import numpy as np
@@ -346,42 +200,10 @@ class CosineAttention(nnx.Module):
     2.7183
   """
 
-  def __init__(self, eps: float = COSINE_EPS):
+  def __init__(self, eps: float = core.COSINE_EPS):
     self.eps = eps
 
-  def keys(self, memory: Any) -> None:
-    """Nothing to precompute: returns `None`."""
-    del memory
-
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: LoDTensor | jax.typing.ArrayLike,
-    lengths: jax.typing.ArrayLike | None = None,
-    keys: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends from `query` over `memory`.
-
-    Args:
-      query: ``[b, features]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, or a
-        LoDTensor with one sequence per query row.
-      lengths: ``[b]`` real lengths of a padded memory; `None` for a
-        LoDTensor.
-      keys: ignored (see `keys`).
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for a query whose width is not the memory's features (naming
-        both), or shapes that disagree.
-    """
-    del keys
-    memory, lengths = padded_memory(memory, lengths)
-    query = _check_query(query, memory, memory.shape[-1], "the memory's features")
-    dot = jnp.einsum("bf,bsf->bs", query, memory)
-    query_norm = jnp.sqrt(jnp.sum(query * query, axis=-1) + self.eps)
-    memory_norm = jnp.sqrt(jnp.sum(memory * memory, axis=-1) + self.eps)
-    scores = dot / (query_norm[:, None] * memory_norm)
-    return masked_attention(scores, memory, lengths)
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """``jaxlod.ops.cosine_scores``."""
+    memory = core.without_keys(memory, "CosineAttention")
+    return core.cosine_scores(query, memory, self.eps)

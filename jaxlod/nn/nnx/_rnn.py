@@ -1,18 +1,20 @@
-"""NNX recurrent layers over LoDTensors: DynamicRNN and Bidirectional."""
+"""NNX recurrent layers over LoDTensors: DynamicRNN and its combinators, the
+twins of `jaxlod.nn`'s."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from jaxlod._checks import check_lod
 from jaxlod._lod import LoDTensor
+from jaxlod.nn import _common
 from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
-from jaxlod.ops._segment import check_lod
 
 
 def functional_call(module: nnx.Module, method: str = "__call__") -> Callable:
@@ -63,14 +65,6 @@ def initialize_carry(
   one keeps the default carry deterministic and the module stateless.
   """
   return cell.initialize_carry(input_shape, nnx.Rngs(0) if rngs is None else rngs)
-
-
-def _is_lod(x: Any) -> bool:
-  return isinstance(x, LoDTensor)
-
-
-def _concatenate(a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.concatenate([a, b], axis=-1)
 
 
 class DynamicRNN(nnx.Module):
@@ -256,14 +250,7 @@ class Bidirectional(nnx.Module):
     """
     x = check_lod(x, "x")
     return_carry = self.return_carry if return_carry is None else return_carry
-    forward_carry = backward_carry = None
-    if initial_carry is not None:
-      if not (isinstance(initial_carry, tuple | list) and len(initial_carry) == 2):
-        raise TypeError(
-          "Expected `initial_carry` to be a pair (forward_carry, backward_carry), "
-          f"got {type(initial_carry).__name__}."
-        )
-      forward_carry, backward_carry = initial_carry
+    forward_carry, backward_carry = _common.split_pair(initial_carry)
     # Only a given table is passed on: a layer of the documented call
     # signature need not take one.
     extra = {} if table is None else {"table": table}
@@ -273,15 +260,136 @@ class Bidirectional(nnx.Module):
     backward_final, backward = self.backward_rnn(
       x, backward_carry, rngs=rngs, reverse=True, return_carry=True, **extra
     )
-    merge = _concatenate if self.merge_fn is None else self.merge_fn
-    real = jnp.arange(x.capacity.tokens) < x.num_rows
-
-    def merged(f: LoDTensor, b: LoDTensor) -> LoDTensor:
-      values = merge(f.values, b.values)
-      mask = real.reshape(real.shape + (1,) * (values.ndim - 1))
-      return x.with_values(jnp.where(mask, values, 0))
-
-    outputs = jax.tree.map(merged, forward, backward, is_leaf=_is_lod)
+    outputs = _common.merge_directions(x, forward, backward, self.merge_fn)
     if return_carry:
       return (forward_final, backward_final), outputs
     return outputs
+
+
+class StackedRNN(nnx.Module):
+  """Layers of RNNs applied in turn, with dropout on the rows.
+
+  The NNX twin of `jaxlod.nn.StackedRNN` (same rates, same order): the
+  rows go through ``nnx.Dropout`` between two layers at `dropout_rate`,
+  before the first at `input_dropout` and after the last at
+  `output_dropout`, drawing from ``rngs.dropout`` when not deterministic.
+  ``nnx.Module.train()`` and ``eval()`` switch `deterministic`.
+
+  Args:
+    layers: the layers, first to last, each ``layer(x) -> LoDTensor`` with
+      `x`'s LoD (a `DynamicRNN`, a `Bidirectional`, ...).
+    dropout_rate, input_dropout, output_dropout: dropout rates in ``[0,
+      1]``.
+    deterministic: no dropout (evaluation), unless the call overrides it.
+    return_carry: also return each layer's final carry.
+    rngs: the RNGs of the dropout masks (stream ``dropout``); `None` for
+      deterministic use only.
+
+  Example:
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn.nnx import DynamicRNN, StackedRNN
+    >>> x = LoDTensor.from_sequences([np.ones((3, 2), np.float32), np.ones((1, 2))])
+    >>> rngs = nnx.Rngs(0)
+    >>> cells = [nnx.LSTMCell(2, 4, rngs=rngs), nnx.LSTMCell(4, 4, rngs=rngs)]
+    >>> rnn = StackedRNN([DynamicRNN(c) for c in cells], dropout_rate=0.5, rngs=rngs)
+    >>> rnn(x, deterministic=False).values.shape
+    (4, 4)
+  """
+
+  def __init__(
+    self,
+    layers: Sequence[nnx.Module],
+    *,
+    dropout_rate: float = 0.0,
+    input_dropout: float = 0.0,
+    output_dropout: float = 0.0,
+    deterministic: bool = True,
+    return_carry: bool = False,
+    rngs: nnx.Rngs | None = None,
+  ):
+    _common.check_layers(layers)
+    rates = _common.stack_rates(
+      len(layers), input_dropout, dropout_rate, output_dropout
+    )
+    self.layers = nnx.List(layers)
+    self.dropouts = nnx.List([nnx.Dropout(rate, rngs=rngs) for rate in rates])
+    self.deterministic = deterministic
+    self.return_carry = return_carry
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    *,
+    deterministic: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Applies the layers in turn: as `jaxlod.nn.StackedRNN.__call__`."""
+    x = check_lod(x, "x")
+    if deterministic is None:
+      deterministic = self.deterministic
+    return_carry = self.return_carry if return_carry is None else return_carry
+    extra = {} if table is None else {"table": table}
+    carries = []
+    for i, drop in enumerate(self.dropouts):
+      x = x.with_values(drop(x.values, deterministic=deterministic))
+      if i == len(self.layers):
+        break
+      if return_carry:
+        carry, out = self.layers[i](x, return_carry=True, **extra)
+        carries.append(carry)
+      else:
+        out = self.layers[i](x, **extra)
+      x = check_lod(out, f"the output of layer {i}")
+    return (tuple(carries), x) if return_carry else x
+
+
+class HierarchicalEncoder(nnx.Module):
+  """A nested RNN over a 2-level LoDTensor: inner RNN, pooling, outer RNN.
+
+  The NNX twin of `jaxlod.nn.HierarchicalEncoder`: `inner` runs over each
+  level-1 sequence, `jaxlod.ops.sequence_pool` turns each into one row and
+  `outer` runs over the rows of each level-0 sequence.
+
+  Args:
+    inner: a layer ``inner(x, return_carry=False) -> LoDTensor``.
+    outer: a layer ``outer(x, return_carry=...)`` over a 1-level LoDTensor.
+    pool_type: the `jaxlod.ops.sequence_pool` type (default ``"last"``).
+    return_carry: also return the outer layer's final carry.
+
+  Example:
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn.nnx import DynamicRNN, HierarchicalEncoder
+    >>> x = LoDTensor.from_lengths(np.ones((6, 2), np.float32), [[2, 1], [3, 1, 2]])
+    >>> rngs = nnx.Rngs(0)
+    >>> inner = DynamicRNN(nnx.GRUCell(2, 4, rngs=rngs))
+    >>> outer = DynamicRNN(nnx.GRUCell(4, 5, rngs=rngs))
+    >>> y = HierarchicalEncoder(inner, outer)(x)
+    >>> y.values.shape, y.recursive_lengths()
+    ((3, 5), [[2, 1]])
+  """
+
+  def __init__(
+    self,
+    inner: nnx.Module,
+    outer: nnx.Module,
+    *,
+    pool_type: str = "last",
+    return_carry: bool = False,
+  ):
+    self.inner = inner
+    self.outer = outer
+    self.pool_type = pool_type
+    self.return_carry = return_carry
+
+  def __call__(self, x: LoDTensor, *, return_carry: bool | None = None) -> Any:
+    """Encodes each level-1 sequence, then each level-0 sequence of them: as
+    `jaxlod.nn.HierarchicalEncoder.__call__`."""
+    return_carry = self.return_carry if return_carry is None else return_carry
+    inner = functools.partial(self.inner, return_carry=False)
+    pooled = _common.pool_levels(x, inner, self.pool_type)
+    return self.outer(pooled, return_carry=return_carry)

@@ -1,0 +1,226 @@
+"""NNX encoder-decoders over LoDTensors of token ids: Seq2Seq and
+ensemble_generate, the twins of `jaxlod.nn`'s."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlod._lod import LoDTensor
+from jaxlod.nn import _common
+from jaxlod.nn.nnx._decoder import AttentionDecoder
+from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
+from jaxlod.ops import _attention as core
+from jaxlod.ops._decode import DecodeSettings, Hypotheses
+from jaxlod.ops._pool import sequence_pool
+from jaxlod.ops._rank import RankTable
+
+
+class CarryBridge(nnx.Module):
+  """``tanh(Linear(pooled))`` per carry leaf: the twin of
+  `jaxlod.nn._seq2seq.CarryBridge`, with one ``nnx.LinearGeneral(features,
+  leaf.shape[1:])`` named ``leaf_i`` per leaf of `template`."""
+
+  def __init__(self, features: int, template: Any, *, rngs: nnx.Rngs):
+    leaves = jax.tree.leaves(template)
+    self.count = len(leaves)
+    for i, leaf in enumerate(leaves):
+      layer = nnx.LinearGeneral(features, tuple(leaf.shape[1:]), rngs=rngs)
+      setattr(self, f"leaf_{i}", layer)
+
+  def __call__(self, pooled: jax.Array, template: Any) -> Any:
+    """Maps ``pooled [b, features]`` to a carry shaped like `template`."""
+    leaves, tree = jax.tree.flatten(template)
+    out = [
+      jnp.tanh(getattr(self, f"leaf_{i}")(pooled)).astype(leaf.dtype)
+      for i, leaf in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(tree, out)
+
+
+class Seq2Seq(nnx.Module):
+  """An attention encoder-decoder over LoDTensors of token ids.
+
+  The NNX twin of `jaxlod.nn.Seq2Seq`: the same layers under the same names
+  (``src_embed``, ``tgt_embed``, ``encoder``, ``decoder``, ``carry_bridge``,
+  ``output``), methods and errors. The constructor adds the width of the
+  encoder's outputs (`features`) and `rngs`; the decoder cell's output width
+  is its ``hidden_features``. ``nnx.Module.train()`` and ``eval()`` switch
+  `deterministic`.
+
+  Args:
+    src_vocab, tgt_vocab, embed_dim, encoder, decoder, bridge, dropout,
+      deterministic: as `jaxlod.nn.Seq2Seq`'s attributes (`encoder` and
+      `decoder` NNX layers).
+    features: width of the encoder's output rows (the memory).
+    rngs: the RNGs of the initializers and of dropout.
+
+  Example:
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.nn.nnx import AttentionDecoder, DotAttention, DynamicRNN, Seq2Seq
+    >>> from jaxlod.ops import DecodeSettings
+    >>> src = LoDTensor.from_sequences([np.array([3, 1, 4]), np.array([1, 5])])
+    >>> tgt_in = LoDTensor.from_sequences([np.array([0, 2]), np.array([0, 6, 2, 2])])
+    >>> rngs = nnx.Rngs(0)
+    >>> model = Seq2Seq(
+    ...   8, 9, 5,
+    ...   DynamicRNN(nnx.LSTMCell(5, 4, rngs=rngs)),
+    ...   AttentionDecoder(nnx.LSTMCell(5, 4, rngs=rngs), DotAttention()),
+    ...   features=4, rngs=rngs,
+    ... )
+    >>> logits = model(src, tgt_in)
+    >>> logits.values.shape, logits.recursive_lengths()
+    ((6, 9), [[2, 4]])
+    >>> settings = DecodeSettings(bos_id=0, eos_id=1, max_length=4, beam_size=2)
+    >>> [len(h) for h in model.generate(src, settings).ids.to_list()]
+    [2, 2]
+  """
+
+  def __init__(
+    self,
+    src_vocab: int,
+    tgt_vocab: int,
+    embed_dim: int,
+    encoder: nnx.Module,
+    decoder: AttentionDecoder,
+    *,
+    features: int,
+    bridge: bool = True,
+    dropout: float = 0.0,
+    deterministic: bool = True,
+    rngs: nnx.Rngs,
+  ):
+    _common.check_rate(dropout, "dropout", closed=False)
+    self.src_vocab, self.tgt_vocab, self.embed_dim = src_vocab, tgt_vocab, embed_dim
+    self.encoder, self.decoder = encoder, decoder
+    self.bridge, self.deterministic = bridge, deterministic
+    self.drop = nnx.Dropout(dropout, rngs=rngs)
+    self.src_embed = nnx.Embed(src_vocab, embed_dim, rngs=rngs)
+    self.tgt_embed = nnx.Embed(tgt_vocab, embed_dim, rngs=rngs)
+    fed = features if decoder.input_feeding else 0
+    template = initialize_carry(decoder.cell, (1, embed_dim + fed))
+    self.carry_bridge = CarryBridge(features, template, rngs=rngs) if bridge else None
+    hidden = decoder.cell.hidden_features
+    self.output = nnx.Linear(hidden + features, tgt_vocab, rngs=rngs)
+
+  def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
+    """The encoder's outputs over the embedded source (see
+    `jaxlod.nn.Seq2Seq.encode`)."""
+    extra = {} if table is None else {"table": table}
+    src = _common.embed_ids(self.src_embed, src, "src")
+    return _common.check_encoded(self.encoder(src, **extra))
+
+  def initial_state(self, memory: LoDTensor) -> Any:
+    """The decoder's starting carry for `memory` (bridged or zeros)."""
+    return self.decoder.initial_state(memory, self.embed_dim, self._cell_carry(memory))
+
+  def _cell_carry(self, memory: LoDTensor) -> Any:
+    """The bridged initial cell carry, or `None` (the cell's zeros)."""
+    if not self.bridge:
+      return None
+    pooled = sequence_pool(core.check_memory_lod(memory), "average")
+    template = self.decoder.zero_carry(memory, self.embed_dim)
+    return self.carry_bridge(pooled, template)
+
+  def precompute(self, memory: LoDTensor) -> core.Memory:
+    """The `jaxlod.ops.Memory` of `memory` for `decode_step`."""
+    return self.decoder.precompute(memory)
+
+  def decode_step(
+    self, carry: Any, tokens: jax.typing.ArrayLike, memory: core.Memory
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """One decoding step from token ids to next-token logits (see
+    `jaxlod.nn.Seq2Seq.decode_step`)."""
+    embedded = self.tgt_embed(_common.check_tokens(tokens))
+    carry, y, weights = self.decoder.step(carry, embedded, memory)
+    return carry, self.output(y), weights
+
+  def generate(
+    self,
+    src: LoDTensor,
+    settings: DecodeSettings,
+    *,
+    max_lengths: jax.typing.ArrayLike | None = None,
+    src_table: RankTable | None = None,
+  ) -> Hypotheses:
+    """Decodes every source: `ensemble_generate` with this model as the one
+    member (see `jaxlod.nn.Seq2Seq.generate`)."""
+    return ensemble_generate(
+      [self], src, settings, max_lengths=max_lengths, src_table=src_table
+    )
+
+  def __call__(
+    self,
+    src: LoDTensor,
+    tgt_in: LoDTensor,
+    *,
+    return_weights: bool = False,
+    src_table: RankTable | None = None,
+    tgt_table: RankTable | None = None,
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+    """Teacher-forced logits of every target position (see
+    `jaxlod.nn.Seq2Seq.__call__`)."""
+    memory = self.encode(src, src_table)
+    tgt = _common.embed_ids(self.tgt_embed, tgt_in, "tgt_in")
+    # Dropout keeps zero padding rows at zero.
+    dropped = self.drop(tgt.values, deterministic=self.deterministic)
+    tgt = tgt.with_values(dropped)
+    outputs = self.decoder(
+      tgt,
+      memory,
+      self._cell_carry(memory),
+      return_weights=return_weights,
+      table=tgt_table,
+    )
+    weights = None
+    if return_weights:
+      outputs, weights = outputs
+    dropped = self.drop(outputs.values, deterministic=self.deterministic)
+    logits = _common.zero_padding(outputs, self.output(dropped))
+    return logits if weights is None else (logits, weights)
+
+
+def ensemble_generate(
+  members: Sequence[Seq2Seq],
+  src: LoDTensor,
+  settings: DecodeSettings,
+  *,
+  max_lengths: jax.typing.ArrayLike | None = None,
+  src_table: RankTable | None = None,
+) -> Hypotheses:
+  """Decodes every source with an ensemble of encoder-decoders.
+
+  The NNX twin of `jaxlod.nn.ensemble_generate`, with the members given as
+  `Seq2Seq` modules (their parameters are their state). Works under
+  `nnx.jit` with `settings` static.
+
+  Raises:
+    TypeError: for a member that is not a `Seq2Seq`.
+    ValueError: for no members, members with different ``tgt_vocab``, and
+      as `Seq2Seq.generate` does.
+  """
+  members = list(members)
+  for k, model in enumerate(members):
+    if not isinstance(model, Seq2Seq):
+      raise TypeError(
+        f"Expected `members[{k}]` to be a Seq2Seq, got {type(model).__name__}."
+      )
+  _common.check_vocabs([model.tgt_vocab for model in members])
+  pure = [
+    _common.Member(
+      model.encode,
+      model.initial_state,
+      model.precompute,
+      functional_call(model, "decode_step"),
+    )
+    for model in members
+  ]
+  return _common.generate(
+    pure, src, settings, max_lengths=max_lengths, src_table=src_table
+  )
