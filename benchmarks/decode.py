@@ -3,13 +3,16 @@
 One attention encoder-decoder, one batch, decoded twice by
 `jaxlod.nn.Seq2Seq.generate` (beam 4, one result per source):
 
-* ``jaxlod``: the default ``compact=True``. A source leaves the loop when it
-  is done; between phases the live sources are compacted to a prefix and the
-  loop moves to a smaller static size (64, 32, 16, ... sources), so the cost
-  follows the live sources.
-* ``batchwide``: ``compact=False``, one phase at full size: every source is
+* ``jaxlod``: the default ladder (``DecodeSettings(ladder=None)``). A source
+  leaves the loop when it is done; between phases the live sources are
+  compacted to a prefix and the loop moves to a smaller static size (64, 32,
+  16, ... sources), so the cost follows the live sources.
+* ``batchwide``: ``ladder=()``, one phase at full size: every source is
   stepped until all are done (the batch-wide stop of Flax's ``examples/wmt``
   loop), done sources frozen so the results are the same.
+
+Both arms share every other setting (one `jaxlod.ops.DecodeSettings`, a
+static argument of the jitted call) and differ only in ``ladder``.
 
 The model: embeddings (256), an LSTM encoder (256), an LSTM decoder (256)
 with additive (Bahdanau) attention over the encoder outputs, its initial
@@ -20,14 +23,15 @@ The batch: 64 sources, 58 short (6 to 10 tokens) and 6 five times longer
 once.
 
 Output lengths are set, not learned. Each source may generate twice its
-length (``max_length`` per source, ``length_capacity`` 100), and the ``eos``
-logit of the random model is lowered by 100 (its bias in the ``output``
-layer), so eos is never chosen and every hypothesis runs to its source's max
-length: output lengths are skewed like the sources (most 12 to 20 tokens, a
-few 60 to 100). The JSON reports them (``output_lengths``, of the best
-hypotheses). (At this seed the unshifted random model never picks eos
-either; the shift makes it certain.) A trained model would end at
-data-dependent places; the timing depends only on where each source stops.
+length (``max_lengths`` per source, under a length capacity
+``settings.max_length`` of 100), and the ``eos`` logit of the random model
+is lowered by 100 (its bias in the ``output`` layer), so eos is never chosen
+and every hypothesis runs to its source's max length: output lengths are
+skewed like the sources (most 12 to 20 tokens, a few 60 to 100). The JSON
+reports them (``output_lengths``, of the best hypotheses). (At this seed the
+unshifted random model never picks eos either; the shift makes it certain.)
+A trained model would end at data-dependent places; the timing depends only
+on where each source stops.
 
 Time: the median of interleaved runs of both arms in one process, each a
 jitted call blocked on its results; compile (lower and compile, ahead of
@@ -56,6 +60,7 @@ import numpy as np
 from jaxlod import Buckets, LoDTensor
 from jaxlod.examples._timing import machine_info, measure_interleaved
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
+from jaxlod.ops import DecodeSettings
 
 HIDDEN = 256
 EMBED = 256
@@ -67,7 +72,7 @@ BATCH = 64
 NUM_LONG = 6
 SHORT = (6, 10)  # source lengths, inclusive
 LONG_FACTOR = 5
-OUTPUT_FACTOR = 2  # max_length = OUTPUT_FACTOR * source length
+OUTPUT_FACTOR = 2  # max_lengths = OUTPUT_FACTOR * source length
 BEAM = 4
 LENGTH_CAPACITY = OUTPUT_FACTOR * LONG_FACTOR * SHORT[1]
 BUCKETS = Buckets.fixed(tokens=1024, sequences=BATCH, time=LONG_FACTOR * SHORT[1])
@@ -113,29 +118,31 @@ def init_params(src: LoDTensor) -> Any:
   return params
 
 
-def decoder(compact: bool, cls: type[Seq2Seq] = Seq2Seq):
-  """The jitted decoding call of one arm: ``(params, src, max_length) -> ids``."""
-  model = make_model(cls)
+def settings(ladder: tuple[int, ...] | None) -> DecodeSettings:
+  """One arm's settings: beam `BEAM`, one result, length capacity
+  `LENGTH_CAPACITY`; `ladder` ``None`` (compaction) or ``()`` (batch-wide)."""
+  return DecodeSettings(
+    bos_id=BOS,
+    eos_id=EOS,
+    max_length=LENGTH_CAPACITY,
+    beam_size=BEAM,
+    num_results=1,
+    ladder=ladder,
+  )
 
-  def generate(params, src, max_length):
-    return model.apply(
-      params,
-      src,
-      "beam",
-      method="generate",
-      bos_id=BOS,
-      eos_id=EOS,
-      max_length=max_length,
-      length_capacity=LENGTH_CAPACITY,
-      beam_size=BEAM,
-      num_results=1,
-      compact=compact,
-    )
+
+def decoder(ladder: tuple[int, ...] | None, cls: type[Seq2Seq] = Seq2Seq):
+  """The jitted decoding call of one arm: ``(params, src, max_lengths) -> ids``."""
+  model = make_model(cls)
+  arm = settings(ladder)
+
+  def generate(params, src, max_lengths):
+    return model.apply(params, src, arm, method="generate", max_lengths=max_lengths)
 
   return jax.jit(generate)
 
 
-ARMS = {"jaxlod": True, "batchwide": False}
+ARMS: dict[str, tuple[int, ...] | None] = {"jaxlod": None, "batchwide": ()}
 
 # -- measurements -------------------------------------------------------------------
 
@@ -143,21 +150,21 @@ ARMS = {"jaxlod": True, "batchwide": False}
 class _CountingSeq2Seq(Seq2Seq):
   """`Seq2Seq` whose decoder step reports its batch size (rows: sources x beams)."""
 
-  def decode_step(self, carry, tokens, memory, lengths, keys=None):
+  def decode_step(self, carry, tokens, memory):
     rows = jnp.shape(tokens)[0]
     jax.debug.callback(lambda: _STEP_ROWS.append(rows))
-    return super().decode_step(carry, tokens, memory, lengths, keys)
+    return super().decode_step(carry, tokens, memory)
 
 
 _STEP_ROWS: list[int] = []
 
 
-def count_steps(params: Any, src: LoDTensor, max_length: jax.Array) -> dict[str, Any]:
+def count_steps(params: Any, src: LoDTensor, max_lengths: jax.Array) -> dict[str, Any]:
   """Loop steps and source steps of each arm, from an instrumented run."""
   out = {}
-  for arm, compact in ARMS.items():
+  for arm, ladder in ARMS.items():
     _STEP_ROWS.clear()
-    jax.block_until_ready(decoder(compact, _CountingSeq2Seq)(params, src, max_length))
+    jax.block_until_ready(decoder(ladder, _CountingSeq2Seq)(params, src, max_lengths))
     jax.effects_barrier()
     out[arm] = {
       "loop_steps": len(_STEP_ROWS),
@@ -200,19 +207,22 @@ def output_lengths(hyps: Any) -> dict[str, Any]:
 def run(repeats: int) -> dict[str, Any]:
   start = time.perf_counter()
   machine = machine_info()
-  src, max_length = make_batch()
+  src, max_lengths = make_batch()
   params = init_params(src)
   compiled, compile_s = {}, {}
-  for arm, compact in ARMS.items():
+  for arm, ladder in ARMS.items():
     tic = time.perf_counter()
-    compiled[arm] = decoder(compact).lower(params, src, max_length).compile()
+    compiled[arm] = decoder(ladder).lower(params, src, max_lengths).compile()
     compile_s[arm] = time.perf_counter() - tic
   calls = {
-    arm: (lambda arm=arm: compiled[arm](params, src, max_length), jax.block_until_ready)
+    arm: (
+      lambda arm=arm: compiled[arm](params, src, max_lengths),
+      jax.block_until_ready,
+    )
     for arm in ARMS
   }
   times = measure_interleaved(calls, repeats)
-  results = {arm: compiled[arm](params, src, max_length) for arm in ARMS}
+  results = {arm: compiled[arm](params, src, max_lengths) for arm in ARMS}
   jaxlod_s = times["jaxlod"]["median_s"]
   batchwide_s = times["batchwide"]["median_s"]
   same = compare(results["jaxlod"], results["batchwide"])
@@ -229,7 +239,7 @@ def run(repeats: int) -> dict[str, Any]:
     "score_tolerance": SCORE_TOLERANCE,
     "compile_s": compile_s,
     "times_s": {arm: times[arm]["times_s"] for arm in ARMS},
-    "decode_steps": count_steps(params, src, max_length),
+    "decode_steps": count_steps(params, src, max_lengths),
     "output_lengths": output_lengths(results["jaxlod"]),
     "source_lengths": summary(source_lengths()),
     "setup": {

@@ -1,8 +1,10 @@
-"""greedy_decode and beam_search: against exhaustive search and a plain-Python
-reference of the beam rule, early exit, compaction, jit, and bad inputs."""
+"""DecodeSettings, beam_search (greedy for a beam of one) and ensemble_step:
+against exhaustive search, a plain-Python reference of the beam rule and a
+hand-written argmax loop; early exit, compaction, jit, and bad inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -13,20 +15,28 @@ import pytest
 from jax.experimental import checkify
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.ops import Hypotheses, beam_search, greedy_decode
+from jaxlod.ops import DecodeSettings, Hypotheses, beam_search, ensemble_step
 
-# -- a tiny recurrent model: vocab 4 (eos 0), bos 4, one row per source -----------
+# -- a tiny recurrent model: vocab 4 (eos 0, bos 3), one row per source ------------
 
-VOCAB, EOS, BOS, HIDDEN = 4, 0, 4, 3
+# `bos` must lie in the step's vocabulary; it differs from `eos`, so a loop that
+# fed `eos` as the first input would decode other hypotheses than the references.
+VOCAB, EOS, BOS, HIDDEN = 4, 0, 3, 3
 _rng = np.random.default_rng(0)
-EMBED = jnp.asarray(_rng.normal(size=(VOCAB + 1, HIDDEN)), jnp.float32)
+EMBED = jnp.asarray(_rng.normal(size=(VOCAB, HIDDEN)), jnp.float32)
 RECUR = jnp.asarray(_rng.normal(size=(HIDDEN, HIDDEN)), jnp.float32)
 OUT = jnp.asarray(1.5 * _rng.normal(size=(HIDDEN, VOCAB)), jnp.float32)
 
 
-def step(h, tokens, static):
+def logits_step(h, tokens, static):
+  """The model's unnormalized step: ``(h [b, HIDDEN], logits [b, VOCAB])``."""
   h = jnp.tanh(EMBED[tokens] + h @ RECUR + static)
-  return h, jax.nn.log_softmax(h @ OUT, axis=-1)
+  return h, h @ OUT
+
+
+def step(h, tokens, static):
+  h, logits = logits_step(h, tokens, static)
+  return h, jax.nn.log_softmax(logits, axis=-1)
 
 
 def sources(count: int, seed: int = 1):
@@ -131,6 +141,35 @@ def reference_greedy(table, max_length):
       return tokens, logp
 
 
+def argmax_loop(step_fn, init, bias, max_lengths, alpha: float):
+  """Greedy decoding written out over the whole batch: every source feeds
+  back its most likely token until `eos` or its max length. Per source:
+  ``[(tokens, logp / penalty(steps, alpha))]``."""
+  step_fn = jax.jit(step_fn)
+  count = init.shape[0]
+  h, last = init, jnp.full((count,), BOS, jnp.int32)
+  tokens, logp = [() for _ in range(count)], np.zeros(count, np.float32)
+  steps, done = np.zeros(count, int), np.zeros(count, bool)
+  for _ in range(int(np.max(max_lengths))):
+    h, lp = step_fn(h, last, bias)
+    lp = np.asarray(lp)
+    best = lp.argmax(-1)
+    for i in np.flatnonzero(~done):
+      logp[i] = np.float32(logp[i] + lp[i, best[i]])
+      steps[i] += 1
+      if best[i] == EOS:
+        done[i] = True
+      else:
+        tokens[i] += (int(best[i]),)
+        done[i] = len(tokens[i]) >= max_lengths[i]
+    if done.all():
+      break
+    last = jnp.asarray(best, jnp.int32)
+  return [
+    [(tokens[i], np.float32(logp[i] / penalty(steps[i], alpha)))] for i in range(count)
+  ]
+
+
 def as_lists(result: Hypotheses):
   """Per source: a list of (tokens tuple, score)."""
   ids, scores = result.ids.to_list(), result.scores.to_list()
@@ -147,31 +186,133 @@ def assert_same(actual, expected, rtol=1e-5):
     np.testing.assert_allclose([s for _, s in a], [s for _, s in e], rtol=rtol)
 
 
+def tokens_of(lists):
+  return [[h for h, _ in source] for source in lists]
+
+
 COUNT = 3
 MAX_LENGTHS = (4, 2, 3)
 INIT, BIAS = sources(COUNT)
 TABLES = [prefix_table(INIT[i], BIAS[i], 4) for i in range(COUNT)]
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=("k", "alpha", "num_results", "compact", "ladder"),
-)
-def run_beam(init, bias, max_length, k, alpha, num_results, compact=True, ladder=None):
-  return beam_search(
-    step,
-    init,
-    beam_size=k,
+def beam(k=2, alpha=0.6, num_results=None, ladder=None, max_length=4):
+  """The settings of this file's model (length capacity 4 by default)."""
+  return DecodeSettings(
     bos_id=BOS,
     eos_id=EOS,
     max_length=max_length,
-    length_capacity=4,
+    beam_size=k,
     length_penalty=alpha,
-    static_inputs=bias,
     num_results=num_results,
-    compact=compact,
     ladder=ladder,
   )
+
+
+@functools.partial(jax.jit, static_argnames=("settings",))
+def run_beam(init, bias, max_lengths, settings):
+  return beam_search(step, init, settings, static_inputs=bias, max_lengths=max_lengths)
+
+
+# -- DecodeSettings -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("changes", "error", "match"),
+  [
+    (dict(bos_id=-1), ValueError, r"Expected `bos_id` >= 0, got -1\."),
+    (dict(bos_id=1.0), TypeError, r"Expected `bos_id` to be a static int, got 1\.0\."),
+    (dict(eos_id=-2), ValueError, r"Expected `eos_id` >= 0, got -2\."),
+    (dict(eos_id=jnp.array(0)), TypeError, r"`eos_id` to be a static int, got Array"),
+    (dict(max_length=0), ValueError, r"Expected `max_length` >= 1, got 0\."),
+    (
+      dict(max_length=jnp.array([2, 3])),
+      TypeError,
+      r"`max_length` to be a static int, got Array",
+    ),
+    (dict(beam_size=0), ValueError, r"Expected `beam_size` >= 1, got 0\."),
+    (dict(beam_size=2.0), TypeError, r"`beam_size` to be a static int, got 2\.0\."),
+    (dict(beam_size=True), TypeError, r"`beam_size` to be a static int, got True\."),
+    (dict(num_results=0), ValueError, r"Expected `num_results` >= 1, got 0\."),
+    (
+      dict(num_results=5),
+      ValueError,
+      r"Expected `num_results` <= `beam_size` \(4\), got 5\.",
+    ),
+    (
+      dict(beam_size=2, num_results=3),
+      ValueError,
+      r"`num_results` <= `beam_size` \(2\), got 3\.",
+    ),
+    (dict(num_results=1.0), TypeError, r"`num_results` to be a static int, got 1\.0"),
+    (
+      dict(length_penalty=-0.5),
+      ValueError,
+      r"Expected `length_penalty` >= 0 \(the early exit's bound needs a penalty "
+      r"that grows with the length\), got -0\.5\.",
+    ),
+    (dict(length_penalty=float("nan")), ValueError, r"`length_penalty` >= 0 .*nan"),
+    (
+      dict(length_penalty=jnp.array(0.6)),
+      TypeError,
+      r"Expected `length_penalty` to be a static float, got Array\(0\.6",
+    ),
+    (dict(length_penalty=True), TypeError, r"`length_penalty` to be a static float"),
+    (dict(length_penalty="0.6"), TypeError, r"static float, got '0\.6'\."),
+    (
+      dict(ladder="8,4"),
+      TypeError,
+      r"Expected `ladder` to be a sequence of ints or None, got '8,4'\.",
+    ),
+    (dict(ladder=4), TypeError, r"`ladder` to be a sequence of ints or None, got 4\."),
+  ],
+)
+def test_decode_settings_rejects_bad_fields(changes, error, match):
+  fields = dict(bos_id=1, eos_id=2, max_length=5)
+  with pytest.raises(error, match=match):
+    DecodeSettings(**(fields | changes))
+
+
+def test_decode_settings_normalizes_its_fields():
+  settings = DecodeSettings(
+    bos_id=np.int64(1),
+    eos_id=np.int32(0),
+    max_length=np.int16(5),
+    beam_size=np.int8(3),
+    length_penalty=1,
+    ladder=[8, 2],
+  )
+  assert settings == DecodeSettings(1, 0, 5, 3, 1.0, None, (8, 2))
+  for name in ("bos_id", "eos_id", "max_length", "beam_size"):
+    assert type(getattr(settings, name)) is int
+  assert type(settings.length_penalty) is float
+  assert settings.ladder == (8, 2)
+  assert settings.results == 3
+  assert dataclasses.replace(settings, num_results=2).results == 2
+  assert DecodeSettings(bos_id=1, eos_id=2, max_length=5).results == 4
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    settings.beam_size = 2
+
+
+def test_decode_settings_is_a_static_argument_of_jit():
+  a, b = beam(k=2, ladder=[8, 2]), beam(k=2, ladder=(8, 2))
+  assert a == b and a is not b and hash(a) == hash(b)
+  assert len({a, b, beam(k=3)}) == 2
+  traces = []
+
+  @functools.partial(jax.jit, static_argnames=("settings",))
+  def decode(init, bias, settings):
+    traces.append(settings)
+    return beam_search(step, init, settings, static_inputs=bias)
+
+  init, bias = sources(8, seed=3)
+  first = decode(init, bias, a)
+  again = decode(init, bias, b)  # equal settings: the same compiled program
+  assert len(traces) == 1
+  assert_same(as_lists(again), as_lists(first))
+  wider = decode(init, bias, dataclasses.replace(a, beam_size=3))
+  assert len(traces) == 2
+  assert wider.ids.capacity.sequences == (8, 24)
 
 
 # -- against exhaustive search ------------------------------------------------------
@@ -182,7 +323,7 @@ def run_beam(init, bias, max_length, k, alpha, num_results, compact=True, ladder
 @pytest.mark.parametrize("results", ["one", "all"])
 def test_beam_search_follows_the_rule_on_the_exhaustive_table(k, alpha, results):
   num_results = 1 if results == "one" else k
-  out = run_beam(INIT, BIAS, jnp.array(MAX_LENGTHS), k, alpha, num_results)
+  out = run_beam(INIT, BIAS, jnp.array(MAX_LENGTHS), beam(k, alpha, num_results))
   expected = [
     reference_beam(TABLES[i], k, MAX_LENGTHS[i], alpha, num_results)
     for i in range(COUNT)
@@ -192,7 +333,7 @@ def test_beam_search_follows_the_rule_on_the_exhaustive_table(k, alpha, results)
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
 def test_every_returned_score_is_the_exhaustive_score(alpha):
-  out = as_lists(run_beam(INIT, BIAS, jnp.array(MAX_LENGTHS), 4, alpha, 4))
+  out = as_lists(run_beam(INIT, BIAS, jnp.array(MAX_LENGTHS), beam(4, alpha)))
   for i in range(COUNT):
     exhaustive = dict(every_hypothesis(TABLES[i], MAX_LENGTHS[i], alpha))
     for tokens, score in out[i]:
@@ -203,7 +344,8 @@ def test_every_returned_score_is_the_exhaustive_score(alpha):
 def test_a_beam_as_wide_as_the_search_space_is_exhaustive(num_results):
   # Vocab 4, length 4: 1 + 3 + 9 + 27 hypotheses end with eos, 81 are
   # truncated; a beam of 121 keeps every one of them.
-  out = as_lists(run_beam(INIT, BIAS, jnp.array([4, 4, 4]), 121, 0.6, num_results))
+  settings = beam(121, 0.6, num_results)
+  out = as_lists(run_beam(INIT, BIAS, jnp.array([4, 4, 4]), settings))
   for i in range(COUNT):
     everything = every_hypothesis(TABLES[i], 4, 0.6)
     assert len(everything) == 121
@@ -211,40 +353,34 @@ def test_a_beam_as_wide_as_the_search_space_is_exhaustive(num_results):
     assert_same([out[i]], [best])
 
 
-def test_greedy_matches_the_reference():
-  out = greedy_decode(
-    step,
-    INIT,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=jnp.array(MAX_LENGTHS),
-    static_inputs=BIAS,
-  )
+def test_a_beam_of_one_is_greedy_on_the_exhaustive_table():
+  # Without a length penalty the scores are the summed log-probabilities.
+  out = run_beam(INIT, BIAS, jnp.array(MAX_LENGTHS), beam(1, 0.0))
   expected = [[reference_greedy(TABLES[i], MAX_LENGTHS[i])] for i in range(COUNT)]
   assert_same(as_lists(out), expected)
 
 
+def eos_shy(h, tokens, static):
+  """`step` with the eos logit lowered by 1: greedy runs of every length."""
+  h, logits = logits_step(h, tokens, static)
+  return h, jax.nn.log_softmax(logits.at[:, EOS].add(-1.0), axis=-1)
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_greedy_equals_beam_size_one(alpha):
+def test_a_beam_of_one_is_the_argmax_loop(alpha):
+  # The tokens never depend on the length penalty; the scores are the summed
+  # log-probabilities (alpha 0) or those divided by the penalty (0.6, default).
   init, bias = sources(16, seed=7)
-  lengths = jnp.asarray(np.random.default_rng(2).integers(1, 5, size=16))
-  greedy = greedy_decode(
-    step, init, bos_id=BOS, eos_id=EOS, max_length=lengths, static_inputs=bias
+  lengths = np.random.default_rng(2).integers(1, 5, size=16)
+  out = beam_search(
+    eos_shy, init, beam(1, alpha), static_inputs=bias, max_lengths=lengths
   )
-  beam = beam_search(
-    step,
-    init,
-    beam_size=1,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=lengths,
-    length_penalty=alpha,
-    static_inputs=bias,
-  )
-  g, b = as_lists(greedy), as_lists(beam)
-  assert [[h for h, _ in s] for s in g] == [[h for h, _ in s] for s in b]
-  if alpha == 0:
-    assert_same(g, b)
+  expected = argmax_loop(eos_shy, init, bias, lengths, alpha)
+  assert_same(as_lists(out), expected)
+  got = [len(source[0][0]) for source in expected]
+  assert set(got) == {0, 1, 2, 3, 4}
+  assert any(0 < n < m for n, m in zip(got, lengths, strict=True))  # ended by eos
+  assert any(n == m > 1 for n, m in zip(got, lengths, strict=True))  # truncated
 
 
 # -- early exit and compaction ------------------------------------------------------
@@ -262,22 +398,25 @@ def test_the_early_exit_bound_never_changes_results(k, alpha):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_compaction_never_changes_results(k):
+  # `ladder=()`: one phase at the full count capacity, a batch-wide stop.
   init, bias = sources(8, seed=3)
   lengths = jnp.asarray(np.random.default_rng(4).integers(1, 5, size=8))
-  batchwide = run_beam(init, bias, lengths, k, 0.6, k, compact=False)
+  batchwide = as_lists(run_beam(init, bias, lengths, beam(k, ladder=())))
   for ladder in [None, (8, 7, 6, 5, 4, 3, 2, 1), (8, 2)]:
-    compacted = run_beam(init, bias, lengths, k, 0.6, k, ladder=ladder)
-    assert_same(as_lists(compacted), as_lists(batchwide), rtol=1e-6)
+    compacted = as_lists(run_beam(init, bias, lengths, beam(k, ladder=ladder)))
+    assert tokens_of(compacted) == tokens_of(batchwide)
+    assert_same(compacted, batchwide, rtol=1e-6)
 
 
 def test_decoded_together_or_one_by_one():
   init, bias = sources(6, seed=5)
   lengths = np.random.default_rng(6).integers(1, 5, size=6)
-  together = as_lists(run_beam(init, bias, jnp.asarray(lengths), 3, 0.6, 2))
+  settings = beam(3, 0.6, 2)
+  together = as_lists(run_beam(init, bias, jnp.asarray(lengths), settings))
   alone = [
     as_lists(
       run_beam(
-        init[i : i + 1], bias[i : i + 1], jnp.asarray(lengths[i : i + 1]), 3, 0.6, 2
+        init[i : i + 1], bias[i : i + 1], jnp.asarray(lengths[i : i + 1]), settings
       )
     )[0]
     for i in range(6)
@@ -285,7 +424,8 @@ def test_decoded_together_or_one_by_one():
   assert_same(together, alone)
 
 
-def test_the_step_runs_on_shrinking_prefixes():
+def recorded_sizes(settings: DecodeSettings) -> list[int]:
+  """The distinct batch sizes the step is traced at, largest first."""
   sizes = []
 
   def recording(h, tokens, static):
@@ -293,17 +433,23 @@ def test_the_step_runs_on_shrinking_prefixes():
     return step(h, tokens, static)
 
   init, bias = sources(8, seed=3)
-  beam_search(
-    recording,
+  # Tracing is enough: each phase traces the step once, at its static size.
+  jax.eval_shape(
+    functools.partial(beam_search, recording, settings=settings),
     init,
-    beam_size=2,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=4,
     static_inputs=bias,
   )
+  return sorted(set(sizes), reverse=True)
+
+
+def test_the_step_runs_on_shrinking_prefixes():
   # A probe at the full size, then one trace per phase: 8, 4, 2, 1 sources.
-  assert sorted(set(sizes), reverse=True) == [16, 8, 4, 2]
+  assert recorded_sizes(beam(2)) == [16, 8, 4, 2]
+
+
+def test_an_empty_ladder_runs_one_phase_at_full_size():
+  assert recorded_sizes(beam(2, ladder=())) == [16]
+  assert recorded_sizes(beam(2, ladder=(8, 2))) == [16, 4]
 
 
 @pytest.mark.slow
@@ -315,20 +461,8 @@ def test_sources_stop_at_their_own_length():
 
   init, bias = sources(5, seed=8)
   lengths = jnp.array([1, 4, 2, 3, 1])
-  for out in [
-    greedy_decode(
-      no_eos, init, bos_id=BOS, eos_id=EOS, max_length=lengths, static_inputs=bias
-    ),
-    beam_search(
-      no_eos,
-      init,
-      beam_size=3,
-      bos_id=BOS,
-      eos_id=EOS,
-      max_length=lengths,
-      static_inputs=bias,
-    ),
-  ]:
+  for settings in [beam(1), beam(3)]:
+    out = beam_search(no_eos, init, settings, static_inputs=bias, max_lengths=lengths)
     for hyps, n in zip(out.ids.to_list(), lengths.tolist(), strict=True):
       assert hyps and all(len(h) == n for h in hyps)
 
@@ -350,65 +484,41 @@ def test_lod_static_inputs_padding_and_empty_sources():
     seqs, buckets=Buckets.fixed(tokens=8, sequences=5, time=4)
   )
   init = jnp.asarray(rng.normal(size=(5, HIDDEN)), jnp.float32)
-  out = beam_search(
-    lod_step,
-    init,
-    beam_size=2,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=3,
-    static_inputs=memory,
-  )
+  settings = beam(2, max_length=3)
+  out = beam_search(lod_step, init, settings, static_inputs=memory)
   lengths = out.ids.recursive_lengths()
   assert lengths[0] == [2, 2, 2]  # padding sources 3 and 4 get nothing
   assert out.ids.capacity.sequences == (5, 10)
   assert out.scores.recursive_lengths() == [[2, 2, 2]]
   # The empty source decodes from its init carry with a zero pooled memory.
-  alone = beam_search(
-    step,
-    init[1:2],
-    beam_size=2,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=3,
-    static_inputs=jnp.zeros((1, HIDDEN)),
-  )
+  alone = beam_search(step, init[1:2], settings, static_inputs=jnp.zeros((1, HIDDEN)))
   assert_same([as_lists(out)[1]], as_lists(alone))
 
 
 def test_num_sources_marks_padding_rows():
   init, bias = sources(4)
-  out = greedy_decode(
-    step,
-    init,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=4,
-    static_inputs=bias,
-    num_sources=2,
-  )
+  out = beam_search(step, init, beam(1), static_inputs=bias, num_sources=2)
   assert out.ids.recursive_lengths()[0] == [1, 1]
   assert int(out.ids.num_outer) == 2
 
 
-def test_inferred_length_capacity_ignores_padding_rows():
+def test_max_lengths_of_padding_rows_are_not_checked():
   init, bias = sources(4)
-  out = greedy_decode(
+  out = beam_search(
     step,
     init,
-    bos_id=BOS,
-    eos_id=EOS,
-    max_length=np.array([3, 2, 0, 99]),  # rows 2 and 3 are padding
+    beam(1, max_length=3),
     static_inputs=bias,
+    max_lengths=np.array([3, 2, 0, 99]),  # rows 2 and 3 are padding
     num_sources=2,
   )
-  assert out.ids.capacity.time == (1, 3)
+  assert out.ids.capacity.time == (1, 3)  # from `settings.max_length`
   assert all(len(h[0]) <= n for h, n in zip(out.ids.to_list(), [3, 2], strict=True))
 
 
 def test_results_are_sorted_and_never_hold_eos():
   init, bias = sources(8, seed=11)
-  out = run_beam(init, bias, jnp.full((8,), 4), 4, 0.6, 4)
+  out = run_beam(init, bias, jnp.full((8,), 4), beam(4))
   for hyps, scores in zip(out.ids.to_list(), out.scores.to_list(), strict=True):
     assert np.all(np.diff(scores) <= 0)
     assert all(EOS not in h.tolist() for h in hyps)
@@ -418,20 +528,12 @@ def test_results_are_sorted_and_never_hold_eos():
 
 def test_compiles_once_under_jit():
   traces = []
+  settings = beam(2)
 
   @jax.jit
   def decode(init, bias, lengths):
     traces.append(1)
-    return beam_search(
-      step,
-      init,
-      beam_size=2,
-      bos_id=BOS,
-      eos_id=EOS,
-      max_length=lengths,
-      length_capacity=4,
-      static_inputs=bias,
-    )
+    return beam_search(step, init, settings, static_inputs=bias, max_lengths=lengths)
 
   for seed in range(4):
     init, bias = sources(6, seed=seed)
@@ -441,69 +543,162 @@ def test_compiles_once_under_jit():
   assert decode._cache_size() == 1
 
 
+# -- ensemble_step --------------------------------------------------------------------
+
+TOKENS = jnp.array([BOS, 1, 2], jnp.int32)
+
+
+BIGRAM = jnp.asarray(np.random.default_rng(12).normal(size=(VOCAB, VOCAB)), jnp.float32)
+
+
+def bigram_step(count, tokens, scale):
+  """A second member with another carry and static input: ``(count [b],
+  logits [b, VOCAB])`` from a bigram table, scaled per row."""
+  return count + 1, BIGRAM[tokens] * scale[:, None]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_ensemble_of_one_is_its_log_softmax(dtype):
+  def member(h, tokens, static):
+    h, logits = logits_step(h, tokens, static)
+    return h, logits.astype(dtype)
+
+  (h,), log_probs = jax.jit(ensemble_step([member]))((INIT,), TOKENS, (BIAS,))
+  want_h, logits = jax.jit(member)(INIT, TOKENS, BIAS)
+  want = jax.jit(jax.nn.log_softmax)(logits.astype(jnp.float32))
+  assert log_probs.dtype == jnp.float32
+  np.testing.assert_array_equal(log_probs, want)
+  np.testing.assert_array_equal(h, want_h)
+
+
+def test_an_ensemble_of_two_is_the_mean_of_their_log_softmax():
+  carries = (INIT, jnp.zeros(3, jnp.int32))
+  statics = (BIAS, jnp.array([1.0, 2.0, 0.5]))
+  ensemble = jax.jit(ensemble_step([logits_step, bigram_step]))
+  (h, count), log_probs = ensemble(carries, TOKENS, statics)
+  want_h, a = logits_step(INIT, TOKENS, BIAS)
+  _, b = bigram_step(carries[1], TOKENS, statics[1])
+  want = (jax.nn.log_softmax(a) + jax.nn.log_softmax(b)) / 2
+  np.testing.assert_allclose(log_probs, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(count, [1, 1, 1])
+
+
+def test_an_ensemble_of_identical_members_decodes_as_one():
+  settings = beam(3)
+  lengths = jnp.array(MAX_LENGTHS)
+  one = run_beam(INIT, BIAS, lengths, settings)
+
+  @jax.jit
+  def decode(init, bias, lengths):
+    return beam_search(
+      ensemble_step([logits_step, logits_step]),
+      (init, init),
+      settings,
+      static_inputs=(bias, bias),
+      max_lengths=lengths,
+    )
+
+  assert_same(as_lists(decode(INIT, BIAS, lengths)), as_lists(one))
+
+
+def test_ensemble_step_rejects_no_members_and_other_vocabularies():
+  with pytest.raises(ValueError, match=r"at least one member step, got none\."):
+    ensemble_step([])
+
+  def wider(h, tokens, static):
+    return h, jnp.zeros((tokens.shape[0], VOCAB + 1))
+
+  with pytest.raises(
+    ValueError,
+    match=r"Expected every member to share the vocabulary: member 0 gives 4 "
+    r"log-probabilities, member 1 gives 5\.",
+  ):
+    ensemble_step([logits_step, wider])((INIT, INIT), TOKENS, (BIAS, BIAS))
+  with pytest.raises(ValueError, match=r"member 1 gives 5\."):
+    beam_search(
+      ensemble_step([logits_step, wider]),
+      (INIT, INIT),
+      beam(2),
+      static_inputs=(BIAS, BIAS),
+    )
+
+
 # -- bad inputs -----------------------------------------------------------------------
 
 
-def _beam(step_fn=step, **kwargs):
-  args = dict(beam_size=2, bos_id=BOS, eos_id=EOS, max_length=4, static_inputs=BIAS)
-  return beam_search(step_fn, INIT, **(args | kwargs))
+def _beam(step_fn=step, settings=None, **kwargs):
+  settings = beam(2) if settings is None else settings
+  return beam_search(step_fn, INIT, settings, **(dict(static_inputs=BIAS) | kwargs))
 
 
 @pytest.mark.parametrize(
-  ("kwargs", "error", "match"),
+  ("changes", "kwargs", "error", "match"),
   [
-    (dict(beam_size=0), ValueError, r"Expected `beam_size` >= 1, got 0"),
-    (dict(beam_size=2.0), TypeError, r"`beam_size` to be a static int"),
-    (dict(num_results=3), ValueError, r"`num_results` <= `beam_size` \(2\), got 3"),
-    (dict(num_results=0), ValueError, r"`num_results` >= 1, got 0"),
-    (dict(length_penalty=-0.5), ValueError, r"`length_penalty` >= 0 .*got -0.5"),
     (
-      dict(length_penalty=jnp.array(0.6)),
+      dict(eos_id=4),
+      {},
+      ValueError,
+      r"Expected `eos_id` in \[0, 4\) \(the vocabulary of `step_fn`\), got 4\.",
+    ),
+    (
+      dict(bos_id=4),
+      {},
+      ValueError,
+      r"Expected `bos_id` in \[0, 4\) \(the vocabulary of `step_fn`\), got 4\.",
+    ),
+    (dict(ladder=(5,)), {}, ValueError, r"`ladder\[0\]` in \[1, 3\]"),
+    (dict(ladder=(2.0,)), {}, ValueError, r"`ladder\[0\]` to be an int, got 2\.0"),
+    (
+      {},
+      dict(max_lengths=jnp.array([1, 2])),
+      ValueError,
+      r"`max_lengths` to have shape \(3,\) \(count capacity\), got shape \(2,\)",
+    ),
+    ({}, dict(max_lengths=3), ValueError, r"shape \(3,\) .*got shape \(\)"),
+    (
+      {},
+      dict(max_lengths=jnp.array([1.0, 2.0, 3.0])),
       TypeError,
-      r"`length_penalty` to be a static float",
+      r"`max_lengths` to have an integer dtype",
     ),
-    (dict(eos_id=4), ValueError, r"`eos_id` in \[0, 4\) \(the vocabulary"),
-    (dict(bos_id=-1), ValueError, r"`bos_id` >= 0, got -1"),
-    (dict(max_length=0), ValueError, r"`max_length` >= 1, got 0"),
     (
-      dict(max_length=5, length_capacity=4),
+      {},
+      dict(max_lengths=jnp.array([2, 0, 3])),
       ValueError,
-      r"`max_length` <= `length_capacity` \(4\), got 5",
+      r"every `max_lengths` >= 1 .*source 1 has 0",
     ),
     (
-      dict(max_length=jnp.array([1, 2])),
+      {},
+      dict(max_lengths=jnp.array([2, 6, 3])),
       ValueError,
-      r"shape \(3,\) \(count capacity\), got shape \(2,\)",
+      r"<= `settings.max_length` \(4\); source 1 has 6",
     ),
     (
-      dict(max_length=jnp.array([1.0, 2.0, 3.0])),
-      TypeError,
-      r"`max_length` to have an integer dtype",
-    ),
-    (
-      dict(max_length=jnp.array([2, 0, 3])),
-      ValueError,
-      r"every `max_length` >= 1 .*source 1 has 0",
-    ),
-    (
-      dict(max_length=jnp.array([2, 6, 3]), length_capacity=4),
-      ValueError,
-      r"<= `length_capacity` \(4\); source 1 has 6",
-    ),
-    (
+      {},
       dict(static_inputs=BIAS[:2]),
       ValueError,
       r"`static_inputs` leaf .* leading dimension 3",
     ),
-    (dict(ladder=(3, 1), compact=False), ValueError, r"`ladder` with `compact=False`"),
-    (dict(ladder=(5,)), ValueError, r"`ladder\[0\]` in \[1, 3\]"),
-    (dict(num_sources=4), ValueError, r"`num_sources` in \[0, 3\]"),
-    (dict(num_sources=jnp.array([1])), ValueError, r"`num_sources` to be a scalar"),
+    ({}, dict(num_sources=4), ValueError, r"`num_sources` in \[0, 3\]"),
+    (
+      {},
+      dict(num_sources=jnp.array([1])),
+      ValueError,
+      r"`num_sources` to be a scalar",
+    ),
   ],
 )
-def test_bad_arguments(kwargs, error, match):
+def test_bad_arguments(changes, kwargs, error, match):
   with pytest.raises(error, match=match):
-    _beam(**kwargs)
+    _beam(settings=dataclasses.replace(beam(2), **changes), **kwargs)
+
+
+def test_settings_must_be_decode_settings():
+  with pytest.raises(
+    TypeError, match=r"Expected `settings` to be a DecodeSettings, got dict\."
+  ):
+    _beam(settings=dict(bos_id=BOS, eos_id=EOS, max_length=4))
 
 
 def test_bad_step_outputs():
@@ -531,38 +726,22 @@ def test_bad_carry_and_missing_rows():
     beam_search(
       lambda c, t, s: (c, step(c[0], t, s)[1]),
       (INIT, INIT[:2]),
-      beam_size=2,
-      bos_id=BOS,
-      eos_id=EOS,
-      max_length=3,
+      beam(2, max_length=3),
       static_inputs=BIAS,
     )
   with pytest.raises(ValueError, match=r"at least one array \(one row per source\)"):
-    greedy_decode(lambda c, t, s: (c, t), (), bos_id=0, eos_id=0, max_length=2)
-
-
-def test_per_source_max_length_under_jit_needs_a_capacity():
-  @jax.jit
-  def decode(lengths):
-    return greedy_decode(
-      step, INIT, bos_id=BOS, eos_id=EOS, max_length=lengths, static_inputs=BIAS
+    beam_search(
+      lambda c, t, s: (c, t),
+      (),
+      DecodeSettings(bos_id=0, eos_id=0, max_length=2, beam_size=1),
     )
 
-  with pytest.raises(ValueError, match=r"needs a static `length_capacity`"):
-    decode(jnp.array([1, 2, 3]))
 
+def test_max_lengths_are_checked_under_jit_with_checkify():
+  settings = beam(1, max_length=3)
 
-def test_max_length_is_checked_under_jit_with_checkify():
   def decode(lengths):
-    return greedy_decode(
-      step,
-      INIT,
-      bos_id=BOS,
-      eos_id=EOS,
-      max_length=lengths,
-      static_inputs=BIAS,
-      length_capacity=3,
-    )
+    return beam_search(step, INIT, settings, static_inputs=BIAS, max_lengths=lengths)
 
   checked = jax.jit(checkify.checkify(decode))
   err, _ = checked(jnp.array([1, 5, 2]))
@@ -576,9 +755,7 @@ def test_max_length_is_checked_under_jit_with_checkify():
 
 def test_not_differentiable_through_the_loop():
   def loss(bias):
-    out = greedy_decode(
-      step, INIT, bos_id=BOS, eos_id=EOS, max_length=3, static_inputs=bias
-    )
+    out = beam_search(step, INIT, beam(1, max_length=3), static_inputs=bias)
     return out.scores.values.sum()
 
   with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._lod import LoDTensor
+from jaxlod.nn import _common
 from jaxlod.ops import _attention as core
 
 
-class Attention(nn.Module):
+class Attention(_common.AttentionCalls, nn.Module):
   """The call protocol of the attentions: subclasses define `scores`.
 
   ``attention(query, memory, lengths=None, keys=None) -> (context,
@@ -29,42 +30,6 @@ class Attention(nn.Module):
   memory (`None` but for `AdditiveAttention`), passed back as ``keys=`` to
   every step.
   """
-
-  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
-    """What this attention precomputes from a memory: nothing (`None`)."""
-    del memory
-
-  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
-    raise NotImplementedError
-
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: Any,
-    lengths: Any = None,
-    keys: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, a one-level
-        LoDTensor ``values [src_token_capacity, features]`` with ``b``
-        sequences, or a `jaxlod.ops.Memory`.
-      lengths: ``[b]`` int real lengths of an array `memory`; `None`
-        otherwise.
-      keys: ``keys(memory)``, ``[b, source_capacity, units]`` or a LoDTensor
-        with `memory`'s LoD; computed here when `None` (additive attention
-        only: the others take none).
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for mismatched shapes or widths (naming both).
-    """
-    memory = core.as_memory(memory, lengths, keys)
-    return core.attend(self.scores(jnp.asarray(query), memory), memory)
 
 
 class DotAttention(Attention):

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 
 from jaxlod._checks import check_integer, check_lod, check_pool_type, is_lod
 from jaxlod._lod import LoDTensor
+from jaxlod.ops import _attention as core
 from jaxlod.ops import _decode
 from jaxlod.ops._attention import Memory
 from jaxlod.ops._pool import sequence_pool
 from jaxlod.ops._rank import RankTable
+from jaxlod.ops._rnn import dynamic_rnn
 
 
 def zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
@@ -82,17 +84,109 @@ def stack_rates(
   return [input_dropout] + [dropout_rate] * (layers - 1) + [output_dropout]
 
 
-def pool_levels(x: Any, inner: Callable, pool_type: str) -> LoDTensor:
-  """`HierarchicalEncoder`'s inner half: `inner` over the level-1 sequences
-  of a 2-level `x`, each pooled to one row."""
+def override(layer: Any, **values: Any) -> list[Any]:
+  """Call arguments that default to the layer's attribute of the same name."""
+  return [getattr(layer, k) if v is None else v for k, v in values.items()]
+
+
+def run_cell(
+  layer: Any,
+  step: Callable[[Any, jax.Array], tuple[Any, jax.Array]],
+  x: LoDTensor,
+  initial_carry: Any,
+  reverse: bool | None,
+  return_carry: bool | None,
+  table: RankTable | None,
+) -> Any:
+  """`DynamicRNN`'s loop: `step` over the last level of `x` with the layer's
+  `ladder` and `remat`; the outputs, or ``(carry, outputs)``."""
+  reverse, return_carry = override(layer, reverse=reverse, return_carry=return_carry)
+  outputs, carry = dynamic_rnn(
+    lambda c, x_t, _: step(c, x_t),
+    x,
+    init_carry=initial_carry,
+    reverse=reverse,
+    table=table,
+    ladder=layer.ladder,
+    remat=layer.remat,
+  )
+  return (carry, outputs) if return_carry else outputs
+
+
+def run_directions(
+  layer: Any,
+  x: LoDTensor,
+  initial_carry: Any,
+  return_carry: bool | None,
+  table: RankTable | None,
+  keys: Sequence[dict[str, Any]],
+) -> Any:
+  """`Bidirectional`'s body: ``layer.forward_rnn`` and ``layer.backward_rnn``
+  (with ``reverse=True``) over `x`, merged by ``layer.merge_fn``. `keys`
+  holds each direction's extra keyword arguments (its carry's RNGs)."""
+  x = check_lod(x, "x")
+  (return_carry,) = override(layer, return_carry=return_carry)
+  # Only a given table is passed on: an RNN of the documented call signature
+  # need not take one.
+  extra = {} if table is None else {"table": table}
+  runs = [
+    rnn(x, initial_carry=carry, reverse=reverse, return_carry=True, **key, **extra)
+    for rnn, carry, reverse, key in zip(
+      (layer.forward_rnn, layer.backward_rnn),
+      split_pair(initial_carry),
+      (False, True),
+      keys,
+      strict=True,
+    )
+  ]
+  (forward_carry, forward), (backward_carry, backward) = runs
+  outputs = merge_directions(x, forward, backward, layer.merge_fn)
+  return ((forward_carry, backward_carry), outputs) if return_carry else outputs
+
+
+def run_stack(
+  layer: Any,
+  x: LoDTensor,
+  dropouts: Sequence[Callable[..., jax.Array]],
+  deterministic: bool | None,
+  return_carry: bool | None,
+  table: RankTable | None,
+) -> Any:
+  """`StackedRNN`'s body: ``dropouts[i]`` then ``layer.layers[i]`` in turn,
+  then the last dropout; each dropout is called as ``drop(values,
+  deterministic=...)``."""
+  x = check_lod(x, "x")
+  deterministic, return_carry = override(
+    layer, deterministic=deterministic, return_carry=return_carry
+  )
+  extra = {} if table is None else {"table": table}
+  carries = []
+  for i, rnn in enumerate(layer.layers):
+    x = x.with_values(dropouts[i](x.values, deterministic=deterministic))
+    if return_carry:
+      carry, x = rnn(x, return_carry=True, **extra)
+      carries.append(carry)
+    else:
+      x = rnn(x, **extra)
+    x = check_lod(x, f"the output of layer {i}")
+  x = x.with_values(dropouts[-1](x.values, deterministic=deterministic))
+  return (tuple(carries), x) if return_carry else x
+
+
+def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
+  """`HierarchicalEncoder`'s body: ``layer.inner`` over the level-1
+  sequences, each pooled to one row by ``layer.pool_type``, then
+  ``layer.outer`` over each level-0 sequence of those rows."""
+  (return_carry,) = override(layer, return_carry=return_carry)
   x = check_lod(x, "x")
   if x.num_levels != 2:
     raise ValueError(
       "Expected `x` to have 2 LoD levels (level 0: outer sequences of level-1 "
       f"sequences; level 1: sequences of rows), got {x.num_levels}."
     )
-  check_pool_type(pool_type)
-  return sequence_pool(check_lod(inner(x), "the inner output"), pool_type)
+  check_pool_type(layer.pool_type)
+  inner = check_lod(layer.inner(x, return_carry=False), "the inner output")
+  return layer.outer(sequence_pool(inner, layer.pool_type), return_carry=return_carry)
 
 
 def embed_ids(
@@ -184,3 +278,260 @@ def generate(
     max_lengths=max_lengths,
     num_sources=check_lod(src, "src").num_sequences(-1),
   )
+
+
+# -- the methods the twins share -----------------------------------------------------
+
+
+class AttentionCalls:
+  """The call protocol of the attentions, shared by the Linen and NNX layers:
+  subclasses define `scores` (and `keys` if they precompute any)."""
+
+  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
+    """What this attention precomputes from a memory: nothing (`None`)."""
+    del memory
+
+  def scores(self, query: jax.Array, memory: Memory) -> jax.Array:
+    """Scores ``[b, source_capacity]`` of `query` ``[b, hidden]``."""
+    raise NotImplementedError
+
+  def __call__(
+    self,
+    query: jax.typing.ArrayLike,
+    memory: Any,
+    lengths: Any = None,
+    keys: Any = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """Attends `query` over `memory`.
+
+    Args:
+      query: ``[b, hidden]`` decoder states.
+      memory: ``[b, source_capacity, features]`` padded memory, a one-level
+        LoDTensor ``values [src_token_capacity, features]`` with ``b``
+        sequences, or a `jaxlod.ops.Memory`.
+      lengths: ``[b]`` int real lengths of an array `memory`; `None`
+        otherwise.
+      keys: ``keys(memory)``, ``[b, source_capacity, units]`` or a LoDTensor
+        with `memory`'s LoD; computed here when `None` (additive attention
+        only: the others take none).
+
+    Returns:
+      ``(context [b, features], weights [b, source_capacity])``.
+
+    Raises:
+      ValueError: for mismatched shapes or widths (naming both).
+    """
+    memory = core.as_memory(memory, lengths, keys)
+    return core.attend(self.scores(jnp.asarray(query), memory), memory)
+
+
+class DecoderCalls:
+  """The methods of the attention decoders that both twins share."""
+
+  def precompute(self, memory: LoDTensor) -> Memory:
+    """The `jaxlod.ops.Memory` that `step` reads: `memory` padded, with what
+    the attention precomputes (``attention.keys(memory)`` on the packed
+    rows, or `None`).
+
+    Args:
+      memory: a one-level LoDTensor ``values [src_token_capacity, features]``.
+
+    Returns:
+      ``Memory(values [count_capacity, time_capacity, features], lengths
+      [count_capacity], keys [count_capacity, time_capacity, units] |
+      None)``.
+    """
+    memory = core.check_memory_lod(memory)
+    keys = getattr(self.attention, "keys", None)
+    return core.lod_memory(memory, None if keys is None else keys(memory))
+
+  def step(
+    self, carry: Any, x_t: jax.typing.ArrayLike, memory: Memory
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """One decoder step over a batch of rows (`jaxlod.ops.decoder_step`).
+
+    Args:
+      carry: the carry, leaves ``[b, ...]`` (see `initial_state`).
+      x_t: ``[b, input_features]`` this step's inputs.
+      memory: the `jaxlod.ops.Memory` of ``b`` rows (see `precompute`).
+
+    Returns:
+      ``(carry, y_t [b, hidden + features], weights [b, source_capacity])``
+      where ``y_t = concat(h_t, context_t)``.
+    """
+    feeding = self.input_feeding
+    return core.decoder_step(
+      self.cell, self.attention, carry, x_t, memory, input_feeding=feeding
+    )
+
+  def check_input_width(self, tgt: LoDTensor, memory: LoDTensor) -> None:
+    """Checks the target rows' width against the cell's, where it is known."""
+    del tgt, memory
+
+  def teacher_forced(
+    self,
+    tgt: Any,
+    memory: Any,
+    initial_carry: Any,
+    return_weights: bool,
+    table: RankTable | None,
+    **kwargs: Any,
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+    """The body of ``__call__``: `jaxlod.ops.run_decoder` of the layer's
+    `pure_step`; `kwargs` go to `initial_state`."""
+    tgt = core.check_targets(tgt)
+    memory = core.check_memory_lod(memory)
+    core.check_counts(tgt, memory)
+    self.check_input_width(tgt, memory)
+    carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry, **kwargs)
+    padded = self.precompute(memory)
+    return core.run_decoder(
+      self.pure_step(carry, tgt, padded),
+      tgt,
+      padded,
+      carry,
+      return_weights=return_weights,
+      table=table,
+      ladder=self.ladder,
+      remat=self.remat,
+    )
+
+  def fed_context(self, memory: LoDTensor, carry: Any) -> Any:
+    """`carry`, paired with a zero context ``[count_capacity, features]``
+    under input feeding."""
+    if not self.input_feeding:
+      return carry
+    shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
+    return carry, jnp.zeros(shape, memory.values.dtype)
+
+  def carry_shape(self, memory: LoDTensor, input_features: int) -> tuple[int, int]:
+    """``(count capacity, step input width)``: the cell's input is ``x_t``
+    (`input_features` wide), with the memory's features under input
+    feeding."""
+    memory = core.check_memory_lod(memory)
+    fed = memory.feature_shape[-1] if self.input_feeding else 0
+    return memory.capacity.sequences[-1], input_features + fed
+
+
+class Seq2SeqCalls:
+  """The methods of the encoder-decoders that both twins share; a twin
+  defines `dropout` (identity when deterministic)."""
+
+  def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
+    """The encoder's outputs over the embedded source: the decoder's memory.
+
+    Args:
+      src: a LoDTensor of int ids, values ``[src_token_capacity]`` or
+        ``[src_token_capacity, 1]``.
+      table: `src`'s rank table (e.g. built on the host by `jaxlod.data`),
+        given to the encoder as ``table=``; `None`: not passed, the encoder
+        builds its own (an encoder given one must take ``table=``, as
+        `DynamicRNN`, `Bidirectional` and `StackedRNN` do).
+
+    Returns:
+      A LoDTensor with `src`'s LoD, values ``[src_token_capacity,
+      features]``.
+    """
+    # Only a given table is passed on: an encoder need not take one.
+    extra = {} if table is None else {"table": table}
+    src = embed_ids(self.src_embed, src, "src")
+    return check_encoded(self.encoder(src, **extra))
+
+  def initial_state(self, memory: LoDTensor) -> Any:
+    """The decoder's starting carry for `memory` (bridged or zeros).
+
+    Args:
+      memory: `encode`'s result, values ``[src_token_capacity, features]``.
+
+    Returns:
+      The carry of `decode_step`, leaves ``[count_capacity, ...]`` in
+      `memory`'s order (see `AttentionDecoder.initial_state`).
+    """
+    return self.decoder.initial_state(memory, self.embed_dim, self.cell_carry(memory))
+
+  def cell_carry(self, memory: LoDTensor) -> Any:
+    """The bridged initial cell carry, or `None` (the cell's zeros)."""
+    if not self.bridge:
+      return None
+    pooled = sequence_pool(core.check_memory_lod(memory), "average")
+    template = self.decoder.zero_carry(memory, self.embed_dim)
+    return self.carry_bridge(pooled, template)
+
+  def precompute(self, memory: LoDTensor) -> Memory:
+    """The `jaxlod.ops.Memory` of `memory` for `decode_step` (see
+    `AttentionDecoder.precompute`)."""
+    return self.decoder.precompute(memory)
+
+  def decode_step(
+    self, carry: Any, tokens: jax.typing.ArrayLike, memory: Memory
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """One decoding step from token ids to next-token logits.
+
+    Args:
+      carry: the decoder carry, leaves ``[b, ...]``.
+      tokens: ``[b]`` int ids of the previous tokens.
+      memory: the `jaxlod.ops.Memory` of ``b`` rows (see `precompute`).
+
+    Returns:
+      ``(carry, logits [b, tgt_vocab], weights [b, source_capacity])``.
+    """
+    embedded = self.tgt_embed(check_tokens(tokens))
+    carry, y, weights = self.decoder.step(carry, embedded, memory)
+    return carry, self.output(y), weights
+
+  def __call__(
+    self,
+    src: LoDTensor,
+    tgt_in: LoDTensor,
+    *,
+    return_weights: bool = False,
+    src_table: RankTable | None = None,
+    tgt_table: RankTable | None = None,
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+    """Teacher-forced logits of every target position.
+
+    Args:
+      src: a LoDTensor of int source ids, values ``[src_token_capacity]`` or
+        ``[src_token_capacity, 1]``.
+      tgt_in: a LoDTensor of int decoder input ids (the target shifted
+        right), values ``[token_capacity]`` or ``[token_capacity, 1]``, one
+        sequence per `src` sequence.
+      return_weights: also return the decoder's attention weights (e.g. to
+        draw which letters each output step attends to).
+      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
+        the encoder builds its own.
+      tgt_table: `tgt_in`'s rank table for the decoder's loop (see
+        `AttentionDecoder`); `None`: built there. `jaxlod.data.Batcher`
+        builds both on the host with each batch (``Batch.tables``).
+
+    Returns:
+      A LoDTensor with `tgt_in`'s LoD and values ``[token_capacity,
+      tgt_vocab]``; padding rows are zeros. With `return_weights`, the pair
+      ``(logits, weights)``, weights a LoDTensor with `tgt_in`'s LoD and
+      values ``[token_capacity, src_time_capacity]`` (row ``t`` of a target
+      sequence: its weights over the source positions).
+
+    Raises:
+      TypeError: for ids that are not LoDTensors of integers.
+      ValueError: at trace time for ids of the wrong shape, `src` and
+        `tgt_in` with different count capacities (eagerly, different
+        numbers of sequences), widths the attention rejects, or a table
+        that does not describe its ids (other lengths or capacities) or
+        whose ladder is not its loop's.
+    """
+    memory = self.encode(src, src_table)
+    tgt = embed_ids(self.tgt_embed, tgt_in, "tgt_in")
+    # Dropout keeps zero padding rows at zero.
+    tgt = tgt.with_values(self.dropout_rows(tgt.values))
+    outputs = self.decoder(
+      tgt,
+      memory,
+      self.cell_carry(memory),
+      return_weights=return_weights,
+      table=tgt_table,
+    )
+    weights = None
+    if return_weights:
+      outputs, weights = outputs
+    logits = zero_padding(outputs, self.output(self.dropout_rows(outputs.values)))
+    return logits if weights is None else (logits, weights)

@@ -15,15 +15,15 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jaxlod._lod import LoDTensor
+from jaxlod.nn import _common
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops import _attention as core
 from jaxlod.ops._rank import RankTable
 
 
-class AttentionDecoder(nn.Module):
+class AttentionDecoder(_common.DecoderCalls, nn.Module):
   """A recurrent decoder attending over a LoD memory at every step.
 
   A `dynamic_rnn` over the target sequences whose step reads the encoder's
@@ -84,29 +84,9 @@ class AttentionDecoder(nn.Module):
 
   def zero_carry(self, memory: LoDTensor, input_features: int) -> Any:
     """The cell's default carry, ``cell.initialize_carry(key(0), (count
-    capacity, step input width))``: the step input is ``x_t`` (`input_features`
-    wide), with the memory's features added under `input_feeding`."""
-    memory = core.check_memory_lod(memory)
-    fed = memory.feature_shape[-1] if self.input_feeding else 0
-    shape = (memory.capacity.sequences[-1], input_features + fed)
+    capacity, step input width))`` (see `carry_shape`)."""
+    shape = self.carry_shape(memory, input_features)
     return self.cell.initialize_carry(jax.random.key(0), shape)
-
-  def precompute(self, memory: LoDTensor) -> core.Memory:
-    """The `jaxlod.ops.Memory` that `step` reads: `memory` padded, with what
-    the attention precomputes (``attention.keys(memory)`` on the packed
-    rows, or `None`).
-
-    Args:
-      memory: a one-level LoDTensor ``values [src_token_capacity, features]``.
-
-    Returns:
-      ``Memory(values [count_capacity, time_capacity, features], lengths
-      [count_capacity], keys [count_capacity, time_capacity, units] |
-      None)``.
-    """
-    memory = core.check_memory_lod(memory)
-    keys = getattr(self.attention, "keys", None)
-    return core.lod_memory(memory, None if keys is None else keys(memory))
 
   def initial_state(
     self, memory: LoDTensor, input_features: int, initial_carry: Any = None
@@ -125,36 +105,9 @@ class AttentionDecoder(nn.Module):
       `initial_carry` (or the default), paired with a zero context
       ``[count_capacity, features]`` when `input_feeding`.
     """
-    memory = core.check_memory_lod(memory)
     if initial_carry is None:
       initial_carry = self.zero_carry(memory, input_features)
-    if not self.input_feeding:
-      return initial_carry
-    shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
-    return initial_carry, jnp.zeros(shape, memory.values.dtype)
-
-  def step(
-    self, carry: Any, x_t: jax.typing.ArrayLike, memory: core.Memory
-  ) -> tuple[Any, jax.Array, jax.Array]:
-    """One decoder step over a batch of rows (`jaxlod.ops.decoder_step`).
-
-    Args:
-      carry: the carry, leaves ``[b, ...]`` (see `initial_state`).
-      x_t: ``[b, input_features]`` this step's inputs.
-      memory: the `jaxlod.ops.Memory` of ``b`` rows (see `precompute`).
-
-    Returns:
-      ``(carry, y_t [b, hidden + features], weights [b, source_capacity])``
-      where ``y_t = concat(h_t, context_t)``.
-    """
-    return core.decoder_step(
-      self.cell,
-      self.attention,
-      carry,
-      x_t,
-      memory,
-      input_feeding=self.input_feeding,
-    )
+    return self.fed_context(core.check_memory_lod(memory), initial_carry)
 
   def __call__(
     self,
@@ -192,20 +145,9 @@ class AttentionDecoder(nn.Module):
         vectors, or widths the attention rejects; from `dynamic_rnn`, for a
         `table` of other lengths or whose ladder is not `ladder`.
     """
-    tgt = core.check_targets(tgt)
-    memory = core.check_memory_lod(memory)
-    core.check_counts(tgt, memory)
-    padded = self.precompute(memory)
-    carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry)
-    first = jax.tree.map(lambda a: a[:1], (carry, tgt.values, padded))
-    step = pure_method(self, "step", *first)
-    return core.run_decoder(
-      step,
-      tgt,
-      padded,
-      carry,
-      return_weights=return_weights,
-      table=table,
-      ladder=self.ladder,
-      remat=self.remat,
-    )
+    return self.teacher_forced(tgt, memory, initial_carry, return_weights, table)
+
+  def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
+    """`step` as a pure function of its variables, for `dynamic_rnn`."""
+    first = jax.tree.map(lambda a: a[:1], (carry, tgt.values, memory))
+    return pure_method(self, "step", *first)

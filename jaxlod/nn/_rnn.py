@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +13,6 @@ from jaxlod._checks import check_lod
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.ops._rank import RankTable
-from jaxlod.ops._rnn import dynamic_rnn
 
 
 def pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
@@ -115,8 +113,6 @@ class DynamicRNN(nn.Module):
         lengths, or a `table` whose ladder is not `ladder`.
     """
     x = check_lod(x, "x")
-    reverse = self.reverse if reverse is None else reverse
-    return_carry = self.return_carry if return_carry is None else return_carry
     count = x.capacity.sequences[-1]
     if initial_carry is None:
       if not hasattr(self.cell, "initialize_carry"):
@@ -129,16 +125,7 @@ class DynamicRNN(nn.Module):
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
     first = jax.tree.map(lambda a: a[:1], initial_carry)
     step = pure_method(self.cell, "__call__", first, x_row)
-    outputs, carry = dynamic_rnn(
-      lambda c, x_t, _: step(c, x_t),
-      x,
-      init_carry=initial_carry,
-      reverse=reverse,
-      table=table,
-      ladder=self.ladder,
-      remat=self.remat,
-    )
-    return (carry, outputs) if return_carry else outputs
+    return _common.run_cell(self, step, x, initial_carry, reverse, return_carry, table)
 
 
 class Bidirectional(nn.Module):
@@ -207,34 +194,9 @@ class Bidirectional(nn.Module):
     Raises:
       TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
     """
-    x = check_lod(x, "x")
-    return_carry = self.return_carry if return_carry is None else return_carry
-    key_forward = key_backward = None
-    if init_key is not None:
-      key_forward, key_backward = jax.random.split(init_key)
-    carry_forward, carry_backward = _common.split_pair(initial_carry)
-    # Only a given table is passed on: an RNN of the documented call
-    # signature need not take one.
-    extra = {} if table is None else {"table": table}
-    carry_forward, forward = self.forward_rnn(
-      x,
-      initial_carry=carry_forward,
-      init_key=key_forward,
-      reverse=False,
-      return_carry=True,
-      **extra,
-    )
-    carry_backward, backward = self.backward_rnn(
-      x,
-      initial_carry=carry_backward,
-      init_key=key_backward,
-      reverse=True,
-      return_carry=True,
-      **extra,
-    )
-    outputs = _common.merge_directions(x, forward, backward, self.merge_fn)
-    carry = (carry_forward, carry_backward)
-    return (carry, outputs) if return_carry else outputs
+    keys = (None, None) if init_key is None else jax.random.split(init_key)
+    keys = [{"init_key": key} for key in keys]
+    return _common.run_directions(self, x, initial_carry, return_carry, table, keys)
 
 
 class StackedRNN(nn.Module):
@@ -308,28 +270,12 @@ class StackedRNN(nn.Module):
       TypeError: if `x` or a layer's output is not a LoDTensor.
       ValueError: for no layers or a dropout rate outside ``[0, 1]``.
     """
-    x = check_lod(x, "x")
     _common.check_layers(self.layers)
-    if deterministic is None:
-      deterministic = self.deterministic
-    return_carry = self.return_carry if return_carry is None else return_carry
     rates = _common.stack_rates(
       len(self.layers), self.input_dropout, self.dropout_rate, self.output_dropout
     )
-    extra = {} if table is None else {"table": table}
-    carries = []
-    for i, rate in enumerate(rates):
-      drop = nn.Dropout(rate, deterministic=deterministic, name=f"dropout_{i}")
-      x = x.with_values(drop(x.values))
-      if i == len(self.layers):
-        break
-      if return_carry:
-        carry, out = self.layers[i](x, return_carry=True, **extra)
-        carries.append(carry)
-      else:
-        out = self.layers[i](x, **extra)
-      x = check_lod(out, f"the output of layer {i}")
-    return (tuple(carries), x) if return_carry else x
+    drops = [nn.Dropout(rate, name=f"dropout_{i}") for i, rate in enumerate(rates)]
+    return _common.run_stack(self, x, drops, deterministic, return_carry, table)
 
 
 class HierarchicalEncoder(nn.Module):
@@ -391,7 +337,4 @@ class HierarchicalEncoder(nn.Module):
       ValueError: if `x` does not have 2 LoD levels, or for an unknown
         `pool_type`.
     """
-    return_carry = self.return_carry if return_carry is None else return_carry
-    inner = functools.partial(self.inner, return_carry=False)
-    pooled = _common.pool_levels(x, inner, self.pool_type)
-    return self.outer(pooled, return_carry=return_carry)
+    return _common.run_levels(self, x, return_carry)

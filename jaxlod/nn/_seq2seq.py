@@ -14,9 +14,7 @@ import jax.numpy as jnp
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn._decoder import AttentionDecoder
-from jaxlod.ops import _attention as core
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
-from jaxlod.ops._pool import sequence_pool
 from jaxlod.ops._rank import RankTable
 
 
@@ -40,7 +38,7 @@ class CarryBridge(nn.Module):
     return jax.tree.unflatten(tree, out)
 
 
-class Seq2Seq(nn.Module):
+class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
   """An attention encoder-decoder over LoDTensors of token ids.
 
   Source and target ids are embedded (``src_embed``, ``tgt_embed``), the
@@ -108,67 +106,9 @@ class Seq2Seq(nn.Module):
       self.carry_bridge = CarryBridge()
     self.output = nn.Dense(self.tgt_vocab)
 
-  def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
-    """The encoder's outputs over the embedded source: the decoder's memory.
-
-    Args:
-      src: a LoDTensor of int ids, values ``[src_token_capacity]`` or
-        ``[src_token_capacity, 1]``.
-      table: `src`'s rank table (e.g. built on the host by `jaxlod.data`),
-        given to the encoder as ``table=``; `None`: not passed, the encoder
-        builds its own (an encoder given one must take ``table=``, as
-        `DynamicRNN`, `Bidirectional` and `StackedRNN` do).
-
-    Returns:
-      A LoDTensor with `src`'s LoD, values ``[src_token_capacity,
-      features]``.
-    """
-    # Only a given table is passed on: an encoder need not take one.
-    extra = {} if table is None else {"table": table}
-    src = _common.embed_ids(self.src_embed, src, "src")
-    return _common.check_encoded(self.encoder(src, **extra))
-
-  def initial_state(self, memory: LoDTensor) -> Any:
-    """The decoder's starting carry for `memory` (bridged or zeros).
-
-    Args:
-      memory: `encode`'s result, values ``[src_token_capacity, features]``.
-
-    Returns:
-      The carry of `decode_step`, leaves ``[count_capacity, ...]`` in
-      `memory`'s order (see `AttentionDecoder.initial_state`).
-    """
-    return self.decoder.initial_state(memory, self.embed_dim, self._cell_carry(memory))
-
-  def _cell_carry(self, memory: LoDTensor) -> Any:
-    """The bridged initial cell carry, or `None` (the cell's zeros)."""
-    if not self.bridge:
-      return None
-    pooled = sequence_pool(core.check_memory_lod(memory), "average")
-    template = self.decoder.zero_carry(memory, self.embed_dim)
-    return self.carry_bridge(pooled, template)
-
-  def precompute(self, memory: LoDTensor) -> core.Memory:
-    """The `jaxlod.ops.Memory` of `memory` for `decode_step` (see
-    `AttentionDecoder.precompute`)."""
-    return self.decoder.precompute(memory)
-
-  def decode_step(
-    self, carry: Any, tokens: jax.typing.ArrayLike, memory: core.Memory
-  ) -> tuple[Any, jax.Array, jax.Array]:
-    """One decoding step from token ids to next-token logits.
-
-    Args:
-      carry: the decoder carry, leaves ``[b, ...]``.
-      tokens: ``[b]`` int ids of the previous tokens.
-      memory: the `jaxlod.ops.Memory` of ``b`` rows (see `precompute`).
-
-    Returns:
-      ``(carry, logits [b, tgt_vocab], weights [b, source_capacity])``.
-    """
-    embedded = self.tgt_embed(_common.check_tokens(tokens))
-    carry, y, weights = self.decoder.step(carry, embedded, memory)
-    return carry, self.output(y), weights
+  def dropout_rows(self, values: jax.Array) -> jax.Array:
+    """``Dropout(dropout)`` of packed rows (zero rows stay zero)."""
+    return self.drop(values)
 
   def generate(
     self,
@@ -215,63 +155,6 @@ class Seq2Seq(nn.Module):
     return ensemble_generate(
       members, src, settings, max_lengths=max_lengths, src_table=src_table
     )
-
-  def __call__(
-    self,
-    src: LoDTensor,
-    tgt_in: LoDTensor,
-    *,
-    return_weights: bool = False,
-    src_table: RankTable | None = None,
-    tgt_table: RankTable | None = None,
-  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
-    """Teacher-forced logits of every target position.
-
-    Args:
-      src: a LoDTensor of int source ids, values ``[src_token_capacity]`` or
-        ``[src_token_capacity, 1]``.
-      tgt_in: a LoDTensor of int decoder input ids (the target shifted
-        right), values ``[token_capacity]`` or ``[token_capacity, 1]``, one
-        sequence per `src` sequence.
-      return_weights: also return the decoder's attention weights (e.g. to
-        draw which letters each output step attends to).
-      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
-        the encoder builds its own.
-      tgt_table: `tgt_in`'s rank table for the decoder's loop (see
-        `AttentionDecoder`); `None`: built there. `jaxlod.data.Batcher`
-        builds both on the host with each batch (``Batch.tables``).
-
-    Returns:
-      A LoDTensor with `tgt_in`'s LoD and values ``[token_capacity,
-      tgt_vocab]``; padding rows are zeros. With `return_weights`, the pair
-      ``(logits, weights)``, weights a LoDTensor with `tgt_in`'s LoD and
-      values ``[token_capacity, src_time_capacity]`` (row ``t`` of a target
-      sequence: its weights over the source positions).
-
-    Raises:
-      TypeError: for ids that are not LoDTensors of integers.
-      ValueError: at trace time for ids of the wrong shape, `src` and
-        `tgt_in` with different count capacities (eagerly, different
-        numbers of sequences), widths the attention rejects, or a table
-        that does not describe its ids (other lengths or capacities) or
-        whose ladder is not its loop's.
-    """
-    memory = self.encode(src, src_table)
-    tgt = _common.embed_ids(self.tgt_embed, tgt_in, "tgt_in")
-    # Dropout keeps zero padding rows at zero.
-    tgt = tgt.with_values(self.drop(tgt.values))
-    outputs = self.decoder(
-      tgt,
-      memory,
-      self._cell_carry(memory),
-      return_weights=return_weights,
-      table=tgt_table,
-    )
-    weights = None
-    if return_weights:
-      outputs, weights = outputs
-    logits = _common.zero_padding(outputs, self.output(self.drop(outputs.values)))
-    return logits if weights is None else (logits, weights)
 
 
 def ensemble_generate(

@@ -15,36 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlod._lod import LoDTensor
+from jaxlod.nn import _common
 from jaxlod.ops import _attention as core
 
 
-class Attention(nnx.Module):
-  """The call protocol of the attentions (see `jaxlod.nn.Attention`).
-
-  ``attention(query, memory, lengths=None, keys=None) -> (context [b,
-  features], weights [b, source_capacity])`` over a padded memory ``[b,
-  source_capacity, features]`` with ``lengths [b]``, a one-level LoDTensor
-  or a `jaxlod.ops.Memory`; ``keys(memory)`` is what the attention
-  precomputes (`None` but for `AdditiveAttention`).
-  """
-
-  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
-    """What this attention precomputes from a memory: nothing (`None`)."""
-    del memory
-
-  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
-    raise NotImplementedError
-
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: Any,
-    lengths: Any = None,
-    keys: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends `query` over `memory`: as `jaxlod.nn.Attention.__call__`."""
-    memory = core.as_memory(memory, lengths, keys)
-    return core.attend(self.scores(jnp.asarray(query), memory), memory)
+class Attention(_common.AttentionCalls, nnx.Module):
+  """The call protocol of the attentions (see `jaxlod.nn.Attention`)."""
 
 
 def _linear(inputs: int, outputs: int, bias: bool, **common: Any) -> nnx.Linear:

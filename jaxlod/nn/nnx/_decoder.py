@@ -6,17 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxlod._lod import LoDTensor
+from jaxlod.nn import _common
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops import _attention as core
 from jaxlod.ops._rank import RankTable
 
 
-class AttentionDecoder(nnx.Module):
+class AttentionDecoder(_common.DecoderCalls, nnx.Module):
   """A recurrent decoder attending over an encoder's LoD outputs at every step.
 
   The NNX twin of `jaxlod.nn.AttentionDecoder`: the same step
@@ -70,20 +69,9 @@ class AttentionDecoder(nnx.Module):
   def zero_carry(
     self, memory: LoDTensor, input_features: int, *, rngs: Any = None
   ) -> Any:
-    """The cell's default carry for ``(count capacity, step input width)``
-    (see `jaxlod.nn.AttentionDecoder.zero_carry`); `rngs` for
-    ``cell.initialize_carry`` (default ``nnx.Rngs(0)``)."""
-    memory = core.check_memory_lod(memory)
-    fed = memory.feature_shape[-1] if self.input_feeding else 0
-    shape = (memory.capacity.sequences[-1], input_features + fed)
-    return initialize_carry(self.cell, shape, rngs)
-
-  def precompute(self, memory: LoDTensor) -> core.Memory:
-    """The `jaxlod.ops.Memory` that `step` reads (see
-    `jaxlod.nn.AttentionDecoder.precompute`)."""
-    memory = core.check_memory_lod(memory)
-    keys = getattr(self.attention, "keys", None)
-    return core.lod_memory(memory, None if keys is None else keys(memory))
+    """The cell's default carry (see `jaxlod.nn.AttentionDecoder.zero_carry`);
+    `rngs` for ``cell.initialize_carry`` (default ``nnx.Rngs(0)``)."""
+    return initialize_carry(self.cell, self.carry_shape(memory, input_features), rngs)
 
   def initial_state(
     self,
@@ -95,24 +83,14 @@ class AttentionDecoder(nnx.Module):
   ) -> Any:
     """The carry `step` starts from (see
     `jaxlod.nn.AttentionDecoder.initial_state`)."""
-    memory = core.check_memory_lod(memory)
     if initial_carry is None:
       initial_carry = self.zero_carry(memory, input_features, rngs=rngs)
-    if not self.input_feeding:
-      return initial_carry
-    shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
-    return initial_carry, jnp.zeros(shape, memory.values.dtype)
+    return self.fed_context(core.check_memory_lod(memory), initial_carry)
 
-  def step(
-    self, carry: Any, x_t: jax.typing.ArrayLike, memory: core.Memory
-  ) -> tuple[Any, jax.Array, jax.Array]:
-    """One decoder step over a batch of rows (`jaxlod.ops.decoder_step`)."""
-    feeding = self.input_feeding
-    return core.decoder_step(
-      self.cell, self.attention, carry, x_t, memory, input_feeding=feeding
-    )
-
-  def _check_input_width(self, tgt: LoDTensor, features: int) -> None:
+  def check_input_width(self, tgt: LoDTensor, memory: LoDTensor) -> None:
+    """The target rows and the fed-back context fill the cell's
+    ``in_features``, where the cell has one."""
+    features = memory.feature_shape[-1]
     cell_width = getattr(self.cell, "in_features", None)
     if cell_width is None:
       return
@@ -135,18 +113,11 @@ class AttentionDecoder(nnx.Module):
     """Decodes every target sequence, teacher-forced, attending over its
     memory: as `jaxlod.nn.AttentionDecoder.__call__`; `rngs` for the default
     carry's ``cell.initialize_carry``."""
-    tgt = core.check_targets(tgt)
-    memory = core.check_memory_lod(memory)
-    core.check_counts(tgt, memory)
-    self._check_input_width(tgt, memory.feature_shape[-1])
-    carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry, rngs=rngs)
-    return core.run_decoder(
-      functional_call(self, "step"),
-      tgt,
-      self.precompute(memory),
-      carry,
-      return_weights=return_weights,
-      table=table,
-      ladder=self.ladder,
-      remat=self.remat,
+    return self.teacher_forced(
+      tgt, memory, initial_carry, return_weights, table, rngs=rngs
     )
+
+  def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
+    """`step` over a snapshot of the layer's state, for `dynamic_rnn`."""
+    del carry, tgt, memory
+    return functional_call(self, "step")

@@ -3,7 +3,6 @@ twins of `jaxlod.nn`'s."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +13,6 @@ from jaxlod._checks import check_lod
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.ops._rank import RankTable
-from jaxlod.ops._rnn import dynamic_rnn
 
 
 def functional_call(module: nnx.Module, method: str = "__call__") -> Callable:
@@ -154,22 +152,11 @@ class DynamicRNN(nnx.Module):
         `table` whose ladder is not `ladder` (from `dynamic_rnn`).
     """
     x = check_lod(x, "x")
-    reverse = self.reverse if reverse is None else reverse
-    return_carry = self.return_carry if return_carry is None else return_carry
     if initial_carry is None:
       shape = (x.capacity.sequences[-1], *x.feature_shape)
       initial_carry = initialize_carry(self.cell, shape, rngs)
     cell = functional_call(self.cell)
-    outputs, carry = dynamic_rnn(
-      lambda c, x_t, _: cell(c, x_t),
-      x,
-      init_carry=initial_carry,
-      reverse=reverse,
-      table=table,
-      ladder=self.ladder,
-      remat=self.remat,
-    )
-    return (carry, outputs) if return_carry else outputs
+    return _common.run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
 
 
 class Bidirectional(nnx.Module):
@@ -182,7 +169,7 @@ class Bidirectional(nnx.Module):
   the input's row order. Both outputs are merged row by row.
 
   Args:
-    forward_rnn: a layer called as ``forward_rnn(x, carry, rngs=,
+    forward_rnn: a layer called as ``forward_rnn(x, initial_carry=, rngs=,
       reverse=False, return_carry=True) -> (carry, outputs)`` (and
       ``table=`` when the call is given one), e.g. a `DynamicRNN`.
     backward_rnn: the same kind of layer, called with ``reverse=True``.
@@ -248,22 +235,8 @@ class Bidirectional(nnx.Module):
     Raises:
       TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
     """
-    x = check_lod(x, "x")
-    return_carry = self.return_carry if return_carry is None else return_carry
-    forward_carry, backward_carry = _common.split_pair(initial_carry)
-    # Only a given table is passed on: a layer of the documented call
-    # signature need not take one.
-    extra = {} if table is None else {"table": table}
-    forward_final, forward = self.forward_rnn(
-      x, forward_carry, rngs=rngs, reverse=False, return_carry=True, **extra
-    )
-    backward_final, backward = self.backward_rnn(
-      x, backward_carry, rngs=rngs, reverse=True, return_carry=True, **extra
-    )
-    outputs = _common.merge_directions(x, forward, backward, self.merge_fn)
-    if return_carry:
-      return (forward_final, backward_final), outputs
-    return outputs
+    keys = [{"rngs": rngs}] * 2
+    return _common.run_directions(self, x, initial_carry, return_carry, table, keys)
 
 
 class StackedRNN(nnx.Module):
@@ -327,23 +300,8 @@ class StackedRNN(nnx.Module):
     table: RankTable | None = None,
   ) -> Any:
     """Applies the layers in turn: as `jaxlod.nn.StackedRNN.__call__`."""
-    x = check_lod(x, "x")
-    if deterministic is None:
-      deterministic = self.deterministic
-    return_carry = self.return_carry if return_carry is None else return_carry
-    extra = {} if table is None else {"table": table}
-    carries = []
-    for i, drop in enumerate(self.dropouts):
-      x = x.with_values(drop(x.values, deterministic=deterministic))
-      if i == len(self.layers):
-        break
-      if return_carry:
-        carry, out = self.layers[i](x, return_carry=True, **extra)
-        carries.append(carry)
-      else:
-        out = self.layers[i](x, **extra)
-      x = check_lod(out, f"the output of layer {i}")
-    return (tuple(carries), x) if return_carry else x
+    drops = list(self.dropouts)
+    return _common.run_stack(self, x, drops, deterministic, return_carry, table)
 
 
 class HierarchicalEncoder(nnx.Module):
@@ -389,7 +347,4 @@ class HierarchicalEncoder(nnx.Module):
   def __call__(self, x: LoDTensor, *, return_carry: bool | None = None) -> Any:
     """Encodes each level-1 sequence, then each level-0 sequence of them: as
     `jaxlod.nn.HierarchicalEncoder.__call__`."""
-    return_carry = self.return_carry if return_carry is None else return_carry
-    inner = functools.partial(self.inner, return_carry=False)
-    pooled = _common.pool_levels(x, inner, self.pool_type)
-    return self.outer(pooled, return_carry=return_carry)
+    return _common.run_levels(self, x, return_carry)

@@ -14,9 +14,7 @@ from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
-from jaxlod.ops import _attention as core
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
-from jaxlod.ops._pool import sequence_pool
 from jaxlod.ops._rank import RankTable
 
 
@@ -42,7 +40,7 @@ class CarryBridge(nnx.Module):
     return jax.tree.unflatten(tree, out)
 
 
-class Seq2Seq(nnx.Module):
+class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
   """An attention encoder-decoder over LoDTensors of token ids.
 
   The NNX twin of `jaxlod.nn.Seq2Seq`: the same layers under the same names
@@ -109,37 +107,9 @@ class Seq2Seq(nnx.Module):
     hidden = decoder.cell.hidden_features
     self.output = nnx.Linear(hidden + features, tgt_vocab, rngs=rngs)
 
-  def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
-    """The encoder's outputs over the embedded source (see
-    `jaxlod.nn.Seq2Seq.encode`)."""
-    extra = {} if table is None else {"table": table}
-    src = _common.embed_ids(self.src_embed, src, "src")
-    return _common.check_encoded(self.encoder(src, **extra))
-
-  def initial_state(self, memory: LoDTensor) -> Any:
-    """The decoder's starting carry for `memory` (bridged or zeros)."""
-    return self.decoder.initial_state(memory, self.embed_dim, self._cell_carry(memory))
-
-  def _cell_carry(self, memory: LoDTensor) -> Any:
-    """The bridged initial cell carry, or `None` (the cell's zeros)."""
-    if not self.bridge:
-      return None
-    pooled = sequence_pool(core.check_memory_lod(memory), "average")
-    template = self.decoder.zero_carry(memory, self.embed_dim)
-    return self.carry_bridge(pooled, template)
-
-  def precompute(self, memory: LoDTensor) -> core.Memory:
-    """The `jaxlod.ops.Memory` of `memory` for `decode_step`."""
-    return self.decoder.precompute(memory)
-
-  def decode_step(
-    self, carry: Any, tokens: jax.typing.ArrayLike, memory: core.Memory
-  ) -> tuple[Any, jax.Array, jax.Array]:
-    """One decoding step from token ids to next-token logits (see
-    `jaxlod.nn.Seq2Seq.decode_step`)."""
-    embedded = self.tgt_embed(_common.check_tokens(tokens))
-    carry, y, weights = self.decoder.step(carry, embedded, memory)
-    return carry, self.output(y), weights
+  def dropout_rows(self, values: jax.Array) -> jax.Array:
+    """``nnx.Dropout(dropout)`` of packed rows unless `deterministic`."""
+    return self.drop(values, deterministic=self.deterministic)
 
   def generate(
     self,
@@ -154,36 +124,6 @@ class Seq2Seq(nnx.Module):
     return ensemble_generate(
       [self], src, settings, max_lengths=max_lengths, src_table=src_table
     )
-
-  def __call__(
-    self,
-    src: LoDTensor,
-    tgt_in: LoDTensor,
-    *,
-    return_weights: bool = False,
-    src_table: RankTable | None = None,
-    tgt_table: RankTable | None = None,
-  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
-    """Teacher-forced logits of every target position (see
-    `jaxlod.nn.Seq2Seq.__call__`)."""
-    memory = self.encode(src, src_table)
-    tgt = _common.embed_ids(self.tgt_embed, tgt_in, "tgt_in")
-    # Dropout keeps zero padding rows at zero.
-    dropped = self.drop(tgt.values, deterministic=self.deterministic)
-    tgt = tgt.with_values(dropped)
-    outputs = self.decoder(
-      tgt,
-      memory,
-      self._cell_carry(memory),
-      return_weights=return_weights,
-      table=tgt_table,
-    )
-    weights = None
-    if return_weights:
-      outputs, weights = outputs
-    dropped = self.drop(outputs.values, deterministic=self.deterministic)
-    logits = _common.zero_padding(outputs, self.output(dropped))
-    return logits if weights is None else (logits, weights)
 
 
 def ensemble_generate(
