@@ -106,11 +106,10 @@ class AdditiveAttention(Attention):
 
   Attributes:
     units: width of the hidden scoring layer.
-    dtype: computation dtype of the layers (`None`: inferred).
-    param_dtype: dtype of the parameters.
+    dtype, param_dtype: as `GeneralAttention`'s, for all three layers.
 
   Example:
-    >>> import numpy as np, jax
+    >>> import jax, numpy as np
     >>> from jaxlod import LoDTensor
     >>> from jaxlod.nn import AdditiveAttention
     >>> memory = LoDTensor.from_sequences([np.ones((2, 3)), np.ones((1, 3))])

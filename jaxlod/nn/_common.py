@@ -144,35 +144,6 @@ def run_directions(
   return ((forward_carry, backward_carry), outputs) if return_carry else outputs
 
 
-def run_stack(
-  layer: Any,
-  x: LoDTensor,
-  dropouts: Sequence[Callable[..., jax.Array]],
-  deterministic: bool | None,
-  return_carry: bool | None,
-  table: RankTable | None,
-) -> Any:
-  """`StackedRNN`'s body: ``dropouts[i]`` then ``layer.layers[i]`` in turn,
-  then the last dropout; each dropout is called as ``drop(values,
-  deterministic=...)``."""
-  x = check_lod(x, "x")
-  deterministic, return_carry = override(
-    layer, deterministic=deterministic, return_carry=return_carry
-  )
-  extra = {} if table is None else {"table": table}
-  carries = []
-  for i, rnn in enumerate(layer.layers):
-    x = x.with_values(dropouts[i](x.values, deterministic=deterministic))
-    if return_carry:
-      carry, x = rnn(x, return_carry=True, **extra)
-      carries.append(carry)
-    else:
-      x = rnn(x, **extra)
-    x = check_lod(x, f"the output of layer {i}")
-  x = x.with_values(dropouts[-1](x.values, deterministic=deterministic))
-  return (tuple(carries), x) if return_carry else x
-
-
 def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
   """`HierarchicalEncoder`'s body: ``layer.inner`` over the level-1
   sequences, each pooled to one row by ``layer.pool_type``, then
@@ -283,6 +254,54 @@ def generate(
 # -- the methods the twins share -----------------------------------------------------
 
 
+class StackCalls:
+  """`StackedRNN`'s call, shared by the twins: ``self.dropouts[i]`` then
+  ``self.layers[i]`` in turn, then the last dropout."""
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    *,
+    deterministic: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Applies the layers in turn.
+
+    Args:
+      x: a LoDTensor ``values [token_capacity, *features]``.
+      deterministic: overrides the attribute; `False` applies dropout
+        (needs the ``'dropout'`` rng).
+      return_carry: overrides the attribute.
+      table: `x`'s rank table, given to every layer as ``table=`` (all
+        layers rank the same lengths); `None`: not passed.
+
+    Returns:
+      The last layer's outputs, a LoDTensor with `x`'s LoD; with
+      `return_carry`, ``(carries, outputs)`` where `carries` holds each
+      layer's final carry, first layer first.
+
+    Raises:
+      TypeError: if `x` or a layer's output is not a LoDTensor.
+    """
+    x = check_lod(x, "x")
+    deterministic, return_carry = override(
+      self, deterministic=deterministic, return_carry=return_carry
+    )
+    extra = {} if table is None else {"table": table}
+    carries = []
+    for i, rnn in enumerate(self.layers):
+      x = x.with_values(self.dropouts[i](x.values, deterministic=deterministic))
+      if return_carry:
+        carry, x = rnn(x, return_carry=True, **extra)
+        carries.append(carry)
+      else:
+        x = rnn(x, **extra)
+      x = check_lod(x, f"the output of layer {i}")
+    x = x.with_values(self.dropouts[-1](x.values, deterministic=deterministic))
+    return (tuple(carries), x) if return_carry else x
+
+
 class AttentionCalls:
   """The call protocol of the attentions, shared by the Linen and NNX layers:
   subclasses define `scores` (and `keys` if they precompute any)."""
@@ -364,26 +383,83 @@ class DecoderCalls:
       self.cell, self.attention, carry, x_t, memory, input_feeding=feeding
     )
 
-  def check_input_width(self, tgt: LoDTensor, memory: LoDTensor) -> None:
-    """Checks the target rows' width against the cell's, where it is known."""
-    del tgt, memory
+  def zero_carry(self, memory: LoDTensor, input_features: int) -> Any:
+    """The cell's default carry for ``(count capacity, step input width)``:
+    the step input is ``x_t`` (`input_features` wide), with the memory's
+    features added under input feeding (``cell.initialize_carry`` with a
+    fixed key: Flax's cells start from zeros)."""
+    memory = core.check_memory_lod(memory)
+    fed = memory.feature_shape[-1] if self.input_feeding else 0
+    shape = (memory.capacity.sequences[-1], input_features + fed)
+    return self.initialize_carry(shape)
 
-  def teacher_forced(
+  def initial_state(
+    self, memory: LoDTensor, input_features: int, initial_carry: Any = None
+  ) -> Any:
+    """The carry `step` starts from, one row per memory sequence.
+
+    Args:
+      memory: a one-level LoDTensor ``values [src_token_capacity,
+        features]``.
+      input_features: width of ``x_t`` (the target rows, before input
+        feeding adds the context).
+      initial_carry: the cell's carry, leaves ``[count_capacity, ...]`` in
+        `memory`'s order; by default `zero_carry`.
+
+    Returns:
+      `initial_carry` (or the default), paired with a zero context
+      ``[count_capacity, features]`` when `input_feeding`.
+    """
+    memory = core.check_memory_lod(memory)
+    if initial_carry is None:
+      initial_carry = self.zero_carry(memory, input_features)
+    if not self.input_feeding:
+      return initial_carry
+    shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
+    return initial_carry, jnp.zeros(shape, memory.values.dtype)
+
+  def __call__(
     self,
-    tgt: Any,
-    memory: Any,
-    initial_carry: Any,
-    return_weights: bool,
-    table: RankTable | None,
-    **kwargs: Any,
+    tgt: LoDTensor,
+    memory: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    return_weights: bool = False,
+    table: RankTable | None = None,
   ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
-    """The body of ``__call__``: `jaxlod.ops.run_decoder` of the layer's
-    `pure_step`; `kwargs` go to `initial_state`."""
+    """Decodes every target sequence against its memory (teacher forcing).
+
+    Args:
+      tgt: a LoDTensor ``values [token_capacity, input_features]``, the
+        decoder inputs (e.g. embedded target tokens).
+      memory: a one-level LoDTensor ``values [src_token_capacity,
+        features]`` with one sequence per `tgt` sequence (the encoder's
+        outputs), in `tgt`'s order.
+      initial_carry: the cell's carry, leaves ``[count_capacity, ...]`` in
+        `tgt`'s order (see `initial_state`).
+      return_weights: also return the attention weights.
+      table: `tgt`'s rank table, e.g. built on the host by `jaxlod.data`
+        beside the batch; `None`: built here (see `dynamic_rnn`).
+
+    Returns:
+      A LoDTensor with `tgt`'s LoD and values ``[token_capacity, hidden +
+      features]`` = ``concat(h_t, context_t)``; with `return_weights`, the
+      pair ``(outputs, weights)``, weights a LoDTensor with `tgt`'s LoD and
+      values ``[token_capacity, source_capacity]``.
+
+    Raises:
+      ValueError: at trace time if `memory`'s count capacity differs from
+        `tgt`'s, or eagerly if their real numbers of sequences differ (under
+        `jit` through `jax.experimental.checkify`); for rows that are not
+        vectors, or widths the attention (or a cell with ``in_features``)
+        rejects; from `dynamic_rnn`, for a `table` of other lengths or whose
+        ladder is not `ladder`.
+    """
     tgt = core.check_targets(tgt)
     memory = core.check_memory_lod(memory)
     core.check_counts(tgt, memory)
     self.check_input_width(tgt, memory)
-    carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry, **kwargs)
+    carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry)
     padded = self.precompute(memory)
     return core.run_decoder(
       self.pure_step(carry, tgt, padded),
@@ -396,21 +472,9 @@ class DecoderCalls:
       remat=self.remat,
     )
 
-  def fed_context(self, memory: LoDTensor, carry: Any) -> Any:
-    """`carry`, paired with a zero context ``[count_capacity, features]``
-    under input feeding."""
-    if not self.input_feeding:
-      return carry
-    shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
-    return carry, jnp.zeros(shape, memory.values.dtype)
-
-  def carry_shape(self, memory: LoDTensor, input_features: int) -> tuple[int, int]:
-    """``(count capacity, step input width)``: the cell's input is ``x_t``
-    (`input_features` wide), with the memory's features under input
-    feeding."""
-    memory = core.check_memory_lod(memory)
-    fed = memory.feature_shape[-1] if self.input_feeding else 0
-    return memory.capacity.sequences[-1], input_features + fed
+  def check_input_width(self, tgt: LoDTensor, memory: LoDTensor) -> None:
+    """Checks the target rows' width against the cell's, where it is known."""
+    del tgt, memory
 
 
 class Seq2SeqCalls:
@@ -478,6 +542,40 @@ class Seq2SeqCalls:
     embedded = self.tgt_embed(check_tokens(tokens))
     carry, y, weights = self.decoder.step(carry, embedded, memory)
     return carry, self.output(y), weights
+
+  def generate(
+    self,
+    src: LoDTensor,
+    settings: _decode.DecodeSettings,
+    *,
+    max_lengths: jax.typing.ArrayLike | None = None,
+    src_table: RankTable | None = None,
+  ) -> _decode.Hypotheses:
+    """Decodes every source with `jaxlod.ops.beam_search`, each source
+    stopping early: `ensemble_generate` with this model as the one member.
+
+    Args:
+      src: a LoDTensor of int source ids, values ``[src_token_capacity]``
+        or ``[src_token_capacity, 1]``; its padding sequences get no
+        hypotheses.
+      settings: the `jaxlod.ops.DecodeSettings` (``beam_size=1``: greedy).
+      max_lengths: int ``[count_capacity]`` per-source limits (see
+        `jaxlod.ops.beam_search`), or `None`.
+      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
+        the encoder builds its own.
+
+    Returns:
+      `jaxlod.ops.Hypotheses` in `src`'s order: token ids as a 2-level
+      LoDTensor (source -> hypotheses -> tokens, `eos` excluded) and one
+      score per hypothesis.
+
+    Raises:
+      ValueError: for `bos_id` or `eos_id` outside ``[0, tgt_vocab)``, and
+        as `beam_search` does.
+    """
+    return generate(
+      [self.member()], src, settings, max_lengths=max_lengths, src_table=src_table
+    )
 
   def __call__(
     self,

@@ -20,7 +20,6 @@ from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops import _attention as core
-from jaxlod.ops._rank import RankTable
 
 
 class AttentionDecoder(_common.DecoderCalls, nn.Module):
@@ -82,72 +81,11 @@ class AttentionDecoder(_common.DecoderCalls, nn.Module):
   remat: bool = True
   ladder: Sequence[int] | None = None
 
-  def zero_carry(self, memory: LoDTensor, input_features: int) -> Any:
-    """The cell's default carry, ``cell.initialize_carry(key(0), (count
-    capacity, step input width))`` (see `carry_shape`)."""
-    shape = self.carry_shape(memory, input_features)
+  def initialize_carry(self, shape: tuple[int, int]) -> Any:
+    """``cell.initialize_carry(key(0), shape)``."""
     return self.cell.initialize_carry(jax.random.key(0), shape)
 
-  def initial_state(
-    self, memory: LoDTensor, input_features: int, initial_carry: Any = None
-  ) -> Any:
-    """The carry `step` starts from, one row per memory sequence.
-
-    Args:
-      memory: a one-level LoDTensor ``values [src_token_capacity,
-        features]``.
-      input_features: width of ``x_t`` (the target rows, before input
-        feeding adds the context).
-      initial_carry: the cell's carry, leaves ``[count_capacity, ...]`` in
-        `memory`'s order; by default `zero_carry`.
-
-    Returns:
-      `initial_carry` (or the default), paired with a zero context
-      ``[count_capacity, features]`` when `input_feeding`.
-    """
-    if initial_carry is None:
-      initial_carry = self.zero_carry(memory, input_features)
-    return self.fed_context(core.check_memory_lod(memory), initial_carry)
-
-  def __call__(
-    self,
-    tgt: LoDTensor,
-    memory: LoDTensor,
-    initial_carry: Any = None,
-    *,
-    return_weights: bool = False,
-    table: RankTable | None = None,
-  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
-    """Decodes every target sequence against its memory (teacher forcing).
-
-    Args:
-      tgt: a LoDTensor ``values [token_capacity, input_features]``, the
-        decoder inputs (e.g. embedded target tokens).
-      memory: a one-level LoDTensor ``values [src_token_capacity,
-        features]`` with one sequence per `tgt` sequence (the encoder's
-        outputs), in `tgt`'s order.
-      initial_carry: the cell's carry, leaves ``[count_capacity, ...]`` in
-        `tgt`'s order (see `initial_state`).
-      return_weights: also return the attention weights.
-      table: `tgt`'s rank table, e.g. built on the host by `jaxlod.data`
-        beside the batch; `None`: built here (see `dynamic_rnn`).
-
-    Returns:
-      A LoDTensor with `tgt`'s LoD and values ``[token_capacity, hidden +
-      features]`` = ``concat(h_t, context_t)``; with `return_weights`, the
-      pair ``(outputs, weights)``, weights a LoDTensor with `tgt`'s LoD and
-      values ``[token_capacity, source_capacity]``.
-
-    Raises:
-      ValueError: at trace time if `memory`'s count capacity differs from
-        `tgt`'s, or eagerly if their real numbers of sequences differ (under
-        `jit` through `jax.experimental.checkify`); for rows that are not
-        vectors, or widths the attention rejects; from `dynamic_rnn`, for a
-        `table` of other lengths or whose ladder is not `ladder`.
-    """
-    return self.teacher_forced(tgt, memory, initial_carry, return_weights, table)
-
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
-    """`step` as a pure function of its variables, for `dynamic_rnn`."""
+    """`step` as a pure function of the variables, for `dynamic_rnn`."""
     first = jax.tree.map(lambda a: a[:1], (carry, tgt.values, memory))
     return pure_method(self, "step", *first)

@@ -168,7 +168,7 @@ class Bidirectional(nn.Module):
   def __call__(
     self,
     x: LoDTensor,
-    initial_carry: Any = None,
+    initial_carry: tuple[Any, Any] | None = None,
     *,
     init_key: jax.Array | None = None,
     return_carry: bool | None = None,
@@ -199,7 +199,7 @@ class Bidirectional(nn.Module):
     return _common.run_directions(self, x, initial_carry, return_carry, table, keys)
 
 
-class StackedRNN(nn.Module):
+class StackedRNN(_common.StackCalls, nn.Module):
   """Layers of RNNs applied in turn, with dropout on the rows.
 
   A multi-layer RNN over LoDTensors: each layer is any module taking a
@@ -242,40 +242,12 @@ class StackedRNN(nn.Module):
   deterministic: bool = True
   return_carry: bool = False
 
-  @nn.compact
-  def __call__(
-    self,
-    x: LoDTensor,
-    *,
-    deterministic: bool | None = None,
-    return_carry: bool | None = None,
-    table: RankTable | None = None,
-  ) -> Any:
-    """Applies the layers in turn.
-
-    Args:
-      x: a LoDTensor ``values [token_capacity, *features]``.
-      deterministic: overrides the attribute; `False` applies dropout
-        (needs the ``'dropout'`` rng).
-      return_carry: overrides the attribute.
-      table: `x`'s rank table, given to every layer as ``table=`` (all
-        layers rank the same lengths); `None`: not passed.
-
-    Returns:
-      The last layer's outputs, a LoDTensor with `x`'s LoD; with
-      `return_carry`, ``(carries, outputs)`` where `carries` holds each
-      layer's final carry, first layer first.
-
-    Raises:
-      TypeError: if `x` or a layer's output is not a LoDTensor.
-      ValueError: for no layers or a dropout rate outside ``[0, 1]``.
-    """
+  def setup(self):
     _common.check_layers(self.layers)
     rates = _common.stack_rates(
       len(self.layers), self.input_dropout, self.dropout_rate, self.output_dropout
     )
-    drops = [nn.Dropout(rate, name=f"dropout_{i}") for i, rate in enumerate(rates)]
-    return _common.run_stack(self, x, drops, deterministic, return_carry, table)
+    self.dropouts = [nn.Dropout(rate) for rate in rates]
 
 
 class HierarchicalEncoder(nn.Module):
@@ -309,8 +281,7 @@ class HierarchicalEncoder(nn.Module):
     >>> x = LoDTensor.from_lengths(words, [[2, 1], [3, 1, 2]])
     >>> inner, outer = DynamicRNN(nn.GRUCell(4)), DynamicRNN(nn.GRUCell(5))
     >>> encoder = HierarchicalEncoder(inner, outer)
-    >>> params = encoder.init(jax.random.key(0), x)
-    >>> y = encoder.apply(params, x)
+    >>> y, params = encoder.init_with_output(jax.random.key(0), x)
     >>> y.values.shape, y.recursive_lengths()
     ((3, 5), [[2, 1]])
   """

@@ -52,8 +52,9 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
   ``output`` (the ``'dropout'`` rng); the source side is the encoder's to
   regularize, and decoding (`generate`, `decode_step`) never drops.
 
-  `generate` decodes sources with `jaxlod.ops.beam_search`, and
-  `jaxlod.nn.ensemble_generate` with several models at once. For other
+  `generate` decodes sources with `jaxlod.ops.beam_search` (on bound
+  variables: ``model.apply(variables, src, settings, method="generate")``),
+  and `jaxlod.nn.ensemble_generate` with several models at once. For other
   decoding loops: `encode`, `initial_state`, `precompute` and `decode_step`
   (one step from token ids to logits), each through ``model.apply(
   variables, ..., method=...)``. The NNX twin is `jaxlod.nn.nnx.Seq2Seq`.
@@ -110,39 +111,12 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
     """``Dropout(dropout)`` of packed rows (zero rows stay zero)."""
     return self.drop(values)
 
-  def generate(
-    self,
-    src: LoDTensor,
-    settings: DecodeSettings,
-    *,
-    max_lengths: jax.typing.ArrayLike | None = None,
-    src_table: RankTable | None = None,
-  ) -> Hypotheses:
-    """Decodes every source with `jaxlod.ops.beam_search`, each source
-    stopping early: `ensemble_generate` with this model as the one member.
-
-    Call it on bound variables: ``model.apply(variables, src, settings,
-    method="generate")``.
-
-    Args:
-      src: a LoDTensor of int source ids, values ``[src_token_capacity]``
-        or ``[src_token_capacity, 1]``; its padding sequences get no
-        hypotheses.
-      settings: the `jaxlod.ops.DecodeSettings` (``beam_size=1``: greedy).
-      max_lengths: int ``[count_capacity]`` per-source limits (see
-        `jaxlod.ops.beam_search`), or `None`.
-      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
-        the encoder builds its own.
-
-    Returns:
-      `jaxlod.ops.Hypotheses` in `src`'s order: token ids as a 2-level
-      LoDTensor (source -> hypotheses -> tokens, `eos` excluded) and one
-      score per hypothesis.
+  def member(self) -> _common.Member:
+    """This bound model as a `_common.Member` of pure functions of its
+    variables (`generate`, `ensemble_generate`).
 
     Raises:
-      ValueError: when initializing (`generate` needs parameters), for
-        `bos_id` or `eos_id` outside ``[0, tgt_vocab)``, and as
-        `beam_search` does.
+      ValueError: while initializing: decoding needs parameters.
     """
     if self.is_initializing():
       raise ValueError(
@@ -150,11 +124,13 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
         "(src, tgt_in), then call `apply(variables, src, settings, "
         "method='generate')`."
       )
-    model = self.clone(parent=None)
-    members = [(model, self.variables)]
-    return ensemble_generate(
-      members, src, settings, max_lengths=max_lengths, src_table=src_table
-    )
+    model, variables = self.clone(parent=None), self.variables
+
+    def apply(method: str) -> Any:
+      return functools.partial(model.apply, variables, method=method)
+
+    methods = ("encode", "initial_state", "precompute", "decode_step")
+    return _common.Member(*(apply(method) for method in methods))
 
 
 def ensemble_generate(
@@ -224,16 +200,7 @@ def ensemble_generate(
         f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got {got}."
       )
   _common.check_vocabs([model.tgt_vocab for model, _ in members])
-
-  def member(model: Seq2Seq, variables: Any) -> _common.Member:
-    def apply(method: str) -> Any:
-      return functools.partial(model.apply, variables, method=method)
-
-    return _common.Member(
-      apply("encode"), apply("initial_state"), apply("precompute"), apply("decode_step")
-    )
-
-  pure = [member(model, variables) for model, variables in members]
+  pure = [model.bind(variables).member() for model, variables in members]
   return _common.generate(
     pure, src, settings, max_lengths=max_lengths, src_table=src_table
   )

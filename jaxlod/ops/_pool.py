@@ -146,21 +146,13 @@ def sequence_first_step(x: LoDTensor) -> jax.Array | LoDTensor:
 
 
 def sequence_last_step(x: LoDTensor) -> jax.Array | LoDTensor:
-  """The last row of each last-level sequence: ``sequence_pool(x, "last")``.
-
-  Args:
-    x: a LoDTensor with ``values [token_capacity, *features]`` of any dtype.
-
-  Returns:
-    As `sequence_pool`: ``[count_capacity, *features]`` for a one-level `x`
-    (zeros for empty sequences), a LoDTensor of `x`'s upper levels otherwise.
+  """The last row of each last-level sequence: ``sequence_pool(x, "last")``,
+  with the arguments and results of `sequence_first_step`.
 
   Example:
-    >>> import numpy as np
     >>> from jaxlod import LoDTensor
     >>> from jaxlod.ops import sequence_last_step
-    >>> x = LoDTensor.from_lengths(np.array([1, 3, 2, 5]), [[3, 0, 1]])
-    >>> sequence_last_step(x).tolist()
+    >>> sequence_last_step(LoDTensor.from_lengths([1, 3, 2, 5], [[3, 0, 1]])).tolist()
     [2, 0, 5]
   """
   return sequence_pool(x, "last")

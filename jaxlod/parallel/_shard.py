@@ -221,12 +221,8 @@ def _stack(out: Any) -> Any:
 
 
 def data_parallel(
-  fn: Callable[..., Any],
-  mesh: Mesh,
-  axis: str = "data",
-  *,
-  check_vma: bool = True,
-) -> Callable[..., Any]:
+  fn: Callable, mesh: Mesh, axis: str = "data", *, check_vma: bool = True
+) -> Callable:
   """Runs ``fn(*args, local)`` on every device and sums the outputs.
 
   The returned function takes replicated arguments (parameters, an
@@ -287,12 +283,8 @@ def data_parallel(
 
 
 def map_shards(
-  fn: Callable[..., Any],
-  mesh: Mesh,
-  axis: str = "data",
-  *,
-  check_vma: bool = True,
-) -> Callable[..., Any]:
+  fn: Callable, mesh: Mesh, axis: str = "data", *, check_vma: bool = True
+) -> Callable:
   """Runs ``fn(*args, local)`` on every device and stacks the outputs.
 
   As `data_parallel`, but with no reduction: each output leaf comes back as

@@ -80,8 +80,9 @@ class GeneralAttention(Attention):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
-    common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
-    self.query = _linear(hidden, features, False, **common)
+    self.query = nnx.Linear(
+      hidden, features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
@@ -114,8 +115,7 @@ class AdditiveAttention(Attention):
     >>> from flax import nnx
     >>> from jaxlod import LoDTensor
     >>> from jaxlod.nn.nnx import AdditiveAttention
-    >>> seqs = [np.ones((3, 2), np.float32), np.ones((0, 2), np.float32)]
-    >>> memory = LoDTensor.from_sequences(seqs)
+    >>> memory = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((0, 2))])
     >>> attention = AdditiveAttention(4, 2, 8, rngs=nnx.Rngs(0))
     >>> keys = attention.keys(memory)
     >>> context, weights = attention(np.ones((2, 4), np.float32), memory, keys=keys)
@@ -158,10 +158,7 @@ class AdditiveAttention(Attention):
 
 
 class CosineAttention(Attention):
-  """Cosine attention: ``score_j = <q, m_j> / (|q|_eps |m_j|_eps)``.
-
-  ``|v|_eps = sqrt(|v|^2 + eps)``, so zero vectors (padding slots, a zero
-  query) give finite scores and gradients. No parameters.
+  """Cosine attention (see `jaxlod.nn.CosineAttention`). No parameters.
 
   Args:
     eps: added to each squared norm (default 1e-8).

@@ -12,7 +12,6 @@ from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops import _attention as core
-from jaxlod.ops._rank import RankTable
 
 
 class AttentionDecoder(_common.DecoderCalls, nnx.Module):
@@ -60,32 +59,13 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     remat: bool = True,
     ladder: Sequence[int] | None = None,
   ):
-    self.cell = cell
-    self.attention = attention
-    self.input_feeding = input_feeding
-    self.remat = remat
+    self.cell, self.attention = cell, attention
+    self.input_feeding, self.remat = input_feeding, remat
     self.ladder = None if ladder is None else tuple(ladder)
 
-  def zero_carry(
-    self, memory: LoDTensor, input_features: int, *, rngs: Any = None
-  ) -> Any:
-    """The cell's default carry (see `jaxlod.nn.AttentionDecoder.zero_carry`);
-    `rngs` for ``cell.initialize_carry`` (default ``nnx.Rngs(0)``)."""
-    return initialize_carry(self.cell, self.carry_shape(memory, input_features), rngs)
-
-  def initial_state(
-    self,
-    memory: LoDTensor,
-    input_features: int,
-    initial_carry: Any = None,
-    *,
-    rngs: Any = None,
-  ) -> Any:
-    """The carry `step` starts from (see
-    `jaxlod.nn.AttentionDecoder.initial_state`)."""
-    if initial_carry is None:
-      initial_carry = self.zero_carry(memory, input_features, rngs=rngs)
-    return self.fed_context(core.check_memory_lod(memory), initial_carry)
+  def initialize_carry(self, shape: tuple[int, int]) -> Any:
+    """``cell.initialize_carry(shape, nnx.Rngs(0))``."""
+    return initialize_carry(self.cell, shape)
 
   def check_input_width(self, tgt: LoDTensor, memory: LoDTensor) -> None:
     """The target rows and the fed-back context fill the cell's
@@ -99,23 +79,6 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     if fed:
       what += f" {cell_width} less the {fed} memory features fed back"
     core.check_width("tgt", tgt.feature_shape[0], cell_width - fed, what)
-
-  def __call__(
-    self,
-    tgt: LoDTensor,
-    memory: LoDTensor,
-    initial_carry: Any = None,
-    *,
-    return_weights: bool = False,
-    table: RankTable | None = None,
-    rngs: Any = None,
-  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
-    """Decodes every target sequence, teacher-forced, attending over its
-    memory: as `jaxlod.nn.AttentionDecoder.__call__`; `rngs` for the default
-    carry's ``cell.initialize_carry``."""
-    return self.teacher_forced(
-      tgt, memory, initial_carry, return_weights, table, rngs=rngs
-    )
 
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
     """`step` over a snapshot of the layer's state, for `dynamic_rnn`."""

@@ -82,20 +82,15 @@ class DynamicRNN(nnx.Module):
       ``nnx.GRUCell``, ``nnx.SimpleCell``) or a user's cell with
       ``initialize_carry(input_shape, rngs)`` and ``__call__(carry, x) ->
       (carry, y)`` treating rows independently.
-    reverse: run each sequence from its own last row to its first.
-    return_carry: also return the final carry.
-    remat: recompute steps in the backward pass (see `dynamic_rnn`).
-    ladder: static batch sizes of the loop's phases (see `rank_table`);
-      `None`: the rank table's, by default `default_ladder`. Fewer sizes
-      compile faster; more sizes waste fewer rows.
+    reverse, return_carry, remat, ladder: as `jaxlod.nn.DynamicRNN`'s
+      attributes.
 
   Example:
     >>> import numpy as np
     >>> from flax import nnx
     >>> from jaxlod import LoDTensor
     >>> from jaxlod.nn.nnx import DynamicRNN
-    >>> seqs = [np.ones((3, 2), np.float32), np.ones((1, 2), np.float32)]
-    >>> x = LoDTensor.from_sequences(seqs)
+    >>> x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))], dtype="f4")
     >>> rnn = DynamicRNN(nnx.GRUCell(2, 4, rngs=nnx.Rngs(0)))
     >>> y = nnx.jit(lambda rnn, x: rnn(x))(rnn, x)
     >>> y.values.shape, y.recursive_lengths()
@@ -127,30 +122,10 @@ class DynamicRNN(nnx.Module):
     return_carry: bool | None = None,
     table: RankTable | None = None,
   ) -> Any:
-    """Runs the cell over the last level of `x`.
-
-    Args:
-      x: a LoDTensor ``values [token_capacity, *features]``.
-      initial_carry: a carry whose leaves are ``[count_capacity, ...]`` in
-        `x`'s order; by default ``cell.initialize_carry((count_capacity,
-        *features), rngs)``.
-      rngs: the RNGs for `initialize_carry` (default ``nnx.Rngs(0)``).
-      reverse: overrides the attribute (`Bidirectional` uses it).
-      return_carry: overrides the attribute.
-      table: `x`'s rank table, e.g. built on the host by `jaxlod.data`
-        beside the batch; `None`: built here (see `dynamic_rnn`).
-
-    Returns:
-      The outputs, a LoDTensor with `x`'s LoD; with `return_carry`, the pair
-      ``(final_carry, outputs)`` as ``flax.nnx.RNN`` returns it, the final
-      carry in `x`'s order (an empty sequence keeps its initial carry).
-
-    Raises:
-      TypeError: if `x` is not a LoDTensor.
-      ValueError: for an `initial_carry` whose leaves do not have leading
-        dimension ``count_capacity``, a `table` of other lengths, or a
-        `table` whose ladder is not `ladder` (from `dynamic_rnn`).
-    """
+    """Runs the cell over the last level of `x`: as
+    `jaxlod.nn.DynamicRNN.__call__`, with `rngs` (default ``nnx.Rngs(0)``)
+    for the default carry's ``cell.initialize_carry((count_capacity,
+    *features), rngs)`` in place of ``init_key``."""
     x = check_lod(x, "x")
     if initial_carry is None:
       shape = (x.capacity.sequences[-1], *x.feature_shape)
@@ -216,30 +191,14 @@ class Bidirectional(nnx.Module):
     return_carry: bool | None = None,
     table: RankTable | None = None,
   ) -> Any:
-    """Runs both directions over the last level of `x` and merges their rows.
-
-    Args:
-      x: a LoDTensor ``values [token_capacity, *features]``.
-      initial_carry: a pair ``(forward_carry, backward_carry)`` whose leaves
-        are ``[count_capacity, ...]`` in `x`'s order; by default each layer
-        initializes its own.
-      rngs: passed to both layers for their `initialize_carry`.
-      return_carry: overrides the attribute.
-      table: `x`'s rank table, given to both layers as ``table=`` (both
-        directions rank the same lengths); `None`: not passed.
-
-    Returns:
-      The merged outputs, a LoDTensor with `x`'s LoD (padding rows zero);
-      with `return_carry`, ``((forward_carry, backward_carry), outputs)``.
-
-    Raises:
-      TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
-    """
+    """Runs both directions over the last level of `x` and merges their rows:
+    as `jaxlod.nn.Bidirectional.__call__`, with `rngs` passed to both layers
+    in place of ``init_key``."""
     keys = [{"rngs": rngs}] * 2
     return _common.run_directions(self, x, initial_carry, return_carry, table, keys)
 
 
-class StackedRNN(nnx.Module):
+class StackedRNN(_common.StackCalls, nnx.Module):
   """Layers of RNNs applied in turn, with dropout on the rows.
 
   The NNX twin of `jaxlod.nn.StackedRNN` (same rates, same order): the
@@ -290,18 +249,6 @@ class StackedRNN(nnx.Module):
     self.dropouts = nnx.List([nnx.Dropout(rate, rngs=rngs) for rate in rates])
     self.deterministic = deterministic
     self.return_carry = return_carry
-
-  def __call__(
-    self,
-    x: LoDTensor,
-    *,
-    deterministic: bool | None = None,
-    return_carry: bool | None = None,
-    table: RankTable | None = None,
-  ) -> Any:
-    """Applies the layers in turn: as `jaxlod.nn.StackedRNN.__call__`."""
-    drops = list(self.dropouts)
-    return _common.run_stack(self, x, drops, deterministic, return_carry, table)
 
 
 class HierarchicalEncoder(nnx.Module):

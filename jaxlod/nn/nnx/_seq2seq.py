@@ -111,19 +111,11 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
     """``nnx.Dropout(dropout)`` of packed rows unless `deterministic`."""
     return self.drop(values, deterministic=self.deterministic)
 
-  def generate(
-    self,
-    src: LoDTensor,
-    settings: DecodeSettings,
-    *,
-    max_lengths: jax.typing.ArrayLike | None = None,
-    src_table: RankTable | None = None,
-  ) -> Hypotheses:
-    """Decodes every source: `ensemble_generate` with this model as the one
-    member (see `jaxlod.nn.Seq2Seq.generate`)."""
-    return ensemble_generate(
-      [self], src, settings, max_lengths=max_lengths, src_table=src_table
-    )
+  def member(self) -> _common.Member:
+    """This model as a `_common.Member` of pure functions (its decoding step
+    over a snapshot of its state)."""
+    step = functional_call(self, "decode_step")
+    return _common.Member(self.encode, self.initial_state, self.precompute, step)
 
 
 def ensemble_generate(
@@ -152,15 +144,7 @@ def ensemble_generate(
         f"Expected `members[{k}]` to be a Seq2Seq, got {type(model).__name__}."
       )
   _common.check_vocabs([model.tgt_vocab for model in members])
-  pure = [
-    _common.Member(
-      model.encode,
-      model.initial_state,
-      model.precompute,
-      functional_call(model, "decode_step"),
-    )
-    for model in members
-  ]
+  pure = [model.member() for model in members]
   return _common.generate(
     pure, src, settings, max_lengths=max_lengths, src_table=src_table
   )
