@@ -276,7 +276,7 @@ def check_integer(dtype: Any, name: str) -> None:
 
 def check_float(dtype: Any, name: str) -> None:
   """Float ops (pooling, softmax, convolution) reject integer arrays."""
-  if not np.issubdtype(np.dtype(dtype), np.inexact):
+  if not jnp.issubdtype(dtype, jnp.inexact):  # bfloat16 included
     raise TypeError(f"Expected `{name}` to have a float dtype, got {np.dtype(dtype)}.")
 
 
