@@ -70,3 +70,19 @@ def test_decode_results():
   assert {"jaxlod_s", "batchwide_s", "speedup", "identical"} <= set(decode)
   assert decode["speedup"] == pytest.approx(decode["batchwide_s"] / decode["jaxlod_s"])
   assert isinstance(decode["identical"], bool)
+
+
+def test_g2p_options_results():
+  options = _load("g2p_options")
+  train, decode = options["train_step"], options["decode"]
+  assert train["ratio"] == pytest.approx(
+    train["host_tables_s"] / train["device_ranks_s"]
+  )
+  assert decode["ratio"] == pytest.approx(
+    decode["compaction_s"] / decode["batchwide_s"]
+  )
+  assert decode["identical"] is True
+  # The example turns an option on unless it measured slower.
+  limit = options["slower_than"]
+  assert options["decision"]["host_tables"] == (train["paired_ratio"] <= limit)
+  assert options["decision"]["compaction"] == (decode["paired_ratio"] <= limit)

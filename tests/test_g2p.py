@@ -10,6 +10,10 @@ from jaxlod import LoDTensor
 from jaxlod.examples import _g2p_data as data
 from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
+from jaxlod.ops import rank_table, sequence_cross_entropy
+
+TINY = m.PRESETS["tiny"]
+NUM_PHONES = 41  # `<s>`, `</s>` and 39 phonemes
 
 SOURCE = {
   "cat": [["K", "AE1", "T"]],
@@ -23,6 +27,53 @@ SOURCE = {
 @pytest.fixture(scope="module")
 def lexicon():
   return data.load_lexicon()
+
+
+# The tiny preset's jitted functions, built once for the tests that call
+# them (each new one compiles; `g2p.main` builds its own).
+
+
+@pytest.fixture(scope="module")
+def tiny_step():
+  return m.train_step(TINY, NUM_PHONES)
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder():
+  return m.decoder(TINY, NUM_PHONES, TINY.beam)
+
+
+@pytest.fixture(scope="module")
+def tiny_ensemble_decoder():
+  return m.decoder(dataclasses.replace(TINY, members=2), NUM_PHONES, TINY.beam)
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+  return m.init_state(TINY, NUM_PHONES)
+
+
+@pytest.fixture
+def main_reuses_tiny_functions(
+  monkeypatch, tiny_step, tiny_decoder, tiny_ensemble_decoder
+):
+  """`g2p.main` builds its step and decoders anew, each compiling on its
+  first call; the tests that run it several times hand it the module's,
+  built by the same functions from the tiny preset, once its arguments are
+  checked. (tests/multidevice/test_g2p_devices.py lets it build its own.)"""
+
+  def train_step(config, num_phones, mesh=None):
+    assert dataclasses.replace(config, seed=0) == TINY
+    assert num_phones == NUM_PHONES and mesh is None
+    return tiny_step
+
+  def decoder(config, num_phones, beam, mesh=None):
+    assert dataclasses.replace(config, seed=0, members=1) == TINY
+    assert num_phones == NUM_PHONES and beam == TINY.beam and mesh is None
+    return tiny_decoder if config.members == 1 else tiny_ensemble_decoder
+
+  monkeypatch.setattr(m, "train_step", train_step)
+  monkeypatch.setattr(g2p, "decoder", decoder)
 
 
 def test_split_is_stable_disjoint_and_90_5_5(lexicon):
@@ -126,12 +177,19 @@ def test_error_rates():
 
 def test_learning_rate_warms_up_then_decays():
   config = dataclasses.replace(m.PRESETS["default"], steps=1000, warmup_steps=100)
-  rates = [m.learning_rate(config, s) for s in (0, 49, 99, 550, 999, 5000)]
+  steps = np.array([0, 50, 100, 550, 999, 1000, 5000])
+  rates = np.asarray(m.learning_rate(config, steps))
+  assert float(m.learning_rate(config, 550)) == pytest.approx(rates[3])
   peak = config.learning_rate
-  assert rates[0] == pytest.approx(peak / 100) and rates[2] == pytest.approx(peak)
-  assert rates[1] == pytest.approx(peak / 2)
-  assert rates[3] == pytest.approx(peak * (0.02 + 0.98 * 0.5))
-  assert rates[4] > rates[5] == pytest.approx(0.02 * peak)
+  floor = 0.02 * peak
+  want = [0.0, peak / 2, peak, floor + (peak - floor) / 2, None, floor, floor]
+  for got, expected in zip(rates, want, strict=True):
+    if expected is not None:
+      assert got == pytest.approx(expected, rel=1e-6, abs=1e-12)
+  assert peak > rates[4] > floor
+  # A run no longer than the warm-up only warms up.
+  short = dataclasses.replace(config, steps=50)
+  assert float(m.learning_rate(short, 25)) == pytest.approx(peak / 4)
 
 
 def test_training_ladder_halves_the_batch_words():
@@ -144,58 +202,10 @@ def test_training_ladder_halves_the_batch_words():
     m.training_ladder(dataclasses.replace(config, loop_sizes=0))
 
 
-def test_the_training_step_runs_on_the_ladder():
-  """Each of the encoder's loops and the decoder's: one phase per ladder size."""
-  config = m.PRESETS["tiny"]
-  ladder = m.training_ladder(config)
-  buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
-  src = LoDTensor.from_sequences([[0, 1, 2], [3], [4, 5]], buckets=buckets)
-  tgt = LoDTensor.from_sequences(
-    [[m.BOS_ID, 2], [m.BOS_ID], [m.BOS_ID, 3, 4]], buckets=buckets
-  )
-  params = m.build_model(config, 5).init(jax.random.key(0), src, tgt)
-  model = m.build_model(config, 5, train=True, ladder=ladder)
-  jaxpr = jax.make_jaxpr(
-    lambda p: model.apply(p, src, tgt, rngs={"dropout": jax.random.key(1)})
-  )(params)
-  loops = 2 * config.encoder_layers + 1
-  assert str(jaxpr).count("while[") == loops * len(ladder)
-
-
-def test_token_loss_ignores_padding_rows():
-  import jax.numpy as jnp
-
-  from jaxlod import LoDTensor
-
-  buckets = m.batch_buckets(4, 8)
-  targets = LoDTensor.from_sequences([np.array([1, 2]), np.array([0])], buckets=buckets)
-  logits = targets.with_values(jnp.zeros((8, 3)).at[3:, 0].set(100.0))
-  np.testing.assert_allclose(m.token_loss(logits, targets), np.log(3), rtol=1e-6)
-
-
-def test_token_loss_label_smoothing():
-  import jax.numpy as jnp
-
-  from jaxlod import LoDTensor
-
-  buckets = m.batch_buckets(4, 8)
-  targets = LoDTensor.from_sequences([np.array([1, 2]), np.array([0])], buckets=buckets)
-  rng = np.random.default_rng(0)
-  logits = rng.normal(size=(8, 5)).astype(np.float32)
-  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-  # The target distribution: 0.9 on the label, 0.1 spread over the 5 ids.
-  smooth = np.full((3, 5), 0.1 / 5)
-  smooth[np.arange(3), [1, 2, 0]] += 0.9
-  want = -(smooth * logp[:3]).sum(-1).mean()
-  lod_logits = targets.with_values(jnp.asarray(logits))
-  got = m.token_loss(lod_logits, targets, 0.1)
-  np.testing.assert_allclose(got, want, rtol=1e-6)
-  plain = m.token_loss(lod_logits, targets)
-  np.testing.assert_allclose(plain, -logp[np.arange(3), [1, 2, 0]].mean(), rtol=1e-6)
-
-
-def _tiny_batch(config):
-  buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
+def _tiny_batch():
+  """A training batch of three words on the tiny preset's capacities, and
+  the rank tables a `Batcher` builds with it."""
+  buckets = m.batch_buckets(TINY.batch_words, TINY.batch_tokens)
   src = LoDTensor.from_sequences([[0, 1, 2], [3], [4, 5]], buckets=buckets)
   tgt_in = LoDTensor.from_sequences(
     [[m.BOS_ID, 2], [m.BOS_ID], [m.BOS_ID, 3, 4]], buckets=buckets
@@ -203,23 +213,68 @@ def _tiny_batch(config):
   tgt_out = LoDTensor.from_sequences(
     [[2, m.EOS_ID], [m.EOS_ID], [3, 4, m.EOS_ID]], buckets=buckets
   )
-  return src, tgt_in, tgt_out
+  ladder = m.training_ladder(TINY)
+  tables = (rank_table(src, ladder=ladder), rank_table(tgt_in, ladder=ladder), None)
+  return (src, tgt_in, tgt_out), tables
 
 
-def test_ema_of_the_parameters():
+def test_the_training_step_runs_on_the_ladder():
+  """Each of the encoder's loops and the decoder's: one phase per ladder size."""
+  ladder = m.training_ladder(TINY)
+  (src, tgt, _), _ = _tiny_batch()
+  params = m.build_model(TINY, 5).init(jax.random.key(0), src, tgt)
+  model = m.build_model(TINY, 5, train=True, ladder=ladder)
+  jaxpr = jax.make_jaxpr(
+    lambda p: model.apply(p, src, tgt, rngs={"dropout": jax.random.key(1)})
+  )(params)
+  loops = 2 * TINY.encoder_layers + 1
+  assert str(jaxpr).count("while[") == loops * len(ladder)
+
+
+def test_the_encoder_is_a_stacked_rnn_with_dropout():
+  two_layers = dataclasses.replace(TINY, encoder_layers=2)
+  model = m.build_model(two_layers, 5, train=True)
+  encoder = model.encoder
+  assert len(encoder.layers) == 2 and not encoder.deterministic
+  rates = (encoder.input_dropout, encoder.dropout_rate, encoder.output_dropout)
+  assert rates == (TINY.dropout,) * 3
+  assert m.build_model(TINY, 5).encoder.deterministic
+  # Hashable, as `jaxlod.parallel.generate` needs its models (static).
+  assert hash(model) == hash(m.build_model(two_layers, 5, train=True))
+
+
+def test_the_step_loss_is_the_mean_token_cross_entropy(tiny_step, tiny_state):
+  """The step's loss: `sequence_cross_entropy` (label smoothing, dropout on)
+  over the real target tokens, the same with the host tables as without."""
+  params, opt_state = tiny_state
+  fields, tables = _tiny_batch()
+  src, tgt_in, tgt_out = fields
+  rng = jax.random.key(3)
+  model = m.build_model(TINY, NUM_PHONES, train=True, ladder=m.training_ladder(TINY))
+  logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
+  losses = sequence_cross_entropy(logits, tgt_out, label_smoothing=0.1)
+  want = np.sum(losses.values) / 6
+  lr = np.float32(0.01)
+  with_tables = tiny_step(params, opt_state, lr, rng, fields, tables)
+  without = tiny_step(params, opt_state, lr, rng, fields)
+  np.testing.assert_allclose(with_tables[2], want, rtol=1e-5, atol=1e-6)
+  for x, y in zip(jax.tree.leaves(with_tables), jax.tree.leaves(without), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_ema_of_the_parameters(tiny_step, tiny_state):
   """With `ema_decay`, the state carries ``ema = d * ema + (1 - d) * params``
   after each step, from the initial parameters; evaluations read it."""
-  config = dataclasses.replace(m.PRESETS["tiny"], ema_decay=0.75)
-  num_phones = 6
-  params, opt_state = m.init_state(config, num_phones)
+  config = TINY
+  assert config.ema_decay == 0.9
+  params, opt_state = tiny_state
   assert isinstance(opt_state, m.Averaged)
-  step = m.train_step(config, num_phones)
   want = params
   for i in range(3):
-    params, opt_state, _ = step(
-      params, opt_state, np.float32(0.1), jax.random.key(i), *_tiny_batch(config)
+    params, opt_state, _ = tiny_step(
+      params, opt_state, np.float32(0.1), jax.random.key(i), *_tiny_batch()
     )
-    want = jax.tree.map(lambda a, p: 0.75 * a + 0.25 * p, want, params)
+    want = jax.tree.map(lambda a, p: 0.9 * a + 0.1 * p, want, params)
   assert m.eval_params(config, params, opt_state) is opt_state.ema
   for got, expected, last in zip(
     jax.tree.leaves(opt_state.ema),
@@ -231,11 +286,11 @@ def test_ema_of_the_parameters():
     assert not np.allclose(got, last)
   # Without it, the optimizer's state alone, and evaluations read `params`.
   plain = dataclasses.replace(config, ema_decay=0.0)
-  params, opt_state = m.init_state(plain, num_phones)
+  params, opt_state = m.init_state(plain, NUM_PHONES, abstract=True)
   assert not isinstance(opt_state, m.Averaged)
   assert m.eval_params(plain, params, opt_state) is params
   with pytest.raises(ValueError, match=r"`ema_decay` in \[0, 1\), got 1.0"):
-    m.init_state(dataclasses.replace(config, ema_decay=1.0), num_phones)
+    m.init_state(dataclasses.replace(config, ema_decay=1.0), NUM_PHONES)
 
 
 def test_member_config():
@@ -247,35 +302,40 @@ def test_member_config():
 
 
 def _word_batch(words):
+  """Source words on the capacities of the tiny preset's decoding batches,
+  with their rank table (as `g2p.predict` decodes them)."""
   letters = data.letter_vocab()
-  return LoDTensor.from_sequences(
-    [np.array(letters.encode(w)) for w in words], buckets=m.batch_buckets(4, 64)
+  src = LoDTensor.from_sequences(
+    [np.array(letters.encode(w)) for w in words],
+    buckets=m.batch_buckets(TINY.decode_words),
   )
+  return src, rank_table(src)
 
 
-def test_an_ensemble_of_one_model_twice_is_the_model():
-  config = m.PRESETS["tiny"]
-  num_phones = len(data.phone_vocab())
-  params, _ = m.init_state(config, num_phones)
-  src = _word_batch(["cab", "a", "bead"])
-  single = m.decoder(config, num_phones, 2)(params, src)
-  pair = dataclasses.replace(config, members=2)
-  double = m.decoder(pair, num_phones, 2)((params, params), src)
+def test_an_ensemble_of_one_model_twice_is_the_model(
+  tiny_state, tiny_decoder, tiny_ensemble_decoder
+):
+  params, _ = tiny_state
+  src, table = _word_batch(["cab", "a", "bead"])
+  single = tiny_decoder(params, src, table)
+  double = tiny_ensemble_decoder((params, params), src, table)
   assert single.recursive_lengths() == double.recursive_lengths()
   np.testing.assert_array_equal(single.values, double.values)
+  # The model ranks the words itself without the table: the same words.
+  np.testing.assert_array_equal(tiny_decoder(params, src).values, single.values)
 
 
 def test_ensemble_scores_are_the_members_mean_log_probabilities():
   """Each hypothesis' score: the length-penalized sum over its tokens (with
   `</s>` when it ended) of the mean of the members' teacher-forced
   log-probabilities."""
-  config = dataclasses.replace(m.PRESETS["tiny"], members=2)
-  num_phones = len(data.phone_vocab())
+  config = dataclasses.replace(TINY, members=2)
+  num_phones = NUM_PHONES
   members = tuple(
     m.init_state(m.member_config(config, k), num_phones)[0] for k in range(2)
   )
   words = ["cab", "a", "bead"]
-  src = _word_batch(words)
+  src, _ = _word_batch(words)
   hyps = m.ensemble_search(config, num_phones, beam=3, num_results=3)(members, src)
   ids = [[h.tolist() for h in source] for source in hyps.ids.to_list()]
   scores = hyps.scores.to_list()
@@ -287,7 +347,7 @@ def test_ensemble_scores_are_the_members_mean_log_probabilities():
       ended = len(tokens) < len(word) + m.LENGTH_MARGIN
       tgt_out.append(tokens + [m.EOS_ID] if ended else tokens)
       tgt_in.append([m.BOS_ID] + tgt_out[-1][:-1])
-    batch = LoDTensor.from_sequences(tgt_in, buckets=m.batch_buckets(4, 64))
+    batch = LoDTensor.from_sequences(tgt_in, buckets=m.batch_buckets(TINY.decode_words))
     logps = [
       [np.asarray(jax.nn.log_softmax(x, axis=-1)) for x in logits.to_list()]
       for logits in (model.apply(p, src, batch) for p in members)
@@ -310,8 +370,10 @@ def test_a_checkpoint_without_ema_decay_resumes_as_zero(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_run_saves_and_resumes(tmp_path, capsys):
-  config = m.PRESETS["tiny"]
+def test_tiny_run_saves_and_resumes(
+  tmp_path, capsys, tiny_state, tiny_step, tiny_decoder, main_reuses_tiny_functions
+):
+  config = TINY
   flags = ["--preset", "tiny", "--quiet"]
   first = g2p.main([*flags, "--workdir", str(tmp_path / "a"), "--examples", "3"])
   out = capsys.readouterr().out
@@ -325,8 +387,18 @@ def test_tiny_run_saves_and_resumes(tmp_path, capsys):
 
   # Stopped after 4 steps, then resumed: the same parameters as run "a".
   corpus = g2p.load_corpus(config)
-  state = m.init_state(config, len(corpus.phones))
-  g2p.train(config, corpus, *state, 0, tmp_path / "b", quiet=True, stop=4)
+  assert len(corpus.phones) == NUM_PHONES
+  g2p.train(
+    config,
+    corpus,
+    *tiny_state,
+    0,
+    tmp_path / "b",
+    quiet=True,
+    stop=4,
+    step_fn=tiny_step,
+    decode=tiny_decoder,
+  )
   flags += ["--workdir", str(tmp_path / "b")]
   second = g2p.main([*flags, "--resume", "--examples", "0"])
   out = capsys.readouterr().out
@@ -337,7 +409,9 @@ def test_tiny_run_saves_and_resumes(tmp_path, capsys):
   b = g2p.restore_checkpoint(tmp_path / "b", 12, config, len(corpus.phones))
   # The tiny preset averages its parameters: the scores are the average's.
   assert isinstance(a[1], m.Averaged)
-  per, wer, _ = g2p.evaluate(m.eval_params(config, *a), config, corpus, "dev")
+  per, wer, _ = g2p.evaluate(
+    m.eval_params(config, *a), config, corpus, "dev", decode=tiny_decoder
+  )
   assert first["history"][-1] == (12, per, wer) and first["dev"] == (per, wer)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -352,10 +426,10 @@ def test_tiny_run_saves_and_resumes(tmp_path, capsys):
     g2p.check_resumable(saved, other, tmp_path)
 
 
-def test_checkpoint_round_trip(tmp_path):
-  config = m.PRESETS["tiny"]
-  num_phones = len(data.phone_vocab())
-  params, opt_state = m.init_state(config, num_phones)
+def test_checkpoint_round_trip(tmp_path, tiny_state):
+  config = TINY
+  num_phones = NUM_PHONES
+  params, opt_state = tiny_state
   rng = np.random.default_rng(0)
   opt_state = jax.tree.map(
     lambda a: a + rng.integers(1, 9, a.shape).astype(a.dtype), opt_state
@@ -387,8 +461,16 @@ def test_flags_must_be_positive(capsys):
 
 
 @pytest.mark.slow
-def test_tiny_ensemble_run_trains_each_member_and_resumes(tmp_path, capsys):
-  config = dataclasses.replace(m.PRESETS["tiny"], members=2)
+def test_tiny_ensemble_run_trains_each_member_and_resumes(
+  tmp_path,
+  capsys,
+  tiny_state,
+  tiny_step,
+  tiny_decoder,
+  tiny_ensemble_decoder,
+  main_reuses_tiny_functions,
+):
+  config = dataclasses.replace(TINY, members=2)
   flags = ["--preset", "tiny", "--members", "2", "--quiet", "--examples", "0"]
   first = g2p.main([*flags, "--workdir", str(tmp_path / "a")])
   out = capsys.readouterr().out
@@ -407,18 +489,22 @@ def test_tiny_ensemble_run_trains_each_member_and_resumes(tmp_path, capsys):
     state = g2p.restore_checkpoint(workdir, 12, member, num_phones)
     finals.append(m.eval_params(member, *state))
     # A member's scores are those of the one-model run of its seed.
-    per, wer, _ = g2p.evaluate(finals[-1], member, corpus, "test")
+    per, wer, _ = g2p.evaluate(finals[-1], member, corpus, "test", decode=tiny_decoder)
     assert first["members"][k]["test"] == (per, wer)
-  per, wer, _ = g2p.evaluate(tuple(finals), config, corpus, "test")
+  per, wer, _ = g2p.evaluate(
+    tuple(finals), config, corpus, "test", decode=tiny_ensemble_decoder
+  )
   assert first["test"] == (per, wer)
 
   # Member 0 done, member 1 stopped after 4 steps: --resume finishes member 1
   # only, to the parameters of run "a".
   b = tmp_path / "b"
-  g2p.main(["--preset", "tiny", "--quiet", "--workdir", str(b / "member_0")])
+  assert m.member_config(config, 0) == TINY
+  functions = dict(step_fn=tiny_step, decode=tiny_decoder)
+  g2p.train(TINY, corpus, *tiny_state, 0, b / "member_0", quiet=True, **functions)
   member = m.member_config(config, 1)
   state = m.init_state(member, num_phones)
-  g2p.train(member, corpus, *state, 0, b / "member_1", quiet=True, stop=4)
+  g2p.train(member, corpus, *state, 0, b / "member_1", quiet=True, stop=4, **functions)
   capsys.readouterr()
   second = g2p.main([*flags, "--workdir", str(b), "--resume"])
   assert second["start_step"] == [12, 4]

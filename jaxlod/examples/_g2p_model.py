@@ -1,16 +1,17 @@
 """The G2P example's model, presets, training step and beam-search decoder.
 
 A bidirectional LSTM reads the letters; an LSTM decoder with additive
-attention over its outputs writes the phonemes (`jaxlod.nn.Seq2Seq`). The
-jitted functions are cached per setting, so a run and its resumption in
-one process (the tests) compile once.
+attention over its outputs writes the phonemes (`jaxlod.nn.Seq2Seq`), built
+from library pieces: the encoder is a `jaxlod.nn.StackedRNN`, the loss
+`jaxlod.ops.sequence_cross_entropy`, the schedule and the parameter average
+optax's. Each function that returns a jitted function builds a new one: a
+run builds it once and calls it on every batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,8 +30,10 @@ from jaxlod.nn import (
   Bidirectional,
   DynamicRNN,
   Seq2Seq,
+  StackedRNN,
   ensemble_generate,
 )
+from jaxlod.ops import DecodeSettings, sequence_cross_entropy
 from jaxlod.parallel import data_parallel, generate, shard_batch
 
 # Ids of the target vocabulary's markers (see `_g2p_data.phone_vocab`).
@@ -79,8 +82,10 @@ class Config:
       of long words holds fewer than `batch_words` words.
     steps: training steps in all (a resumed run continues to this count).
     learning_rate: peak Adam learning rate.
-    warmup_steps: linear warm-up from 0 to the peak.
-    final_lr_fraction: the cosine decay ends at this fraction of the peak.
+    warmup_steps: linear warm-up from 0 at step 0 to the peak at this step
+      (`learning_rate`).
+    final_lr_fraction: the cosine decay ends at this fraction of the peak,
+      at step `steps`.
     clip_norm: gradient clipping by global norm.
     eval_every: steps between dev evaluations and checkpoints.
     dev_words: dev words scored at each periodic evaluation (evenly spaced
@@ -175,40 +180,6 @@ PRESETS = {
 }
 
 
-class Encoder(nn.Module):
-  """Stacked bidirectional LSTMs over a LoDTensor, with dropout on the rows.
-
-  Dropout (rate `dropout`, the ``'dropout'`` rng) hits the inputs, the rows
-  between layers and the outputs; zero padding rows stay zero.
-
-  Attributes:
-    hidden: LSTM width of each direction (outputs are ``2 * hidden`` wide).
-    layers: number of bidirectional layers.
-    dropout: the dropout rate.
-    deterministic: no dropout (evaluation).
-    ladder: the loops' static batch sizes (`jaxlod.nn.DynamicRNN`).
-  """
-
-  hidden: int
-  layers: int = 1
-  dropout: float = 0.0
-  deterministic: bool = True
-  ladder: tuple[int, ...] | None = None
-
-  @nn.compact
-  def __call__(self, x: LoDTensor) -> LoDTensor:
-    """Encodes `x` (values ``[tokens, features]``) to ``[tokens, 2 * hidden]``."""
-    drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
-    for i in range(self.layers):
-      x = x.with_values(drop(x.values))
-      x = Bidirectional(
-        DynamicRNN(nn.LSTMCell(self.hidden), ladder=self.ladder),
-        DynamicRNN(nn.LSTMCell(self.hidden), ladder=self.ladder),
-        name=f"layer_{i}",
-      )(x)
-    return x.with_values(drop(x.values))
-
-
 def build_model(
   config: Config,
   num_phones: int,
@@ -217,23 +188,32 @@ def build_model(
 ) -> Seq2Seq:
   """The model of `config`; `train` turns dropout on (same parameters).
 
+  The encoder is a `jaxlod.nn.StackedRNN` of `encoder_layers` bidirectional
+  LSTMs (parameters ``encoder/layers_0``, ...), with `dropout` on its
+  inputs, between its layers and on its outputs.
+
   `ladder` sets the static batch sizes of the encoder's and the
   teacher-forced decoder's loops (`training_ladder`); `None`: each batch's
-  default. The parameters do not depend on it.
+  default (or its rank table's). The parameters do not depend on it.
   """
+
+  def lstm() -> DynamicRNN:
+    return DynamicRNN(nn.LSTMCell(config.hidden), ladder=ladder)
+
+  encoder = StackedRNN(
+    tuple(Bidirectional(lstm(), lstm()) for _ in range(config.encoder_layers)),
+    dropout_rate=config.dropout,
+    input_dropout=config.dropout,
+    output_dropout=config.dropout,
+    deterministic=not train,
+  )
   return Seq2Seq(
     dropout=config.decoder_dropout,
     deterministic=not train,
     src_vocab=NUM_LETTERS,
     tgt_vocab=num_phones,
     embed_dim=config.embed_dim,
-    encoder=Encoder(
-      config.hidden,
-      config.encoder_layers,
-      config.dropout,
-      deterministic=not train,
-      ladder=ladder,
-    ),
+    encoder=encoder,
     decoder=AttentionDecoder(
       nn.LSTMCell(config.hidden),
       AdditiveAttention(config.attention_units),
@@ -260,15 +240,24 @@ def batch_buckets(words: int, tokens: int | None = None) -> Buckets:
   return Buckets.fixed(tokens=tokens, sequences=words, time=TIME_CAPACITY)
 
 
-def learning_rate(config: Config, step: int) -> float:
-  """Linear warm-up, then cosine decay to ``final_lr_fraction`` of the peak."""
+def learning_rate(config: Config, step: jax.typing.ArrayLike) -> jax.Array:
+  """The learning rate of step `step` (an int, or an int array of steps).
+
+  `optax.warmup_cosine_decay_schedule`: linear warm-up from 0 at step 0 to
+  the peak at `warmup_steps`, then cosine decay to ``final_lr_fraction`` of
+  the peak at `steps` (a run of `warmup_steps` steps or fewer only warms
+  up).
+  """
   peak = config.learning_rate
-  if step < config.warmup_steps:
-    return peak * (step + 1) / config.warmup_steps
-  span = max(config.steps - config.warmup_steps, 1)
-  progress = min((step - config.warmup_steps) / span, 1.0)
-  floor = config.final_lr_fraction
-  return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=peak,
+    warmup_steps=config.warmup_steps,
+    # optax needs at least one step of decay.
+    decay_steps=max(config.steps, config.warmup_steps + 1),
+    end_value=config.final_lr_fraction * peak,
+  )
+  return schedule(step)
 
 
 class Averaged(NamedTuple):
@@ -306,79 +295,13 @@ def optimizer(config: Config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), optax.scale_by_adam())
 
 
-def token_loss(
-  logits: LoDTensor, targets: LoDTensor, label_smoothing: float = 0.0
-) -> jax.Array:
-  """Mean cross-entropy over the real target tokens: `token_loss_sum` over
-  the count (at least 1)."""
-  total, count = token_loss_sum(logits, targets, label_smoothing)
-  return total / jnp.maximum(count, 1)
-
-
-def token_loss_sum(
-  logits: LoDTensor, targets: LoDTensor, label_smoothing: float = 0.0
-) -> tuple[jax.Array, jax.Array]:
-  """Summed cross-entropy over the real target tokens, and their number.
-
-  Args:
-    logits: values ``[token_capacity, vocab]``, the teacher-forced logits.
-    targets: int values ``[token_capacity]`` with the LoD of `logits`.
-    label_smoothing: the target distribution is ``1 - label_smoothing`` on
-      the label plus ``label_smoothing / vocab`` on every id.
-
-  Returns:
-    ``(total, count)``: a float32 scalar, the summed cross-entropy of the
-    real rows (padding rows count for nothing), and their int32 number.
-  """
-  values = logits.values.astype(jnp.float32)
-  if label_smoothing:
-    labels = jax.nn.one_hot(targets.values, values.shape[-1], dtype=jnp.float32)
-    labels = optax.smooth_labels(labels, label_smoothing)
-    loss = optax.softmax_cross_entropy(values, labels)
-  else:
-    loss = optax.softmax_cross_entropy_with_integer_labels(values, targets.values)
-  real = jnp.arange(targets.capacity.tokens) < targets.num_rows
-  return jnp.sum(jnp.where(real, loss, 0.0)), targets.num_rows
-
-
-# The settings the compiled functions depend on.
-_COMPILED_FIELDS = (
-  "batch_words",
-  "loop_sizes",
-  "embed_dim",
-  "hidden",
-  "attention_units",
-  "encoder_layers",
-  "dropout",
-  "decoder_dropout",
-  "label_smoothing",
-  "ema_decay",
-  "clip_norm",
-)
-
-
-def _compiled_key(config: Config) -> tuple:
-  """A cache key: ``(name, value)`` of the `_COMPILED_FIELDS`."""
-  return tuple((name, getattr(config, name)) for name in _COMPILED_FIELDS)
-
-
-@functools.lru_cache(maxsize=8)
-def _init(key: tuple, num_phones: int) -> Callable:
-  config = Config(**dict(key))
-  model = build_model(config, num_phones)
+def _example_batch() -> tuple[LoDTensor, LoDTensor]:
+  """Two words' source and decoder-input ids, on the capacities of a small
+  batch: what `init_state` traces the model on."""
   buckets = batch_buckets(2, 2 * TIME_CAPACITY)
   src = LoDTensor.from_sequences([[0, 1], [2]], buckets=buckets)
   tgt = LoDTensor.from_sequences([[BOS_ID, 2], [BOS_ID]], buckets=buckets)
-
-  @jax.jit
-  def init(rng):
-    params = model.init(rng, src, tgt)
-    opt_state = optimizer(config).init(params)
-    if config.ema_decay:
-      opt_state = Averaged(opt_state, params)
-    return params, opt_state
-
-  return init
+  return src, tgt
 
 
 def init_state(config: Config, num_phones: int, abstract: bool = False) -> tuple:
@@ -394,31 +317,29 @@ def init_state(config: Config, num_phones: int, abstract: bool = False) -> tuple
   """
   if not 0.0 <= config.ema_decay < 1.0:
     raise ValueError(f"Expected `ema_decay` in [0, 1), got {config.ema_decay}.")
-  init = _init(_compiled_key(config), num_phones)
+  model = build_model(config, num_phones)
+
+  def init(rng: jax.Array) -> tuple[Any, Any]:
+    params = model.init(rng, *_example_batch())
+    opt_state = optimizer(config).init(params)
+    if config.ema_decay:
+      opt_state = Averaged(opt_state, params)
+    return params, opt_state
+
   rng = jax.random.key(config.seed)
-  return jax.eval_shape(init, rng) if abstract else init(rng)
+  return jax.eval_shape(init, rng) if abstract else jax.jit(init)(rng)
 
 
-@functools.lru_cache(maxsize=8)
-def _train_step(key: tuple, num_phones: int) -> Callable:
-  config = Config(**dict(key))
-  model = build_model(config, num_phones, train=True, ladder=training_ladder(config))
-  tx = optimizer(config)
-
-  def loss_fn(params, rng, src, tgt_in, tgt_out):
-    logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
-    return token_loss(logits, tgt_out, config.label_smoothing)
-
-  @jax.jit
-  def step(params, opt_state, lr, rng, src, tgt_in, tgt_out):
-    loss, grads = jax.value_and_grad(loss_fn)(params, rng, src, tgt_in, tgt_out)
-    return (*_update(config, tx, params, opt_state, grads, lr), loss)
-
-  return step
-
-
-def _update(config: Config, tx, params, opt_state, grads, lr) -> tuple[Any, Any]:
-  """One optimizer step: new ``(params, opt_state)``, the average kept."""
+def _update(
+  config: Config,
+  tx: optax.GradientTransformation,
+  params: Any,
+  opt_state: Any,
+  grads: Any,
+  lr: jax.Array,
+) -> tuple[Any, Any]:
+  """One optimizer step: new ``(params, opt_state)``, the average kept
+  (`optax.incremental_update`)."""
   decay = config.ema_decay
   inner = opt_state.inner if decay else opt_state
   updates, inner = tx.update(grads, inner, params)
@@ -426,138 +347,161 @@ def _update(config: Config, tx, params, opt_state, grads, lr) -> tuple[Any, Any]
   params = optax.apply_updates(params, updates)
   if not decay:
     return params, inner
-  ema = jax.tree.map(lambda a, p: a + (1 - decay) * (p - a), opt_state.ema, params)
+  ema = optax.incremental_update(params, opt_state.ema, step_size=1 - decay)
   return params, Averaged(inner, ema)
-
-
-@functools.lru_cache(maxsize=8)
-def _parallel_train_step(key: tuple, num_phones: int, mesh: Mesh) -> Callable:
-  config = Config(**dict(key))
-  model = build_model(config, num_phones, train=True, ladder=training_ladder(config))
-  tx = optimizer(config)
-
-  def sums(params, rng, fields):
-    src, tgt_in, tgt_out = fields
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(AXIS))  # masks per device
-
-    def loss(params):
-      logits = model.apply(params, src, tgt_in, rngs={"dropout": rng})
-      return token_loss_sum(logits, tgt_out, config.label_smoothing)
-
-    (total, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    return total, count, grads
-
-  grads_of = data_parallel(sums, mesh, AXIS)
-
-  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
-  def step(params, opt_state, lr, rng, fields):
-    total, count, grads = grads_of(params, rng, fields)
-    count = jnp.maximum(count, 1)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    return (*_update(config, tx, params, opt_state, grads, lr), total / count)
-
-  return step
-
-
-def train_step(config: Config, num_phones: int, mesh: Mesh | None = None) -> Callable:
-  """The jitted step ``(params, opt_state, lr, rng, src, tgt_in, tgt_out) ->
-  (params, opt_state, loss)``; `lr` a float scalar, `rng` a key for dropout.
-  With `config.ema_decay`, `opt_state` is an `Averaged` whose average takes
-  in the new parameters.
-
-  With a `mesh`, the data-parallel step ``(params, opt_state, lr, rng,
-  fields) -> (params, opt_state, loss)``: `fields` the three stacked fields
-  of a sharded batch placed by `jaxlod.parallel.shard_batch` along `AXIS`,
-  one shard a device (`jaxlod.parallel.data_parallel`); the loss is the
-  mean over every real target token of every shard, each device draws its
-  own dropout masks, and the parameters stay replicated
-  (`jaxlod.parallel.replicate`)."""
-  if mesh is None:
-    return _train_step(_compiled_key(config), num_phones)
-  return _parallel_train_step(_compiled_key(config), num_phones, mesh)
 
 
 # The mesh axis of data-parallel runs (`--devices`).
 AXIS = "data"
 
 
-def _search_settings(src: LoDTensor, beam: int) -> dict:
-  """The beam search's settings for source words `src` (model or ensemble)."""
-  return dict(
+def train_step(config: Config, num_phones: int, mesh: Mesh | None = None) -> Callable:
+  """A new jitted step ``(params, opt_state, lr, rng, fields, tables=None)
+  -> (params, opt_state, loss)``; build it once a run (it compiles on its
+  first call).
+
+  `fields` are a batch's ``(src, tgt_in, tgt_out)`` and `tables` its rank
+  tables (``Batch.tables`` of a `jaxlod.data.Batcher` with the ladder
+  `training_ladder`; the first two are used) or `None`, and then the model
+  ranks the batch itself. `lr` is a float scalar (`learning_rate`) and
+  `rng` a key for dropout. The loss is the mean over the real target tokens
+  of `jaxlod.ops.sequence_cross_entropy` (with `label_smoothing`). With
+  `config.ema_decay`, `opt_state` is an `Averaged` whose average takes in
+  the new parameters.
+
+  With a `mesh`, the data-parallel step of the same signature: `fields` and
+  `tables` are those of a sharded batch placed by
+  `jaxlod.parallel.shard_batch` along `AXIS`, one shard a device
+  (`jaxlod.parallel.data_parallel`); the loss is the mean over every real
+  target token of every shard, each device draws its own dropout masks,
+  and the parameters stay replicated (`jaxlod.parallel.replicate`).
+  """
+  model = build_model(config, num_phones, train=True, ladder=training_ladder(config))
+  tx = optimizer(config)
+
+  def sums(params, rng, batch):
+    """The summed loss and the number of real target tokens, and the
+    gradient of the sum."""
+    (src, tgt_in, tgt_out), tables = batch
+    src_table, tgt_table = (None, None) if tables is None else tables[:2]
+
+    def total(params):
+      logits = model.apply(
+        params,
+        src,
+        tgt_in,
+        src_table=src_table,
+        tgt_table=tgt_table,
+        rngs={"dropout": rng},
+      )
+      losses = sequence_cross_entropy(
+        logits, tgt_out, label_smoothing=config.label_smoothing
+      )
+      return jnp.sum(losses.values), losses.num_rows
+
+    (loss_sum, count), grads = jax.value_and_grad(total, has_aux=True)(params)
+    return loss_sum, count, grads
+
+  if mesh is None:
+    grads_of, jit = sums, jax.jit
+  else:
+
+    def per_device(params, rng, batch):
+      # Each device its own dropout masks.
+      return sums(params, jax.random.fold_in(rng, jax.lax.axis_index(AXIS)), batch)
+
+    grads_of = data_parallel(per_device, mesh, AXIS)
+    jit = functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
+
+  @jit
+  def step(params, opt_state, lr, rng, fields, tables=None):
+    loss_sum, count, grads = grads_of(params, rng, (fields, tables))
+    count = jnp.maximum(count, 1)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    return (*_update(config, tx, params, opt_state, grads, lr), loss_sum / count)
+
+  return step
+
+
+def search_settings(
+  beam: int, time_capacity: int, num_results: int | None = 1
+) -> DecodeSettings:
+  """The beam search's settings for words of at most `time_capacity` letters.
+
+  A hypothesis holds at most `time_capacity` plus `LENGTH_MARGIN` tokens
+  (`max_lengths` lowers it per word), scored with `LENGTH_PENALTY`. The
+  default ladder compacts the live words between phases: on 2 CPU cores the
+  dev set decoded about 10% faster than with ``ladder=()`` (the same
+  hypotheses), for about 12 s more compilation
+  (benchmarks/results/g2p_options.json).
+  """
+  return DecodeSettings(
     bos_id=BOS_ID,
     eos_id=EOS_ID,
-    max_length=src.lengths() + LENGTH_MARGIN,
-    length_capacity=src.capacity.time[0] + LENGTH_MARGIN,
+    max_length=time_capacity + LENGTH_MARGIN,
     beam_size=beam,
     length_penalty=LENGTH_PENALTY,
-    # One phase at the full count (no compaction): each extra phase is another
-    # copy of the step to compile, and a batch holds words of similar lengths.
-    ladder=(src.capacity.sequences[0],),
+    num_results=num_results,
   )
 
 
-@functools.lru_cache(maxsize=8)
-def _decoder(key: tuple, num_phones: int, beam: int) -> Callable:
-  model = build_model(Config(**dict(key)), num_phones)
-
-  @jax.jit
-  def decode(params, src):
-    settings = _search_settings(src, beam)
-    hyps = model.apply(
-      params, src, "beam", method="generate", num_results=1, **settings
-    )
-    return hyps.ids
-
-  return decode
-
-
-@functools.lru_cache(maxsize=8)
-def _ensemble_search(key: tuple, num_phones: int, beam: int, num_results: int):
-  model = build_model(Config(**dict(key)), num_phones)
-
-  @jax.jit
-  def search(members, src):
-    return ensemble_generate(
-      [(model, params) for params in members],
-      src,
-      num_results=num_results,
-      **_search_settings(src, beam),
-    )
-
-  return search
+def max_lengths(src: LoDTensor) -> jax.Array:
+  """Each word's most tokens, ``[count_capacity]``: its letters plus
+  `LENGTH_MARGIN`."""
+  return src.lengths() + LENGTH_MARGIN
 
 
 def ensemble_search(
   config: Config, num_phones: int, beam: int, num_results: int = 1
 ) -> Callable:
-  """The jitted beam search of an ensemble, ``(members, src) -> Hypotheses``.
+  """A new jitted beam search of an ensemble, ``(members, src,
+  src_table=None) -> Hypotheses``.
 
   `members` is a tuple of parameter trees of `config`'s model; each step
   scores the next phoneme by the mean of the members' log-probabilities
   (each member keeps its own decoder carry over the same hypotheses), with
-  `LENGTH_PENALTY`. The result holds `num_results`
-  hypotheses per source word (see `jaxlod.nn.ensemble_generate`).
+  `search_settings`. The result holds `num_results` hypotheses per source
+  word (see `jaxlod.nn.ensemble_generate`); `src_table` is `src`'s rank
+  table, or `None`.
   """
-  return _ensemble_search(_compiled_key(config), num_phones, beam, num_results)
+  model = build_model(config, num_phones)
+
+  @jax.jit
+  def search(members, src, src_table=None):
+    settings = search_settings(beam, src.capacity.time[0], num_results)
+    return ensemble_generate(
+      [(model, params) for params in members],
+      src,
+      settings,
+      max_lengths=max_lengths(src),
+      src_table=src_table,
+    )
+
+  return search
 
 
 def parallel_decoder(
   config: Config, num_phones: int, beam: int, mesh: Mesh
 ) -> Callable:
-  """The data-parallel beam search ``(params, src) -> ids``: `src` a sharded
-  batch's stacked source field on the host (every process its own shards),
-  `ids` one 2-level LoDTensor per shard of every process, as `decoder`'s.
-  Each device searches its own words (`jaxlod.parallel.generate`)."""
+  """The data-parallel beam search ``(params, src, src_table=None) -> ids``:
+  `src` a sharded batch's stacked source field on the host (every process
+  its own shards) and `src_table` its stacked rank tables or `None`, `ids`
+  one 2-level LoDTensor per shard of every process, as `decoder`'s. Each
+  device searches its own words (`jaxlod.parallel.generate`, which compiles
+  once per model and settings)."""
   model = build_model(config, num_phones)
 
-  def decode(params, src):
-    lengths = np.diff(np.asarray(src.offsets[0]), axis=-1) + LENGTH_MARGIN
-    local = jax.tree.map(lambda a: a[0], src)
-    settings = _search_settings(local, beam)
-    del settings["max_length"]
-    placed, limits = shard_batch((src, lengths), mesh, AXIS)
+  def decode(params, src, src_table=None):
+    limits = np.diff(np.asarray(src.offsets[0]), axis=-1) + LENGTH_MARGIN
+    placed, table, limits = shard_batch((src, src_table, limits), mesh, AXIS)
     hyps = generate(
-      (model, params), placed, mesh, AXIS, max_length=limits, num_results=1, **settings
+      (model, params),
+      placed,
+      mesh,
+      AXIS,
+      settings=search_settings(beam, src.capacity.time[0]),
+      src_table=table,
+      max_lengths=limits,
     )
     return [h.ids for h in hyps]
 
@@ -565,14 +509,31 @@ def parallel_decoder(
 
 
 def decoder(config: Config, num_phones: int, beam: int) -> Callable:
-  """The jitted beam search ``(params, src) -> ids``: the best hypothesis of
-  each source word, a 2-level LoDTensor (word -> 1 hypothesis -> phoneme ids,
-  `</s>` excluded). A hypothesis holds at most the word's letters plus
-  `LENGTH_MARGIN` tokens.
+  """A new jitted beam search ``(params, src, src_table=None) -> ids``: the
+  best hypothesis of each source word, a 2-level LoDTensor (word -> 1
+  hypothesis -> phoneme ids, `</s>` excluded); `src_table` is `src`'s rank
+  table, or `None`. A hypothesis holds at most the word's letters plus
+  `LENGTH_MARGIN` tokens. Build it once a run (it compiles on its first
+  call).
 
   With ``config.members > 1``, `params` is a tuple of the members' parameter
   trees, decoded together (`ensemble_search`)."""
   if config.members > 1:
     search = ensemble_search(config, num_phones, beam)
-    return lambda params, src: search(tuple(params), src).ids
-  return _decoder(_compiled_key(config), num_phones, beam)
+    return lambda params, src, src_table=None: search(tuple(params), src, src_table).ids
+  model = build_model(config, num_phones)
+
+  @jax.jit
+  def decode(params, src, src_table=None):
+    settings = search_settings(beam, src.capacity.time[0])
+    hyps = model.apply(
+      params,
+      src,
+      settings,
+      method="generate",
+      max_lengths=max_lengths(src),
+      src_table=src_table,
+    )
+    return hyps.ids
+
+  return decode

@@ -29,7 +29,7 @@ import pathlib
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -42,6 +42,13 @@ from jaxlod.data import Batcher
 from jaxlod.examples import _g2p_data as data
 from jaxlod.examples import _g2p_model as m
 from jaxlod.parallel import replicate, shard_batch
+
+# Build the rank tables of every batch on the host (`jaxlod.data.Batcher`)
+# and pass them to the jitted functions, which then do not rank the batch.
+# On 2 CPU cores the training step and the dev-set beam search took as long
+# with them as without (benchmarks/g2p_options.py, in
+# benchmarks/results/g2p_options.json; docs/data.md).
+HOST_TABLES = True
 
 
 @dataclasses.dataclass
@@ -80,6 +87,17 @@ def load_corpus(config: m.Config) -> Corpus:
   return Corpus(splits, letters, phones, train)
 
 
+def decoder(
+  config: m.Config, num_phones: int, beam: int, mesh: Mesh | None = None
+) -> Callable:
+  """A new beam search for `predict`: `m.decoder`, or with a `mesh`
+  `m.parallel_decoder`. Each new one compiles on its first call: a run
+  builds one and passes it to every evaluation."""
+  if mesh is None:
+    return m.decoder(config, num_phones, beam)
+  return m.parallel_decoder(config, num_phones, beam, mesh)
+
+
 def predict(
   params: Any,
   config: m.Config,
@@ -87,32 +105,37 @@ def predict(
   words: Sequence[str],
   beam: int,
   mesh: Mesh | None = None,
+  decode: Callable | None = None,
 ) -> list[tuple[str, ...]]:
   """The beam search's best pronunciation of each word, in `words`' order.
 
+  The batches come with their rank tables, built on the host (`HOST_TABLES`).
   With a `mesh`, each device decodes its own shard of every batch
-  (`m.parallel_decoder`); one model only."""
+  (`m.parallel_decoder`); one model only. `decode` is `decoder(config,
+  len(corpus.phones), beam, mesh)` built earlier (its compilation reused);
+  `None`: a new one."""
+  if decode is None:
+    decode = decoder(config, len(corpus.phones), beam, mesh)
   examples = [(corpus.letters.encode(w),) for w in words]
   batcher = Batcher(
     examples,
     m.batch_buckets(config.decode_words),
     shuffle=False,
     window=len(examples),
-    tables=False,
+    tables=HOST_TABLES,
     shards=None if mesh is None else mesh.size,
   )
   out: list[tuple[str, ...]] = [()] * len(words)
   if mesh is None:
-    decode = m.decoder(config, len(corpus.phones), beam)
     for batch in batcher.epoch(0):
-      hyps = decode(params, batch.fields[0]).to_list()
+      hyps = decode(params, batch.fields[0], batch.tables[0]).to_list()
       for i, (best,) in zip(batch.indices, hyps, strict=True):
         out[i] = corpus.phones.decode(best)
     return out
-  decode = m.parallel_decoder(config, len(corpus.phones), beam, mesh)
   # Every process gets every shard's hypotheses; the plan maps them to words.
   for batch, shards in zip(batcher.epoch(0), batcher.plan_shards(0), strict=True):
-    for indices, ids in zip(shards, decode(params, batch.fields[0]), strict=True):
+    ids_of_shards = decode(params, batch.fields[0], batch.tables[0])
+    for indices, ids in zip(shards, ids_of_shards, strict=True):
       for i, (best,) in zip(indices, ids.to_list(), strict=True):
         out[i] = corpus.phones.decode(best)
   return out
@@ -125,15 +148,17 @@ def evaluate(
   split: str,
   limit: int | None = None,
   mesh: Mesh | None = None,
+  decode: Callable | None = None,
 ) -> tuple[float, float, list[tuple[str, tuple[str, ...], tuple[str, ...]]]]:
   """``(PER, WER, rows)`` on `limit` evenly spaced words of `split` (all: None).
 
   `rows` holds ``(word, reference, prediction)`` per word, in word order.
-  With a `mesh`, the devices decode in parallel (`predict`).
+  With a `mesh`, the devices decode in parallel; `decode` as in `predict`
+  (at ``config.beam``).
   """
   pairs = _evenly_spaced(corpus.splits[split], limit)
   words = [w for w, _ in pairs]
-  hyps = predict(params, config, corpus, words, config.beam, mesh)
+  hyps = predict(params, config, corpus, words, config.beam, mesh, decode)
   refs = [p for _, p in pairs]
   per, wer = data.error_rates(refs, hyps)
   return per, wer, list(zip(words, refs, hyps, strict=True))
@@ -245,12 +270,19 @@ def train(
   quiet: bool = False,
   stop: int | None = None,
   mesh: Mesh | None = None,
+  step_fn: Callable | None = None,
+  decode: Callable | None = None,
 ) -> tuple[Any, Any, list[tuple[int, float, float]]]:
   """Trains from step `start` to `stop` (default `config.steps`).
 
-  With a `mesh`, data-parallel over its devices: each step's batch is
-  dealt to one shard per device, each on the capacities of one batch
-  (`m.train_step`), and the evaluations decode in parallel too.
+  Each batch comes with the rank tables of its source and decoder inputs,
+  built on the host (`HOST_TABLES`). With a `mesh`, data-parallel over its
+  devices: each step's batch is dealt to one shard per device, each on the
+  capacities of one batch (`m.train_step`), and the evaluations decode in
+  parallel too. `step_fn` is ``m.train_step(config, len(corpus.phones),
+  mesh)`` and `decode` ``decoder(config, len(corpus.phones), config.beam,
+  mesh)``, built earlier (their compilations reused; the seed may differ);
+  `None`: new ones.
 
   Every `eval_every` steps and at `stop`, scores `dev_words` dev words (with
   `m.eval_params`) and saves a checkpoint. The batches, dropout masks and
@@ -261,14 +293,18 @@ def train(
     ``(params, opt_state, history)``, history a list of ``(step, dev PER,
     dev WER)``.
   """
-  step_fn = m.train_step(config, len(corpus.phones), mesh)
+  if step_fn is None:
+    step_fn = m.train_step(config, len(corpus.phones), mesh)
+  if decode is None:
+    decode = decoder(config, len(corpus.phones), config.beam, mesh)
   buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
-  # The model ranks its batches itself (docs/data.md): no host tables.
   batcher = Batcher(
     corpus.train,
     buckets,
     seed=config.seed,
-    tables=False,
+    ladder=m.training_ladder(config),
+    # The targets' table is never used.
+    tables=(HOST_TABLES, HOST_TABLES, False),
     shards=None if mesh is None else mesh.size,
   )
   if mesh is not None:
@@ -286,15 +322,15 @@ def train(
   tokens, clock, loss_sum, losses = 0, time.perf_counter(), 0.0, 0
   with contextlib.closing(batcher.iterate(start_step=start)) as batches, bar:
     for step, batch in zip(range(start, stop), batches, strict=False):  # endless
-      fields = batch.fields
       if mesh is not None:
-        fields = (shard_batch(fields, mesh, m.AXIS),)
+        batch = shard_batch(batch, mesh, m.AXIS)
       params, opt_state, loss = step_fn(
         params,
         opt_state,
         np.float32(m.learning_rate(config, step)),
         jax.random.fold_in(dropout_key, step),
-        *fields,
+        batch.fields,
+        batch.tables,
       )
       loss_sum, losses = loss_sum + float(loss), losses + 1
       tokens += int(lengths[batch.indices].sum())
@@ -310,7 +346,7 @@ def train(
         began = time.perf_counter()
         decode_params = m.eval_params(config, params, opt_state)
         per, wer, rows = evaluate(
-          decode_params, config, corpus, "dev", config.dev_words, mesh
+          decode_params, config, corpus, "dev", config.dev_words, mesh, decode
         )
         _print_eval(done, per, wer, len(rows), time.perf_counter() - began)
         history.append((done, per, wer))
@@ -533,6 +569,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     + (ensemble if config.members > 1 else "")
   )
   members = [m.member_config(config, k) for k in range(config.members)]
+  # One step and one decoder for every member (they differ in their seed).
+  num_phones = len(corpus.phones)
+  step_fn = m.train_step(members[0], num_phones, mesh)
+  decode = decoder(members[0], num_phones, config.beam, mesh)
   finals, histories = [], []
   for k, (member, (start, params, opt_state)) in enumerate(
     zip(members, states, strict=True)
@@ -551,6 +591,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       member_workdir,
       args.quiet or jax.process_index() > 0,
       mesh=mesh,
+      step_fn=step_fn,
+      decode=decode,
     )
     finals.append(m.eval_params(member, params, opt_state))
     histories.append(history)
@@ -566,10 +608,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   table = [("model", "split", "words", "PER", "WER")]
   for name, run_config, decode_params in scored:
     results[name] = {}
-    # An ensemble decodes on one device.
-    on = None if isinstance(decode_params, tuple) else mesh
+    # An ensemble decodes on one device, with a decoder of its own.
+    ensemble = isinstance(decode_params, tuple)
+    on = None if ensemble else mesh
+    search = decoder(config, num_phones, config.beam) if ensemble else decode
     for split in ("dev", "test"):
-      per, wer, rows = evaluate(decode_params, run_config, corpus, split, mesh=on)
+      per, wer, rows = evaluate(
+        decode_params, run_config, corpus, split, mesh=on, decode=search
+      )
       results[name][split] = (per, wer)
       table.append(
         (name, split, str(len(rows)), f"{100 * per:.2f}%", f"{100 * wer:.2f}%")
