@@ -31,6 +31,11 @@ class Attention(_common.AttentionCalls, nn.Module):
   every step.
   """
 
+  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
+  # own methods only: the shared ones are taken into the class.
+  keys = _common.AttentionCalls.keys
+  __call__ = _common.AttentionCalls.__call__
+
 
 class DotAttention(Attention):
   """Dot-product attention: ``score_j = <q, m_j>``. No parameters.

@@ -81,6 +81,13 @@ class AttentionDecoder(_common.DecoderCalls, nn.Module):
   remat: bool = True
   ladder: Sequence[int] | None = None
 
+  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
+  # own methods only: the shared ones are taken into the class.
+  shared = _common.DecoderCalls
+  precompute, step, zero_carry = shared.precompute, shared.step, shared.zero_carry
+  initial_state, __call__ = shared.initial_state, shared.__call__
+  del shared
+
   def initialize_carry(self, shape: tuple[int, int]) -> Any:
     """``cell.initialize_carry(key(0), shape)``."""
     return self.cell.initialize_carry(jax.random.key(0), shape)

@@ -242,6 +242,10 @@ class StackedRNN(_common.StackCalls, nn.Module):
   deterministic: bool = True
   return_carry: bool = False
 
+  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
+  # own methods only: the shared ones are taken into the class.
+  __call__ = _common.StackCalls.__call__
+
   def setup(self):
     _common.check_layers(self.layers)
     rates = _common.stack_rates(

@@ -107,6 +107,18 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
       self.carry_bridge = CarryBridge()
     self.output = nn.Dense(self.tgt_vocab)
 
+  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
+  # own methods only: the shared ones are taken into the class.
+  shared = _common.Seq2SeqCalls
+  encode, initial_state = shared.encode, shared.initial_state
+  cell_carry, precompute, decode_step = (
+    shared.cell_carry,
+    shared.precompute,
+    shared.decode_step,
+  )
+  generate, __call__ = shared.generate, shared.__call__
+  del shared
+
   def dropout_rows(self, values: jax.Array) -> jax.Array:
     """``Dropout(dropout)`` of packed rows (zero rows stay zero)."""
     return self.drop(values)
