@@ -34,6 +34,7 @@ from jaxlod import _lod
 
 if TYPE_CHECKING:
   from jaxlod._lod import Capacity, LoDTensor
+  from jaxlod.ops._attention import Memory
   from jaxlod.ops._rank import RankTable
 
 
@@ -478,3 +479,95 @@ def check_step_out(out: Any, carry: Any, b: int) -> tuple[Any, Any]:
         f"dimension {b} (the phase's batch size), got {_shape_str(leaf)}."
       )
   return new_carry, y
+
+
+# -- attention decoders ----------------------------------------------------------
+
+
+def check_memory_lod(memory: Any, name: str = "memory") -> LoDTensor:
+  """`memory` must be a LoDTensor of one level with vector rows.
+
+  Raises:
+    TypeError: for a memory that is not a LoDTensor.
+    ValueError: for more than one level or rows that are not vectors.
+  """
+  memory = check_lod(memory, name)
+  if memory.num_levels != 1 or len(memory.feature_shape) != 1:
+    raise ValueError(
+      f"Expected a LoDTensor `{name}` with one LoD level and values [src_tokens, "
+      f"features], got {memory.num_levels} level(s) and values of shape "
+      f"{tuple(memory.values.shape)}."
+    )
+  return memory
+
+
+def without_keys(memory: Memory, name: str) -> Memory:
+  """An attention that precomputes nothing takes no `keys`."""
+  if memory.keys is not None:
+    raise ValueError(
+      f"{name} precomputes no keys (its `keys(memory)` is None), got `keys` of "
+      f"shape {tuple(memory.keys.shape)}."
+    )
+  return memory
+
+
+def check_query(query: jax.typing.ArrayLike, memory: Memory) -> jax.Array:
+  """`query` must be ``[b, hidden]`` with one memory row per query row."""
+  query = jnp.asarray(query)
+  if query.ndim != 2:
+    raise ValueError(f"Expected `query` to have shape [b, hidden], got {query.shape}.")
+  if query.shape[0] != memory.values.shape[0]:
+    raise ValueError(
+      f"Expected one memory sequence per query row: `query` has {query.shape[0]} "
+      f"rows, `memory` has {memory.values.shape[0]} sequences (count capacity)."
+    )
+  return query
+
+
+def check_width(name: str, actual: int, expected: int, what: str) -> None:
+  """A width (last dimension) must match: names both values."""
+  if actual != expected:
+    raise ValueError(f"Expected `{name}` of width {expected} ({what}), got {actual}.")
+
+
+def check_keys(memory: Memory, units: int) -> None:
+  """`memory.keys` must be ``[b, source_capacity, units]``."""
+  expected = (*memory.values.shape[:2], units)
+  if memory.keys is None or tuple(memory.keys.shape) != expected:
+    got = None if memory.keys is None else tuple(memory.keys.shape)
+    raise ValueError(
+      f"Expected `keys` to have shape [b, source_capacity, units] = {expected}, "
+      f"got {got}."
+    )
+
+
+def check_counts(tgt: LoDTensor, memory: LoDTensor) -> None:
+  """`memory` holds one sequence per last-level sequence of `tgt`.
+
+  The count capacities are compared at trace time, the real counts eagerly
+  (under `jit` through `jax.experimental.checkify`).
+  """
+  count, wanted = memory.capacity.sequences[-1], tgt.capacity.sequences[-1]
+  if count != wanted:
+    raise ValueError(
+      f"Expected `memory` to hold one sequence per `tgt` sequence: memory count "
+      f"capacity {count}, tgt count capacity {wanted}."
+    )
+  require(
+    memory.num_sequences(-1) == tgt.num_sequences(-1),
+    "Expected `memory` to hold one sequence per `tgt` sequence: memory has "
+    "{real} sequences, tgt has {real_tgt}.",
+    real=memory.num_sequences(-1),
+    real_tgt=tgt.num_sequences(-1),
+  )
+
+
+def check_targets(tgt: Any) -> LoDTensor:
+  """A decoder's targets: a LoDTensor of vector rows."""
+  tgt = check_lod(tgt, "tgt")
+  if len(tgt.feature_shape) != 1:
+    raise ValueError(
+      "Expected `tgt.values` to have shape [token_capacity, input_features], got "
+      f"{tuple(tgt.values.shape)}."
+    )
+  return tgt

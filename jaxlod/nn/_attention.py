@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxlod import _checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.ops import _attention as core
@@ -52,7 +53,7 @@ class DotAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.dot_scores``: the query must be as wide as the memory."""
-    return core.dot_scores(query, core.without_keys(memory, "DotAttention"))
+    return core.dot_scores(query, _checks.without_keys(memory, "DotAttention"))
 
 
 class GeneralAttention(Attention):
@@ -86,7 +87,7 @@ class GeneralAttention(Attention):
   @nn.compact
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
-    memory = core.without_keys(memory, "GeneralAttention")
+    memory = _checks.without_keys(memory, "GeneralAttention")
     features = memory.values.shape[-1]
     project = nn.Dense(
       features,
@@ -187,5 +188,5 @@ class CosineAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.cosine_scores``: the query must be as wide as the memory."""
-    memory = core.without_keys(memory, "CosineAttention")
+    memory = _checks.without_keys(memory, "CosineAttention")
     return core.cosine_scores(query, memory, self.eps)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxlod import _checks
 from jaxlod._checks import check_integer, check_lod, check_pool_type, is_lod
 from jaxlod._lod import LoDTensor
 from jaxlod.ops import _attention as core
@@ -360,7 +361,7 @@ class DecoderCalls:
       [count_capacity], keys [count_capacity, time_capacity, units] |
       None)``.
     """
-    memory = core.check_memory_lod(memory)
+    memory = _checks.check_memory_lod(memory)
     keys = getattr(self.attention, "keys", None)
     return core.lod_memory(memory, None if keys is None else keys(memory))
 
@@ -388,7 +389,7 @@ class DecoderCalls:
     the step input is ``x_t`` (`input_features` wide), with the memory's
     features added under input feeding (``cell.initialize_carry`` with a
     fixed key: Flax's cells start from zeros)."""
-    memory = core.check_memory_lod(memory)
+    memory = _checks.check_memory_lod(memory)
     fed = memory.feature_shape[-1] if self.input_feeding else 0
     shape = (memory.capacity.sequences[-1], input_features + fed)
     return self.initialize_carry(shape)
@@ -410,7 +411,7 @@ class DecoderCalls:
       `initial_carry` (or the default), paired with a zero context
       ``[count_capacity, features]`` when `input_feeding`.
     """
-    memory = core.check_memory_lod(memory)
+    memory = _checks.check_memory_lod(memory)
     if initial_carry is None:
       initial_carry = self.zero_carry(memory, input_features)
     if not self.input_feeding:
@@ -455,9 +456,9 @@ class DecoderCalls:
         rejects; from `dynamic_rnn`, for a `table` of other lengths or whose
         ladder is not `ladder`.
     """
-    tgt = core.check_targets(tgt)
-    memory = core.check_memory_lod(memory)
-    core.check_counts(tgt, memory)
+    tgt = _checks.check_targets(tgt)
+    memory = _checks.check_memory_lod(memory)
+    _checks.check_counts(tgt, memory)
     self.check_input_width(tgt, memory)
     carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry)
     padded = self.precompute(memory)
@@ -517,7 +518,7 @@ class Seq2SeqCalls:
     """The bridged initial cell carry, or `None` (the cell's zeros)."""
     if not self.bridge:
       return None
-    pooled = sequence_pool(core.check_memory_lod(memory), "average")
+    pooled = sequence_pool(_checks.check_memory_lod(memory), "average")
     template = self.decoder.zero_carry(memory, self.embed_dim)
     return self.carry_bridge(pooled, template)
 

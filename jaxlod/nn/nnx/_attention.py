@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlod import _checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.ops import _attention as core
@@ -42,7 +43,7 @@ class DotAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.dot_scores``."""
-    return core.dot_scores(query, core.without_keys(memory, "DotAttention"))
+    return core.dot_scores(query, _checks.without_keys(memory, "DotAttention"))
 
 
 class GeneralAttention(Attention):
@@ -86,10 +87,10 @@ class GeneralAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
-    memory = core.without_keys(memory, "GeneralAttention")
-    core.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
+    memory = _checks.without_keys(memory, "GeneralAttention")
+    _checks.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
     features = memory.values.shape[-1]
-    core.check_width("memory", features, self.query.out_features, "`features`")
+    _checks.check_width("memory", features, self.query.out_features, "`features`")
     return core.general_scores(query, memory, self.query)
 
 
@@ -143,15 +144,15 @@ class AdditiveAttention(Attention):
     return core.map_rows(self._key, memory)
 
   def _key(self, values: jax.Array) -> jax.Array:
-    core.check_width("memory", values.shape[-1], self.key.in_features, "`features`")
+    _checks.check_width("memory", values.shape[-1], self.key.in_features, "`features`")
     return self.key(values)
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.additive_scores``, computing the keys when the memory
     has none."""
     features = memory.values.shape[-1]
-    core.check_width("memory", features, self.key.in_features, "`features`")
-    core.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
+    _checks.check_width("memory", features, self.key.in_features, "`features`")
+    _checks.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
     if memory.keys is None:
       memory = memory._replace(keys=self.key(memory.values))
     return core.additive_scores(query, memory, self.query, self.energy)
@@ -178,5 +179,5 @@ class CosineAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.cosine_scores``."""
-    memory = core.without_keys(memory, "CosineAttention")
+    memory = _checks.without_keys(memory, "CosineAttention")
     return core.cosine_scores(query, memory, self.eps)

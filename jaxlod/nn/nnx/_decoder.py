@@ -8,6 +8,7 @@ from typing import Any
 
 from flax import nnx
 
+from jaxlod import _checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
@@ -78,7 +79,7 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     what = "the cell's `in_features`"
     if fed:
       what += f" {cell_width} less the {fed} memory features fed back"
-    core.check_width("tgt", tgt.feature_shape[0], cell_width - fed, what)
+    _checks.check_width("tgt", tgt.feature_shape[0], cell_width - fed, what)
 
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
     """`step` over a snapshot of the layer's state, for `dynamic_rnn`."""
