@@ -571,3 +571,70 @@ def check_targets(tgt: Any) -> LoDTensor:
       f"{tuple(tgt.values.shape)}."
     )
   return tgt
+
+
+# -- host-side batching (jaxlod.data) ----------------------------------------------
+
+
+def check_tables(tables: Any, num_fields: int) -> tuple[bool, ...]:
+  """One bool per field from `Batcher`'s ``tables`` argument."""
+  if isinstance(tables, bool | np.bool_):
+    return (bool(tables),) * num_fields
+  if isinstance(tables, str) or not isinstance(tables, Sequence):
+    raise TypeError(
+      f"Expected `tables` to be a bool or a sequence of bools, got {tables!r}."
+    )
+  if len(tables) != num_fields:
+    raise ValueError(
+      f"Expected `tables` to be a bool or one bool per field ({num_fields}), "
+      f"got {len(tables)} entries."
+    )
+  for f, keep in enumerate(tables):
+    if not isinstance(keep, bool | np.bool_):
+      raise TypeError(f"Expected `tables[{f}]` to be a bool, got {keep!r}.")
+  return tuple(bool(keep) for keep in tables)
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+  """A host-side int setting (`jaxlod.data`), at least `minimum`."""
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}.")
+  if value < minimum:
+    raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value}.")
+  return int(value)
+
+
+def check_shards(
+  shards: Any, process_index: Any, process_count: Any
+) -> tuple[int | None, range | None]:
+  """The global shard count and this process's shards, checked."""
+  if shards is None:
+    for name, value in (
+      ("process_index", process_index),
+      ("process_count", process_count),
+    ):
+      if value is not None:
+        raise ValueError(
+          f"Expected `{name}` to be None without `shards`, got {value!r}; set "
+          "`shards` to build sharded batches."
+        )
+    return None, None
+  shards = check_int("shards", shards, 1)
+  if process_count is None:
+    process_count = jax.process_count()
+  process_count = check_int("process_count", process_count, 1)
+  if process_index is None:
+    process_index = jax.process_index()
+  process_index = check_int("process_index", process_index, 0)
+  if process_index >= process_count:
+    raise ValueError(
+      f"Expected `process_index` in [0, {process_count}) (the process count), "
+      f"got {process_index}."
+    )
+  if shards % process_count:
+    raise ValueError(
+      f"Expected `shards` ({shards}) to be a multiple of the process count "
+      f"({process_count})."
+    )
+  local = shards // process_count
+  return shards, range(process_index * local, (process_index + 1) * local)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
+from jaxlod._checks import check_int, check_shards, check_tables
 from jaxlod._lod import LoDTensor
 from jaxlod.data._prefetch import prefetch as _prefetch
 from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
@@ -52,69 +53,6 @@ class Batch(NamedTuple):
   epoch: int
   step: int
   num_tokens: int
-
-
-def _check_tables(tables: Any, num_fields: int) -> tuple[bool, ...]:
-  """One bool per field from `Batcher`'s ``tables`` argument."""
-  if isinstance(tables, bool | np.bool_):
-    return (bool(tables),) * num_fields
-  if isinstance(tables, str) or not isinstance(tables, Sequence):
-    raise TypeError(
-      f"Expected `tables` to be a bool or a sequence of bools, got {tables!r}."
-    )
-  if len(tables) != num_fields:
-    raise ValueError(
-      f"Expected `tables` to be a bool or one bool per field ({num_fields}), "
-      f"got {len(tables)} entries."
-    )
-  for f, keep in enumerate(tables):
-    if not isinstance(keep, bool | np.bool_):
-      raise TypeError(f"Expected `tables[{f}]` to be a bool, got {keep!r}.")
-  return tuple(bool(keep) for keep in tables)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, int | np.integer):
-    raise TypeError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}.")
-  if value < minimum:
-    raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value}.")
-  return int(value)
-
-
-def _check_shards(
-  shards: Any, process_index: Any, process_count: Any
-) -> tuple[int | None, range | None]:
-  """The global shard count and this process's shards, checked."""
-  if shards is None:
-    for name, value in (
-      ("process_index", process_index),
-      ("process_count", process_count),
-    ):
-      if value is not None:
-        raise ValueError(
-          f"Expected `{name}` to be None without `shards`, got {value!r}; set "
-          "`shards` to build sharded batches."
-        )
-    return None, None
-  shards = _check_int("shards", shards, 1)
-  if process_count is None:
-    process_count = jax.process_count()
-  process_count = _check_int("process_count", process_count, 1)
-  if process_index is None:
-    process_index = jax.process_index()
-  process_index = _check_int("process_index", process_index, 0)
-  if process_index >= process_count:
-    raise ValueError(
-      f"Expected `process_index` in [0, {process_count}) (the process count), "
-      f"got {process_index}."
-    )
-  if shards % process_count:
-    raise ValueError(
-      f"Expected `shards` ({shards}) to be a multiple of the process count "
-      f"({process_count})."
-    )
-  local = shards // process_count
-  return shards, range(process_index * local, (process_index + 1) * local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,13 +528,13 @@ class Batcher:
     process_index: int | None = None,
     process_count: int | None = None,
   ):
-    self._window = _check_int("window", window, 1)
-    self._prefetch = _check_int("prefetch", prefetch, 0)
-    self._seed = _check_int("seed", seed, 0)
+    self._window = check_int("window", window, 1)
+    self._prefetch = check_int("prefetch", prefetch, 0)
+    self._seed = check_int("seed", seed, 0)
     if token_budget is not None:
-      token_budget = _check_int("token_budget", token_budget, 1)
+      token_budget = check_int("token_budget", token_budget, 1)
     self._shuffle = bool(shuffle)
-    self._shards, self._local = _check_shards(shards, process_index, process_count)
+    self._shards, self._local = check_shards(shards, process_index, process_count)
     if device_put and shards is not None:
       raise ValueError(
         "Expected `device_put` to be False or None with `shards`, got True: a "
@@ -611,7 +549,7 @@ class Batcher:
       for f, (arrays, b) in enumerate(zip(columns, field_buckets, strict=True))
     ]
     self._ladders = [normalize_ladder(f.sequences, ladder) for f in self._fields]
-    self._tables = _check_tables(tables, len(self._fields))
+    self._tables = check_tables(tables, len(self._fields))
     self._lengths = np.stack([np.diff(f.starts) for f in self._fields], axis=1)
     if token_budget is None:
       token_budget = min(f.tokens for f in self._fields)
@@ -669,7 +607,7 @@ class Batcher:
       shard ``s``, in the order they are packed. Without shards, each batch
       is one shard.
     """
-    epoch = _check_int("epoch", epoch, 0)
+    epoch = check_int("epoch", epoch, 0)
     n = self.num_examples
     if self._shuffle:
       rng = np.random.default_rng([self._seed, epoch])
@@ -696,7 +634,7 @@ class Batcher:
 
   def batches_per_epoch(self, epoch: int) -> int:
     """``len(plan(epoch))``; with shuffling it may differ across epochs."""
-    epoch = _check_int("epoch", epoch, 0)
+    epoch = check_int("epoch", epoch, 0)
     if not self._shuffle:
       epoch = 0
     if epoch not in self._counts:
@@ -768,7 +706,7 @@ class Batcher:
     Args:
       epoch: an int >= 0.
     """
-    epoch = _check_int("epoch", epoch, 0)
+    epoch = check_int("epoch", epoch, 0)
     step = self._first_step(epoch)
     return _prefetch(
       lambda: self._epoch_batches(epoch, 0, step), self._prefetch, _THREAD_NAME
@@ -784,5 +722,5 @@ class Batcher:
     Args:
       start_step: batches to skip (they are planned, never built), >= 0.
     """
-    start_step = _check_int("start_step", start_step, 0)
+    start_step = check_int("start_step", start_step, 0)
     return _prefetch(lambda: self._stream(start_step), self._prefetch, _THREAD_NAME)
