@@ -84,6 +84,20 @@ def teacher_forced_scores(members, src, hyps, alpha):
   return scores
 
 
+def _assert_greedy(members, src, out):
+  """Each hypothesis of `out` takes the argmax of the members' mean
+  teacher-forced log-probs at every step, and scores their sum."""
+  hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
+  for source, score in zip(
+    teacher_forced_logps(members, src, hyps), out.scores.to_list(), strict=True
+  ):
+    ((logp, target),) = source
+    np.testing.assert_array_equal(logp.argmax(-1), target)
+    np.testing.assert_allclose(
+      score, [logp[np.arange(len(target)), target].sum()], rtol=1e-5, atol=1e-5
+    )
+
+
 @pytest.mark.slow
 def test_beam_scores_are_the_teacher_forced_scores():
   params = _seq2seq_params()
@@ -124,16 +138,7 @@ def test_greedy_takes_the_argmax_of_the_log_probs():
   params = _seq2seq_params()
   src, _, _ = _seq2seq_batch()
   out = generate(params, src, GREEDY)
-  hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
-  members = [(_seq2seq(), params)]
-  for source, score in zip(
-    teacher_forced_logps(members, src, hyps), out.scores.to_list(), strict=True
-  ):
-    ((logp, target),) = source
-    np.testing.assert_array_equal(logp.argmax(-1), target)
-    np.testing.assert_allclose(
-      score, [logp[np.arange(len(target)), target].sum()], rtol=1e-5, atol=1e-5
-    )
+  _assert_greedy([(_seq2seq(), params)], src, out)
 
 
 def test_compaction_off_gives_the_same_hypotheses():
@@ -248,15 +253,7 @@ def test_ensemble_greedy_takes_the_argmax_of_the_mean_log_probs():
   src, _, _ = _seq2seq_batch()
   models, variables = zip(*members, strict=True)
   out = ensemble(models, variables, src, GREEDY)
-  hyps = [[h.tolist() for h in source] for source in out.ids.to_list()]
-  for source, score in zip(
-    teacher_forced_logps(members, src, hyps), out.scores.to_list(), strict=True
-  ):
-    ((logp, target),) = source
-    np.testing.assert_array_equal(logp.argmax(-1), target)
-    np.testing.assert_allclose(
-      score, [logp[np.arange(len(target)), target].sum()], rtol=1e-5, atol=1e-5
-    )
+  _assert_greedy(members, src, out)
 
 
 def test_ensemble_generate_errors():
