@@ -638,3 +638,61 @@ def check_shards(
     )
   local = shards // process_count
   return shards, range(process_index * local, (process_index + 1) * local)
+
+
+# -- layers (jaxlod.nn and jaxlod.nn.nnx) -------------------------------------------
+
+
+def check_rate(rate: float, name: str, *, closed: bool = True) -> float:
+  """A dropout rate in ``[0, 1]`` (``[0, 1)`` unless `closed`)."""
+  ok = 0.0 <= rate <= 1.0 if closed else 0.0 <= rate < 1.0
+  if not ok:
+    interval = "[0, 1]" if closed else "[0, 1)"
+    raise ValueError(f"Expected `{name}` in {interval}, got {rate!r}.")
+  return rate
+
+
+def split_pair(initial_carry: Any) -> tuple[Any, Any]:
+  """``(forward, backward)`` carries of a `Bidirectional` (`None`: both None)."""
+  if initial_carry is None:
+    return None, None
+  if not (isinstance(initial_carry, tuple | list) and len(initial_carry) == 2):
+    raise TypeError(
+      "Expected `initial_carry` to be a pair (forward_carry, backward_carry), "
+      f"got {type(initial_carry).__name__}."
+    )
+  return tuple(initial_carry)
+
+
+def check_layers(layers: Sequence[Any]) -> None:
+  """A `StackedRNN` has at least one layer."""
+  if len(layers) == 0:
+    raise ValueError("Expected `layers` to hold at least one layer, got none.")
+
+
+def check_tokens(tokens: jax.typing.ArrayLike) -> jax.Array:
+  """A decoding step's previous tokens: int ``[b]``."""
+  tokens = jnp.asarray(tokens)
+  if tokens.ndim != 1:
+    raise ValueError(f"Expected `tokens` to have shape [b], got {tokens.shape}.")
+  check_integer(tokens.dtype, "tokens")
+  return tokens
+
+
+def check_encoded(memory: Any) -> LoDTensor:
+  """An encoder's output must be a LoDTensor."""
+  if not is_lod(memory):
+    raise TypeError(
+      f"Expected `encoder` to return a LoDTensor, got {type(memory).__name__}."
+    )
+  return memory
+
+
+def check_vocabs(vocabs: Sequence[int]) -> None:
+  """An ensemble's members share the target vocabulary."""
+  if not vocabs:
+    raise ValueError("Expected at least one member, got none.")
+  if len(set(vocabs)) != 1:
+    raise ValueError(
+      f"Expected the members to share `tgt_vocab`, got {list(vocabs)} (member order)."
+    )

@@ -1,8 +1,9 @@
 """What the Linen layers and their NNX twins share, free of either API.
 
-The twins differ only in how they hold parameters; the checks, the merging
-of directions, the embedding of id LoDTensors and the decoding of
-encoder-decoder members live here once.
+The twins differ only in how they hold parameters; the bodies of their
+calls (the mixins below), the merging of directions, the embedding of id
+LoDTensors and the decoding of encoder-decoder members live here once, and
+their argument checks in `jaxlod._checks`.
 """
 
 from __future__ import annotations
@@ -30,27 +31,6 @@ def zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
   return x.with_values(jnp.where(real, values, jnp.zeros((), values.dtype)))
 
 
-def check_rate(rate: float, name: str, *, closed: bool = True) -> float:
-  """A dropout rate in ``[0, 1]`` (``[0, 1)`` unless `closed`)."""
-  ok = 0.0 <= rate <= 1.0 if closed else 0.0 <= rate < 1.0
-  if not ok:
-    interval = "[0, 1]" if closed else "[0, 1)"
-    raise ValueError(f"Expected `{name}` in {interval}, got {rate!r}.")
-  return rate
-
-
-def split_pair(initial_carry: Any) -> tuple[Any, Any]:
-  """``(forward, backward)`` carries of a `Bidirectional` (`None`: both None)."""
-  if initial_carry is None:
-    return None, None
-  if not (isinstance(initial_carry, tuple | list) and len(initial_carry) == 2):
-    raise TypeError(
-      "Expected `initial_carry` to be a pair (forward_carry, backward_carry), "
-      f"got {type(initial_carry).__name__}."
-    )
-  return tuple(initial_carry)
-
-
 def merge_directions(
   x: LoDTensor,
   forward: Any,
@@ -68,20 +48,14 @@ def merge_directions(
   return jax.tree.map(merged, forward, backward, is_leaf=is_lod)
 
 
-def check_layers(layers: Sequence[Any]) -> None:
-  """A `StackedRNN` has at least one layer."""
-  if len(layers) == 0:
-    raise ValueError("Expected `layers` to hold at least one layer, got none.")
-
-
 def stack_rates(
   layers: int, input_dropout: float, dropout_rate: float, output_dropout: float
 ) -> list[float]:
   """`StackedRNN`'s dropout rates: before layer ``i`` for ``i < layers``, then
   after the last."""
-  check_rate(input_dropout, "input_dropout")
-  check_rate(dropout_rate, "dropout_rate")
-  check_rate(output_dropout, "output_dropout")
+  _checks.check_rate(input_dropout, "input_dropout")
+  _checks.check_rate(dropout_rate, "dropout_rate")
+  _checks.check_rate(output_dropout, "output_dropout")
   return [input_dropout] + [dropout_rate] * (layers - 1) + [output_dropout]
 
 
@@ -134,7 +108,7 @@ def run_directions(
     rnn(x, initial_carry=carry, reverse=reverse, return_carry=True, **key, **extra)
     for rnn, carry, reverse, key in zip(
       (layer.forward_rnn, layer.backward_rnn),
-      split_pair(initial_carry),
+      _checks.split_pair(initial_carry),
       (False, True),
       keys,
       strict=True,
@@ -178,24 +152,6 @@ def embed_ids(
   return zero_padding(ids, embed(values))
 
 
-def check_tokens(tokens: jax.typing.ArrayLike) -> jax.Array:
-  """A decoding step's previous tokens: int ``[b]``."""
-  tokens = jnp.asarray(tokens)
-  if tokens.ndim != 1:
-    raise ValueError(f"Expected `tokens` to have shape [b], got {tokens.shape}.")
-  check_integer(tokens.dtype, "tokens")
-  return tokens
-
-
-def check_encoded(memory: Any) -> LoDTensor:
-  """An encoder's output must be a LoDTensor."""
-  if not isinstance(memory, LoDTensor):
-    raise TypeError(
-      f"Expected `encoder` to return a LoDTensor, got {type(memory).__name__}."
-    )
-  return memory
-
-
 class Member(NamedTuple):
   """One encoder-decoder of an ensemble, as four pure functions.
 
@@ -211,16 +167,6 @@ class Member(NamedTuple):
   initial_state: Callable[[LoDTensor], Any]
   precompute: Callable[[LoDTensor], Memory]
   decode_step: Callable[[Any, jax.Array, Memory], tuple[Any, jax.Array, Any]]
-
-
-def check_vocabs(vocabs: Sequence[int]) -> None:
-  """An ensemble's members share the target vocabulary."""
-  if not vocabs:
-    raise ValueError("Expected at least one member, got none.")
-  if len(set(vocabs)) != 1:
-    raise ValueError(
-      f"Expected the members to share `tgt_vocab`, got {list(vocabs)} (member order)."
-    )
 
 
 def generate(
@@ -500,7 +446,7 @@ class Seq2SeqCalls:
     # Only a given table is passed on: an encoder need not take one.
     extra = {} if table is None else {"table": table}
     src = embed_ids(self.src_embed, src, "src")
-    return check_encoded(self.encoder(src, **extra))
+    return _checks.check_encoded(self.encoder(src, **extra))
 
   def initial_state(self, memory: LoDTensor) -> Any:
     """The decoder's starting carry for `memory` (bridged or zeros).
@@ -540,7 +486,7 @@ class Seq2SeqCalls:
     Returns:
       ``(carry, logits [b, tgt_vocab], weights [b, source_capacity])``.
     """
-    embedded = self.tgt_embed(check_tokens(tokens))
+    embedded = self.tgt_embed(_checks.check_tokens(tokens))
     carry, y, weights = self.decoder.step(carry, embedded, memory)
     return carry, self.output(y), weights
 

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxlod import _checks
 from jaxlod._checks import check_lod
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
@@ -247,7 +248,7 @@ class StackedRNN(_common.StackCalls, nn.Module):
   __call__ = _common.StackCalls.__call__
 
   def setup(self):
-    _common.check_layers(self.layers)
+    _checks.check_layers(self.layers)
     rates = _common.stack_rates(
       len(self.layers), self.input_dropout, self.dropout_rate, self.output_dropout
     )

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxlod import _checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn._decoder import AttentionDecoder
@@ -99,7 +100,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
   deterministic: bool = True
 
   def setup(self):
-    _common.check_rate(self.dropout, "dropout", closed=False)
+    _checks.check_rate(self.dropout, "dropout", closed=False)
     self.drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
     self.src_embed = nn.Embed(self.src_vocab, self.embed_dim)
     self.tgt_embed = nn.Embed(self.tgt_vocab, self.embed_dim)
@@ -211,7 +212,7 @@ def ensemble_generate(
       raise TypeError(
         f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got {got}."
       )
-  _common.check_vocabs([model.tgt_vocab for model, _ in members])
+  _checks.check_vocabs([model.tgt_vocab for model, _ in members])
   pure = [model.bind(variables).member() for model, variables in members]
   return _common.generate(
     pure, src, settings, max_lengths=max_lengths, src_table=src_table

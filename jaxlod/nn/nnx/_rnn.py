@@ -9,6 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxlod import _checks
 from jaxlod._checks import check_lod
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
@@ -241,7 +242,7 @@ class StackedRNN(_common.StackCalls, nnx.Module):
     return_carry: bool = False,
     rngs: nnx.Rngs | None = None,
   ):
-    _common.check_layers(layers)
+    _checks.check_layers(layers)
     rates = _common.stack_rates(
       len(layers), input_dropout, dropout_rate, output_dropout
     )
