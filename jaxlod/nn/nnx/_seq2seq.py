@@ -26,7 +26,6 @@ class CarryBridge(nnx.Module):
 
   def __init__(self, features: int, template: Any, *, rngs: nnx.Rngs):
     leaves = jax.tree.leaves(template)
-    self.count = len(leaves)
     for i, leaf in enumerate(leaves):
       layer = nnx.LinearGeneral(features, tuple(leaf.shape[1:]), rngs=rngs)
       setattr(self, f"leaf_{i}", layer)
