@@ -4,6 +4,12 @@ import os
 
 from hypothesis import settings
 
+import jaxlod
+
+# Compiled programs persist across test sessions (and xdist workers share
+# them); `JAXLOD_COMPILATION_CACHE=off` runs without the cache.
+jaxlod.enable_compilation_cache()
+
 # Reproducible by default (derandomized, no example database written into the
 # repo); `HYPOTHESIS_PROFILE=explore` draws fresh examples on every run.
 settings.register_profile("repro", deadline=None, database=None, derandomize=True)

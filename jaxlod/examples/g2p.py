@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from jaxlod import enable_compilation_cache
 from jaxlod.data import Batcher
 from jaxlod.examples import _g2p_data as data
 from jaxlod.examples import _g2p_model as m
@@ -542,6 +543,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """
   began = time.perf_counter()
   args, config = parse_args(argv)
+  enable_compilation_cache()
   if args.coordinator is not None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(

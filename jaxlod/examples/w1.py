@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxlod import Buckets, LoDTensor
+from jaxlod import Buckets, LoDTensor, enable_compilation_cache
 from jaxlod.examples._timing import measure_interleaved
 from jaxlod.ops import dynamic_rnn, rank_table
 
@@ -162,6 +162,7 @@ def compare(repeats: int = 5, seed: int = 1) -> dict[str, float]:
 
 
 def main(steps: int = 30) -> None:
+  enable_compilation_cache()
   train(steps)
   print("\nOne training step (value and gradient), median of 5 interleaved runs:")
   print("  seconds  time / jaxlod's")

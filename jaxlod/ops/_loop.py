@@ -802,10 +802,20 @@ class _Perturbed:
   flags: tuple[bool, ...]
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Plans:
+  """The forward pass's `SavePlan`s, a static pytree node: the backward pass
+  reuses them rather than tracing the step again for each phase."""
+
+  plans: tuple[SavePlan, ...]
+
+
 class _Residuals(NamedTuple):
   """What `_loop_fwd` hands `_loop_bwd`."""
 
   perturbed: _Perturbed
+  plans: _Plans
   saved: list[_Saved]  # per phase
   primals: tuple[Leaves, Leaves, Leaves, Leaves, Bounds]
 
@@ -877,14 +887,16 @@ def _loop_fwd(spec: LoopSpec, *args: Any) -> tuple[tuple[Leaves, Leaves], _Resid
   plans = make_plans(local, carry, values, statics, consts)
   ys, final, saved = _forward(local, plans, carry, values, statics, consts, bounds)
   primals = (carry, values, statics, consts, bounds)
-  return (ys, final), _Residuals(_Perturbed(flags), saved, primals)
+  return (ys, final), _Residuals(
+    _Perturbed(flags), _Plans(tuple(plans)), saved, primals
+  )
 
 
 def _loop_bwd(
   spec: LoopSpec, residuals: _Residuals, cotangents: tuple[Any, Any]
 ) -> tuple[Any, ...]:
   """The backward rule: cotangents of the inputs from those of ``(ys, carry)``."""
-  perturbed, saved, primals = residuals
+  perturbed, plans, saved, primals = residuals
   local = _differentiated(spec, perturbed.flags)
   g_ys, g_carry = vary(
     jax.tree.map(
@@ -892,8 +904,7 @@ def _loop_bwd(
     ),
     spec.vma,
   )
-  plans = make_plans(local, *primals[:4])
-  grads = _backward(local, plans, saved, primals, g_ys, g_carry)
+  grads = _backward(local, list(plans.plans), saved, primals, g_ys, g_carry)
   return (*grads, None)
 
 

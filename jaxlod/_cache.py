@@ -1,0 +1,62 @@
+"""JAX's persistent compilation cache, on for jaxlod's programs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+ENV = "JAXLOD_COMPILATION_CACHE"
+_OFF = frozenset({"", "0", "off", "false", "no"})
+
+
+def default_cache_dir() -> Path:
+  """``$XDG_CACHE_HOME/jaxlod/jax``, or ``~/.cache/jaxlod/jax``."""
+  root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+  return Path(root) / "jaxlod" / "jax"
+
+
+def enable_compilation_cache(
+  directory: str | os.PathLike | None = None, *, min_compile_time_s: float = 0.5
+) -> str | None:
+  """Turns on JAX's persistent compilation cache (``jax_compilation_cache_dir``).
+
+  jaxlod compiles a forward and a backward loop body per ladder size, so a
+  training step takes seconds to compile; with the cache, a second process
+  (a rerun, a notebook kernel restart, a test session) loads the compiled
+  programs from disk instead. jaxlod's examples, notebooks and tests call this
+  at start-up; call it in your own program before its first `jit`
+  compilation. A cache directory set already (``jax.config`` or the
+  ``JAX_COMPILATION_CACHE_DIR`` variable) is kept as it is.
+
+  Args:
+    directory: where the cache lives. Default: the ``JAXLOD_COMPILATION_CACHE``
+      environment variable when set (``0``, ``off`` or empty turn the cache
+      off), else `default_cache_dir`.
+    min_compile_time_s: programs that compile faster than this are not
+      stored (``jax_persistent_cache_min_compile_time_secs``).
+
+  Returns:
+    The cache directory in use, or `None` when the cache is off.
+
+  Example:
+    >>> import jax, jaxlod
+    >>> directory = jaxlod.enable_compilation_cache()
+    >>> directory == jax.config.jax_compilation_cache_dir
+    True
+  """
+  if min_compile_time_s < 0:
+    raise ValueError(f"Expected `min_compile_time_s` >= 0, got {min_compile_time_s}.")
+  current = jax.config.jax_compilation_cache_dir
+  if current:
+    return current
+  if directory is None:
+    setting = os.environ.get(ENV)
+    if setting is not None and setting.strip().lower() in _OFF:
+      return None
+    directory = setting or default_cache_dir()
+  directory = str(Path(directory).expanduser())
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
+  return directory

@@ -1,0 +1,76 @@
+"""`jaxlod.enable_compilation_cache`: a second process loads what the first
+compiled, the environment variable turns it off, a set directory is kept."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import jaxlod
+
+# Compiles one function with the cache on and prints what happened.
+SCRIPT = textwrap.dedent(
+  """
+  import json
+  import jax, jax.numpy as jnp
+  import jaxlod
+
+  hits = []
+  jax.monitoring.register_event_listener(
+    lambda event, **_: hits.append(event)
+    if event == "/jax/compilation_cache/cache_hits" else None
+  )
+  {prelude}
+  directory = jaxlod.enable_compilation_cache(min_compile_time_s=0.0)
+  jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+  print(json.dumps({{
+    "directory": directory,
+    "config": jax.config.jax_compilation_cache_dir,
+    "hits": len(hits),
+  }}))
+  """
+)
+
+
+def run(setting: str, prelude: str = "") -> dict:
+  """Runs `SCRIPT` in a fresh process with ``JAXLOD_COMPILATION_CACHE=setting``."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["JAXLOD_COMPILATION_CACHE"] = setting
+  done = subprocess.run(
+    [sys.executable, "-c", SCRIPT.format(prelude=prelude)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  )
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_the_compiled_program(tmp_path):
+  cache = str(tmp_path / "cache")
+  first = run(cache)
+  assert first == {"directory": cache, "config": cache, "hits": 0}
+  assert any((tmp_path / "cache").iterdir())
+  assert run(cache)["hits"] >= 1
+
+
+@pytest.mark.parametrize("setting", ["off", "0", ""])
+def test_environment_turns_it_off(setting):
+  assert run(setting) == {"directory": None, "config": None, "hits": 0}
+
+
+def test_a_directory_set_already_is_kept(tmp_path):
+  mine = str(tmp_path / "mine")
+  prelude = f"jax.config.update('jax_compilation_cache_dir', {mine!r})"
+  result = run(str(tmp_path / "other"), prelude)
+  assert result["directory"] == result["config"] == mine
+  assert not (tmp_path / "other").exists()
+
+
+def test_negative_min_compile_time_is_refused():
+  with pytest.raises(ValueError, match=r"`min_compile_time_s` >= 0, got -1"):
+    jaxlod.enable_compilation_cache("/nonexistent", min_compile_time_s=-1)
