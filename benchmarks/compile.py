@@ -229,6 +229,7 @@ def run_workload(w: rnn.Workload, repeats: int) -> dict[str, Any]:
     "config": {k: v for k, v in dataclasses.asdict(w).items() if k != "sample_lengths"},
     "lengths": {"real_tokens": int(batch.lengths.sum()), "longest": batch.longest},
     "arms": result,
+    "loss": float(reference),
     "lanes_loss_abs_diff": float(abs(packed - reference)),
     "step_cost": step_cost(w, cell, params, repeats),
   }

@@ -86,3 +86,43 @@ def test_g2p_options_results():
   limit = options["slower_than"]
   assert options["decision"]["host_tables"] == (train["paired_ratio"] <= limit)
   assert options["decision"]["compaction"] == (decode["paired_ratio"] <= limit)
+
+
+def test_compile_results_hold_the_frontier():
+  report = _load("compile")
+  assert set(report["workloads"]) == {"W1", "W3"}
+  for name, workload in report["workloads"].items():
+    arms = workload["arms"]
+    assert set(arms) == {
+      "floor",
+      "flax_capacity",
+      "ladder_default",
+      "ladder_pow2",
+      "ladder_pow4",
+      "ladder_two",
+      "ladder_one",
+      "lanes",
+    }, name
+    for arm in arms.values():
+      assert arm["ratio_to_floor"] == pytest.approx(
+        arm["step_s"] / arms["floor"]["step_s"]
+      )
+      assert arm["compile_s"] > 0
+    assert len(arms["ladder_one"]["ladder"]) == 1
+    # The lanes design computes the same loss (up to summation order).
+    assert workload["lanes_loss_abs_diff"] <= 1e-6 * abs(workload["loss"])
+    assert set(workload["step_cost"]) >= {"4", "8", "16", "32", "64"}
+  cache = report["compilation_cache"]["W1_jaxlod_train"]
+  assert cache["warm"]["first_call_s"] < cache["cold"]["first_call_s"]
+
+
+def test_hoist_results_compare_equal_gradients():
+  report = _load("hoist")
+  assert set(report["workloads"]) == {"W1", "W2", "W3"}
+  for name, workload in report["workloads"].items():
+    times = workload["step_s"]
+    assert set(times) == {"floor", "floor_hoisted", "jaxlod", "jaxlod_hoisted"}
+    assert workload["jaxlod_hoisted_speedup"] == pytest.approx(
+      times["jaxlod"] / times["jaxlod_hoisted"]
+    ), name
+    assert workload["max_abs_grad_diff"] < 1e-2, name
