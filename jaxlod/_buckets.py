@@ -87,8 +87,8 @@ class Buckets:
     multiple = _as_int("multiple", multiple)
     if multiple < 1:
       raise ValueError(f"Expected `multiple` >= 1, got {multiple}.")
-    if not float(ratio) > 1.0:
-      raise ValueError(f"Expected `ratio` > 1, got {ratio}.")
+    if not 1.0 < float(ratio) < float("inf"):
+      raise ValueError(f"Expected a finite `ratio` > 1, got {ratio}.")
     return cls("geometric", (float(ratio), multiple))
 
   @classmethod

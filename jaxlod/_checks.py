@@ -268,16 +268,69 @@ def check_lod(x: Any, name: str, *, levels: Sequence[int] | None = None) -> LoDT
   return x
 
 
+def is_float_dtype(dtype: Any) -> bool:
+  """JAX's float test: NumPy's misses ``bfloat16`` and the other ml_dtypes."""
+  return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def is_integer_dtype(dtype: Any) -> bool:
+  """JAX's integer test (``int4`` included); `bool` is not an integer."""
+  return bool(jnp.issubdtype(dtype, jnp.integer))
+
+
+def host_numbers(value: Any, name: str) -> np.ndarray:
+  """`value` as a NumPy array of numbers (or bools); strings, objects and
+  Python ints too large for NumPy raise naming `name`."""
+  try:
+    array = np.asarray(value)
+  except OverflowError as error:
+    raise ValueError(
+      f"Expected `{name}` to hold integers within int64: {error}."
+    ) from None
+  if isinstance(value, int) and array.dtype == object:
+    raise ValueError(f"Expected `{name}` to fit int64, got {value}.")
+  if array.dtype.kind not in "biufc":
+    raise TypeError(f"Expected `{name}` to hold numbers, got dtype {array.dtype}.")
+  return array
+
+
+def check_fits_device(value: Any, name: str) -> None:
+  """Host integers must fit the dtype JAX stores them in: with x64 off, int64
+  becomes int32 and a value beyond its range would wrap silently.
+
+  Device arrays and tracers are already stored; they are not checked.
+  """
+  if isinstance(value, jax.Array):
+    return
+  array = host_numbers(value, name)
+  if not is_integer_dtype(array.dtype) or array.size == 0:
+    return
+  target = jax.dtypes.canonicalize_dtype(array.dtype)
+  if target == array.dtype:
+    return
+  info = np.iinfo(target)
+  bad = np.flatnonzero((array < info.min) | (array > info.max))
+  if bad.size:
+    where = np.unravel_index(int(bad[0]), array.shape)
+    at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
+    raise ValueError(
+      f"Expected `{name}` to fit {np.dtype(target).name} (the dtype JAX stores "
+      f"it in with jax_enable_x64 off), got {array[where]}{at}; enable x64 "
+      "or use smaller values."
+    )
+
+
 def check_integer(dtype: Any, name: str) -> None:
   """Integer ops (ids, lengths, indices) reject float and bool arrays."""
-  dtype = np.dtype(dtype)
-  if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
-    raise TypeError(f"Expected `{name}` to have an integer dtype, got {dtype}.")
+  if not is_integer_dtype(dtype):
+    raise TypeError(
+      f"Expected `{name}` to have an integer dtype, got {np.dtype(dtype)}."
+    )
 
 
 def check_float(dtype: Any, name: str) -> None:
   """Float ops (pooling, softmax, convolution) reject integer arrays."""
-  if not jnp.issubdtype(dtype, jnp.inexact):  # bfloat16 included
+  if not is_float_dtype(dtype):
     raise TypeError(f"Expected `{name}` to have a float dtype, got {np.dtype(dtype)}.")
 
 
@@ -369,7 +422,7 @@ def check_pool_type(pool_type: str) -> str:
 
 def check_pool_dtype(dtype: Any, pool: str) -> None:
   """Every pool type but ``first`` and ``last`` needs float values."""
-  if pool in ("first", "last") or np.issubdtype(np.dtype(dtype), np.floating):
+  if pool in ("first", "last") or is_float_dtype(dtype):
     return
   raise TypeError(
     f"Expected `x.values` to have a float dtype for pool_type {pool!r}, got "

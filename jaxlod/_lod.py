@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -14,9 +14,11 @@ import numpy as np
 from jaxlod import _buckets
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
+  check_fits_device,
   check_integer_level,
   check_lengths_fit,
   check_offsets,
+  host_numbers,
   is_concrete,
 )
 
@@ -53,12 +55,23 @@ def lengths_to_offsets(recursive_lengths: Sequence[Any]) -> list[np.ndarray]:
       raise ValueError(
         f"LoD level {level}, index {i}: length {lengths[i]} is negative."
       )
-    offsets.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    level_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # Offsets live in int32 on the device (and an int64 sum can wrap).
+    total = sum(int(n) for n in lengths)
+    if total > np.iinfo(np.int32).max:
+      raise ValueError(
+        f"LoD level {level}: the lengths sum to {total}, over the int32 "
+        f"offsets' limit {np.iinfo(np.int32).max}."
+      )
+    offsets.append(level_offsets)
   return offsets
 
 
 def _as_values(values: Any, dtype: Any = None) -> np.ndarray:
-  array = np.asarray(values, dtype=dtype)
+  array = host_numbers(values, "values")
+  if dtype is not None:
+    array = array.astype(dtype)
+  check_fits_device(array, "values")
   if array.ndim == 0:
     raise ValueError(
       "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar "
@@ -250,9 +263,9 @@ class LoDTensor:
     """Builds a LoDTensor from Python lists of sequences.
 
     Args:
-      seqs: a list of arrays ``[length_i, *features]`` (one level), or a list
-        of lists of such arrays (two levels). A list of numbers counts as one
-        1-D sequence.
+      seqs: a list (or any iterable, read once) of arrays ``[length_i,
+        *features]`` (one level), or of lists of such arrays (two levels). A
+        list of numbers counts as one 1-D sequence.
       buckets: capacity policy; `None` means exact sizes.
       dtype: dtype of ``values``; inferred from the data when `None`.
 
@@ -264,6 +277,11 @@ class LoDTensor:
         "Expected `seqs` to be a list of sequences, got an array; use "
         "`from_padded` or `from_lengths` for arrays."
       )
+    if not isinstance(seqs, Iterable) or isinstance(seqs, str | bytes):
+      raise TypeError(
+        f"Expected `seqs` to be a list of sequences, got {type(seqs).__name__}."
+      )
+    seqs = list(seqs)  # read once: a generator would be empty on a second pass
     two_levels = any(_is_nested(s) for s in seqs)
     if two_levels:
       for i, group in enumerate(seqs):
@@ -290,11 +308,10 @@ class LoDTensor:
       )
     feature_shape = features.pop() if features else ()
     if dtype is None:
-      dtype = (
-        np.result_type(*[x.dtype for x in flat if x.size])
-        if any(x.size for x in flat)
-        else np.float32
-      )
+      # The data's dtype; empty sequences keep theirs (empty int arrays stay
+      # int), and no sequence at all gives float32.
+      typed = [x.dtype for x in flat if x.size] or [x.dtype for x in flat]
+      dtype = np.result_type(*typed) if typed else np.float32
     rows = [x.reshape((x.shape[0], *feature_shape)) for x in flat]
     values = (
       np.concatenate(rows, axis=0).astype(dtype)

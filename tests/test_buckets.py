@@ -163,12 +163,17 @@ def test_policy_is_a_static_jit_argument():
     (
       lambda: Buckets.geometric(ratio=1.0),
       ValueError,
-      r"Expected `ratio` > 1, got 1\.0\.",
+      r"Expected a finite `ratio` > 1, got 1\.0\.",
     ),
     (
       lambda: Buckets.geometric(ratio=float("nan")),
       ValueError,
-      r"Expected `ratio` > 1, got nan\.",
+      r"Expected a finite `ratio` > 1, got nan\.",
+    ),
+    (
+      lambda: Buckets.geometric(ratio=float("inf")),
+      ValueError,
+      r"Expected a finite `ratio` > 1, got inf\.",
     ),
     (
       lambda: Buckets.geometric(multiple=0),

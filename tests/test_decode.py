@@ -248,10 +248,11 @@ def run_beam(init, bias, max_lengths, settings):
     (
       dict(length_penalty=-0.5),
       ValueError,
-      r"Expected `length_penalty` >= 0 \(the early exit's bound needs a penalty "
-      r"that grows with the length\), got -0\.5\.",
+      r"Expected a finite `length_penalty` >= 0 \(the early exit's bound needs a "
+      r"penalty that grows with the length\), got -0\.5\.",
     ),
     (dict(length_penalty=float("nan")), ValueError, r"`length_penalty` >= 0 .*nan"),
+    (dict(length_penalty=float("inf")), ValueError, r"finite `length_penalty` .*inf"),
     (
       dict(length_penalty=jnp.array(0.6)),
       TypeError,

@@ -18,6 +18,7 @@ from jaxlod._checks import (
   check_ranked,
   check_rows,
   is_concrete,
+  is_float_dtype,
   require,
   static_int,
 )
@@ -264,7 +265,7 @@ def permute_rows(x: Any, perm: jax.Array, inverse: jax.Array, name: str) -> Any:
 
   def reorder(leaf):
     leaf = jnp.asarray(leaf)
-    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+    if not is_float_dtype(leaf.dtype):
       return jnp.take(leaf, perm, axis=0)
     return permutation_gather(leaf, perm, inverse)
 

@@ -19,11 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import (
+  check_fits_device,
   check_keys,
   check_lod,
   check_memory_lod,
   check_query,
   check_width,
+  is_integer_dtype,
 )
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._rank import RankTable
@@ -124,6 +126,7 @@ def as_memory(
       "Expected `memory` to have shape [b, source_capacity, features], got "
       f"{values.shape}."
     )
+  check_fits_device(lengths, "lengths")
   return Memory(values, jnp.asarray(lengths), keys)
 
 
@@ -232,6 +235,7 @@ def masked_attention(
     >>> context.tolist(), weights.tolist()
     ([[2.0], [0.0]], [[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
   """
+  check_fits_device(lengths, "lengths")
   scores, memory, lengths = (jnp.asarray(a) for a in (scores, memory, lengths))
   if scores.ndim != 2:
     raise ValueError(
@@ -248,7 +252,7 @@ def masked_attention(
       f"Expected `lengths` to have shape ({scores.shape[0]},) (one per row of "
       f"`scores`), got {lengths.shape}."
     )
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+  if not is_integer_dtype(lengths.dtype):
     raise TypeError(
       f"Expected `lengths` to have an integer dtype, got {lengths.dtype}."
     )

@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._checks import (
+  check_fits_device,
   check_integer,
   check_rows,
   check_step_out,
+  is_float_dtype,
   is_lod,
   require,
   require_each,
@@ -116,10 +118,10 @@ class DecodeSettings:
       raise TypeError(
         f"Expected `length_penalty` to be a static float, got {penalty!r}."
       )
-    if not float(penalty) >= 0:
+    if not 0 <= float(penalty) < float("inf"):
       raise ValueError(
-        f"Expected `length_penalty` >= 0 (the early exit's bound needs a penalty "
-        f"that grows with the length), got {float(penalty)}."
+        f"Expected a finite `length_penalty` >= 0 (the early exit's bound needs a "
+        f"penalty that grows with the length), got {float(penalty)}."
       )
     set_("length_penalty", float(penalty))
     if self.ladder is not None:
@@ -167,6 +169,7 @@ def _num_sources(num_sources: Any, static_inputs: Any, count: int) -> jax.Array:
         f"sequences; LoDTensor {i} differs from LoDTensor 0.",
       )
     return jnp.asarray(counts[0], jnp.int32)
+  check_fits_device(num_sources, "num_sources")
   n = jnp.asarray(num_sources)
   if n.ndim != 0:
     raise ValueError(f"Expected `num_sources` to be a scalar, got shape {n.shape}.")
@@ -185,6 +188,7 @@ def _max_lengths(
   cap = settings.max_length
   if max_lengths is None:
     return jnp.full((count,), cap, jnp.int32)
+  check_fits_device(max_lengths, "max_lengths")
   lengths = jnp.asarray(max_lengths)
   check_integer(lengths.dtype, "max_lengths")
   if lengths.shape != (count,):
@@ -216,7 +220,7 @@ def _checked_step(step_fn: Callable, bos_id: int, eos_id: int) -> Callable:
     out = step_fn(carry, tokens, statics)
     new_carry, log_probs = check_step_out(out, carry, b)
     log_probs = jnp.asarray(log_probs)
-    if log_probs.ndim != 2 or not jnp.issubdtype(log_probs.dtype, jnp.floating):
+    if log_probs.ndim != 2 or not is_float_dtype(log_probs.dtype):
       raise ValueError(
         f"Expected `step_fn` to return log_probs of shape [{b}, vocab] (float), "
         f"got {log_probs.dtype.name}{list(log_probs.shape)}."

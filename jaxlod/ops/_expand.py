@@ -404,7 +404,7 @@ def _is_int(value: Any) -> bool:
   if isinstance(value, int | np.integer):
     return True
   dtype = getattr(value, "dtype", None)
-  return dtype is not None and np.ndim(value) == 0 and np.issubdtype(dtype, np.integer)
+  return dtype is not None and np.ndim(value) == 0 and _checks.is_integer_dtype(dtype)
 
 
 def _check_tokens(tokens: Any) -> jax.Array:
@@ -417,6 +417,8 @@ def _check_tokens(tokens: Any) -> jax.Array:
         raise TypeError(f"Expected `tokens[{i}]` to be an int, got {t!r}.")
     if not tokens:
       return jnp.zeros((0,), jnp.int32)
+    for i, t in enumerate(tokens):
+      _checks.check_fits_device(t, f"tokens[{i}]")
     return jnp.stack([jnp.asarray(t) for t in tokens])
   if not isinstance(tokens, np.ndarray | jax.Array):
     raise TypeError(
@@ -424,6 +426,7 @@ def _check_tokens(tokens: Any) -> jax.Array:
       f"array, got {type(tokens).__name__}."
     )
   _checks.check_integer(tokens.dtype, "tokens")
+  _checks.check_fits_device(tokens, "tokens")
   _checks.check_rank(tokens.shape, "tokens", (0, 1), "[] or [n]")
   return jnp.reshape(tokens, (-1,))
 
@@ -524,6 +527,7 @@ def _per_sequence_ints(value: Any, name: str, x: LoDTensor) -> jax.Array:
   """An integer ``[count]`` or ``[count, 1]`` argument as ``[count_capacity]``."""
   dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
   _checks.check_integer(dtype, name)
+  _checks.check_fits_device(value, name)
   array = jnp.asarray(value)
   doc = "[count] or [count, 1]"
   _checks.check_rank(array.shape, name, (1, 2), doc)
@@ -593,7 +597,9 @@ def sequence_slice(
   length = _per_sequence_ints(length, "length", x)
   sizes = x.lengths()
   _checks.require_each(
-    (offset < 0) | (length < 0) | (offset + length > sizes),
+    # `length > sizes - offset` rather than `offset + length > sizes`: the
+    # sum of two int32 values can wrap past the limit and pass.
+    (offset < 0) | (length < 0) | (offset > sizes) | (length > sizes - offset),
     "sequence_slice: sequence {i} has length {size}, got offset {offset} and "
     "length {length}; expected offset >= 0, length >= 0 and offset + length <= "
     "{size}.",

@@ -39,6 +39,7 @@ from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jex_core
 
+from jaxlod._checks import is_float_dtype
 from jaxlod._vma import vary, varying_axes
 
 Leaves = list[jax.Array]  # a flat list of arrays: carry, inputs, residuals...
@@ -54,7 +55,7 @@ Where = list[tuple[int, int]]  # per stored leaf: (buffer, index in it)
 
 
 def is_float(x: Any) -> bool:
-  return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+  return is_float_dtype(x.dtype)
 
 
 def _split(leaves: Sequence[Any], mask: Sequence[bool]) -> tuple[list, list]:

@@ -16,11 +16,13 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
+  check_fits_device,
   check_integer,
   check_lengths_fit,
   check_lod,
   check_pad_value,
   is_concrete,
+  is_integer_dtype,
   per_sequence,
   require_each,
   static_int,
@@ -122,8 +124,9 @@ def _num_sequences(num_sequences: Any, count: int) -> Any:
   ):
     num = int(num_sequences)
   else:
+    check_fits_device(num_sequences, "num_sequences")
     array = jnp.asarray(num_sequences)
-    if array.ndim != 0 or not jnp.issubdtype(array.dtype, jnp.integer):
+    if array.ndim != 0 or not is_integer_dtype(array.dtype):
       raise TypeError(
         "Expected `num_sequences` to be an int or an integer scalar, got "
         f"{array.dtype}{list(array.shape)}."
@@ -159,6 +162,7 @@ def _check_unpad_lengths(lengths: jax.Array, time: int, num: Any) -> None:
 
 
 def _unpad_lengths(lengths: Any, count: int, num: Any) -> jax.Array:
+  check_fits_device(lengths, "lengths")
   lengths = jnp.asarray(lengths)
   check_integer(lengths.dtype, "lengths")
   if lengths.ndim != 1:
@@ -263,6 +267,7 @@ def sequence_mask(
     >>> sequence_mask(jnp.array([2, 0, 3]), dtype=jnp.int32).tolist()
     [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
   """
+  check_fits_device(lengths, "lengths")
   lengths = jnp.asarray(lengths)
   check_integer(lengths.dtype, "lengths")
   if maxlen is None:

@@ -8,7 +8,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlod._checks import check_pair, check_rows, check_step_out, is_lod, require
+from jaxlod._checks import (
+  check_pair,
+  check_rows,
+  check_step_out,
+  is_float_dtype,
+  is_lod,
+  require,
+)
 from jaxlod._lod import LoDTensor
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _packed
@@ -272,7 +279,7 @@ def dynamic_rnn(
     x_float=_float_flags(values),
     static_float=_float_flags(static_leaves),
     const_float=_float_flags(consts),
-    y_float=tuple(bool(jnp.issubdtype(d, jnp.inexact)) for _, d in y_tails),
+    y_float=tuple(is_float_dtype(d) for _, d in y_tails),
     y_tails=y_tails,
     return_sequences=return_sequences,
     remat=remat,

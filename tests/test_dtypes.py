@@ -1,0 +1,99 @@
+"""Every float op and layer takes float16, bfloat16, float32 and float64.
+
+The reference is the same call in float64 (x64 on); the result keeps the
+input's dtype and agrees within that dtype's resolution.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlod import LoDTensor
+from jaxlod import ops as jo
+from jaxlod.nn import DynamicRNN
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+# Relative tolerance per dtype: a few units of its resolution over sums of
+# a handful of rows.
+RTOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-5, "float64": 1e-12}
+LENGTHS = [3, 0, 2, 4]
+
+
+def lod(dtype, features=(3,)) -> LoDTensor:
+  rng = np.random.default_rng(0)
+  rows = rng.uniform(-1, 1, (sum(LENGTHS), *features)).astype(np.float64)
+  x = LoDTensor.from_lengths(rows, [LENGTHS])
+  return x.with_values(jnp.asarray(x.values, dtype))
+
+
+def conv_filter(dtype):
+  return jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (9, 2)), dtype)
+
+
+def dynamic_rnn_layer(x):
+  """The Linen layer with a GRU whose parameters and math use `x`'s dtype."""
+  dtype = x.values.dtype
+  layer = DynamicRNN(nn.GRUCell(3, dtype=dtype, param_dtype=dtype))
+  with jax.enable_x64(True):
+    params = DynamicRNN(nn.GRUCell(3, param_dtype=jnp.float64)).init(
+      jax.random.key(0), x.with_values(x.values.astype(jnp.float64))
+    )
+  return layer.apply(jax.tree.map(lambda a: a.astype(dtype), params), x)
+
+
+def scatter(x):
+  index = LoDTensor.from_lengths(np.array([0, 2, 1, 2, 0, 1, 1, 2, 0]), [LENGTHS])
+  base = jnp.zeros((4, 3, 3), x.values.dtype)
+  return jo.sequence_scatter(base, index, x)
+
+
+OPS = {
+  "pool_sum": lambda x: jo.sequence_pool(x, "sum"),
+  "pool_average": lambda x: jo.sequence_pool(x, "average"),
+  "pool_sqrt": lambda x: jo.sequence_pool(x, "sqrt"),
+  "pool_max": lambda x: jo.sequence_pool(x, "max"),
+  "first_step": jo.sequence_first_step,
+  "last_step": jo.sequence_last_step,
+  "softmax": lambda x: jo.sequence_softmax(x.with_values(x.values[:, :1])),
+  "conv": lambda x: jo.sequence_conv(x, conv_filter(x.values.dtype)),
+  "scatter": scatter,
+  "reverse": jo.sequence_reverse,
+  "pad": lambda x: jo.sequence_pad(x, 0.0)[0],
+  "expand_as": lambda x: jo.sequence_expand_as(
+    jo.sequence_pool(x, "sum"), LoDTensor.from_lengths(np.zeros(4), [[1, 1, 1, 1]])
+  ),
+  "dynamic_rnn": lambda x: jo.dynamic_rnn(
+    lambda c, x_t, _: (jnp.tanh(c + x_t), jnp.tanh(c + x_t)),
+    x,
+    init_carry=jnp.zeros((4, 3), x.values.dtype),
+  )[0],
+  "DynamicRNN": lambda x: dynamic_rnn_layer(x),
+}
+
+
+def as_array(out):
+  return out.values if isinstance(out, LoDTensor) else out
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float_ops_take_every_float_dtype(name, dtype):
+  with jax.enable_x64(True):
+    reference = np.asarray(as_array(OPS[name](lod("float64"))), np.float64)
+    got = as_array(OPS[name](lod(dtype)))
+  assert got.dtype == jnp.dtype(dtype), (name, got.dtype)
+  scale = max(1.0, float(np.max(np.abs(reference))))
+  np.testing.assert_allclose(
+    np.asarray(got, np.float64), reference, rtol=0, atol=RTOL[dtype] * scale
+  )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_integer_only_ops_refuse_floats_by_jax_dtype(dtype):
+  x = lod(dtype)
+  with pytest.raises(
+    TypeError, match=rf"`x.values` to have an integer dtype, got {dtype}"
+  ):
+    jo.sequence_erase(x, [1])

@@ -1,0 +1,100 @@
+"""Host inputs never lose data: integers that JAX would wrap, generators read
+twice, empty integer sequences, strings and objects are caught at the boundary
+with a message naming the argument."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxlod import LoDTensor
+from jaxlod.ops import sequence_erase, sequence_mask, sequence_slice
+
+INT32 = np.iinfo(np.int32)
+INT64 = np.iinfo(np.int64)
+
+
+@given(st.lists(st.integers(INT64.min, INT64.max), min_size=1, max_size=6))
+def test_integer_values_are_stored_exactly_or_refused(ints):
+  values = np.asarray(ints, np.int64)
+  fits = bool(np.all((values >= INT32.min) & (values <= INT32.max)))
+  if fits:
+    x = LoDTensor.from_lengths(values, [[len(ints)]])
+    assert np.asarray(x.values).tolist() == ints
+  else:
+    with pytest.raises(ValueError, match=r"Expected `values` to fit int32"):
+      LoDTensor.from_lengths(values, [[len(ints)]])
+  with jax.enable_x64(True):
+    x = LoDTensor.from_lengths(values, [[len(ints)]])
+    assert np.asarray(x.values).tolist() == ints
+
+
+def test_from_sequences_refuses_wide_python_ints():
+  with pytest.raises(ValueError, match=r"`values` to fit int32 .* got 1099511627783"):
+    LoDTensor.from_sequences([[2**40 + 7, 1]])
+
+
+def test_lengths_whose_sum_wraps_are_refused():
+  with pytest.raises(
+    ValueError, match=r"LoD level 0: the lengths sum to 1383505805528"
+  ):
+    LoDTensor.from_lengths(np.zeros(3), [[2**62, 2**62, 2**62]])
+  with pytest.raises(ValueError, match=r"over the int32 offsets' limit 2147483647"):
+    LoDTensor.from_lengths(np.zeros(3), [[2**31, 0, 0]])
+
+
+@pytest.mark.parametrize(
+  "values, dtype",
+  [(np.array(["a", "b"]), "<U1"), (np.array([1, None], dtype=object), "object")],
+)
+def test_strings_and_objects_are_refused(values, dtype):
+  with pytest.raises(TypeError, match=rf"`values` to hold numbers, got dtype {dtype}"):
+    LoDTensor.from_lengths(values, [[2]])
+  with pytest.raises(TypeError, match=r"`values` to hold numbers"):
+    LoDTensor.from_sequences([values])
+
+
+def test_from_sequences_reads_a_generator_once():
+  seqs = [np.ones((2, 3)), np.zeros((0, 3)), np.full((1, 3), 2.0)]
+  x = LoDTensor.from_sequences(s for s in seqs)
+  assert x.recursive_lengths() == [[2, 0, 1]]
+  np.testing.assert_array_equal(x.values, LoDTensor.from_sequences(seqs).values)
+
+
+def test_from_sequences_refuses_a_non_iterable():
+  with pytest.raises(TypeError, match=r"`seqs` to be a list of sequences, got int"):
+    LoDTensor.from_sequences(5)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.bool_])
+def test_all_empty_sequences_keep_their_dtype(dtype):
+  x = LoDTensor.from_sequences([np.zeros((0,), dtype), np.zeros((0,), dtype)])
+  assert x.values.dtype == np.dtype(dtype)
+  assert x.recursive_lengths() == [[0, 0]]
+
+
+def test_erase_tokens_that_would_wrap_are_refused():
+  x = LoDTensor.from_lengths(np.arange(5), [[3, 2]])
+  with pytest.raises(ValueError, match=r"`tokens\[0\]` to fit int32"):
+    sequence_erase(x, [2**40 + 1])
+  with pytest.raises(ValueError, match=r"`tokens` to fit int32 .* at index \(0,\)"):
+    sequence_erase(x, np.array([2**40 + 1]))
+  with pytest.raises(ValueError, match=r"`tokens\[0\]` to fit int64, got"):
+    sequence_erase(x, [2**70])
+
+
+def test_slice_offsets_that_would_wrap_are_refused():
+  x = LoDTensor.from_lengths(np.arange(5.0), [[3, 2]])
+  with pytest.raises(ValueError, match=r"`offset` to fit int32"):
+    sequence_slice(x, np.array([2**40, 0]), np.array([1, 1]))
+  # int32 values whose sum wraps: the range check must not overflow.
+  with pytest.raises(
+    ValueError, match=r"sequence 0 has length 3, got offset 2147483647"
+  ):
+    sequence_slice(x, np.array([INT32.max, 0]), np.array([5, 1]))
+
+
+def test_mask_lengths_that_would_wrap_are_refused():
+  with pytest.raises(ValueError, match=r"`lengths` to fit int32"):
+    sequence_mask(np.array([2**33]), maxlen=4)
