@@ -1,4 +1,5 @@
-"""Every float op and layer takes float16, bfloat16, float32 and float64.
+"""Every float op and layer takes float16, bfloat16, float32 and float64, and
+batches whose every sequence is empty (token and time capacities 0).
 
 The reference is the same call in float64 (x64 on); the result keeps the
 input's dtype and agrees within that dtype's resolution.
@@ -9,10 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import jaxlod
 from jaxlod import LoDTensor
 from jaxlod import ops as jo
-from jaxlod.nn import DynamicRNN
+from jaxlod.nn import AttentionDecoder, DotAttention, DynamicRNN, Seq2Seq
+from jaxlod.nn import nnx as nnx_nn
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 # Relative tolerance per dtype: a few units of its resolution over sums of
@@ -97,3 +101,79 @@ def test_integer_only_ops_refuse_floats_by_jax_dtype(dtype):
     TypeError, match=rf"`x.values` to have an integer dtype, got {dtype}"
   ):
     jo.sequence_erase(x, [1])
+
+
+# -- capacities 0 -------------------------------------------------------------------
+
+EMPTY = {
+  "all empty, exact capacities (tokens 0, time 0)": dict(lengths=[0, 0]),
+  "all empty under a fixed capacity (tokens 0, time 8)": dict(
+    lengths=[0, 0], buckets=jaxlod.Buckets.fixed(tokens=0, sequences=4, time=8)
+  ),
+  "all empty, room for rows (tokens 16, time 0)": dict(
+    lengths=[0, 0], buckets=jaxlod.Buckets.fixed(tokens=16, sequences=4, time=0)
+  ),
+}
+
+
+def empty_lod(lengths, buckets=None, dtype=np.float32, features=(3,)) -> LoDTensor:
+  rows = np.zeros((0, *features), dtype)
+  return LoDTensor.from_lengths(rows, [lengths], buckets=buckets)
+
+
+EMPTY_OPS = {
+  **{k: v for k, v in OPS.items() if k not in ("scatter", "expand_as", "dynamic_rnn")},
+  "dynamic_rnn": lambda x: jo.dynamic_rnn(
+    lambda c, x_t, _: (jnp.tanh(c + x_t), jnp.tanh(c + x_t)),
+    x,
+    init_carry=jnp.ones((x.capacity.sequences[-1], 3), x.values.dtype),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_OPS))
+@pytest.mark.parametrize("case", sorted(EMPTY))
+def test_ops_take_all_empty_batches(name, case):
+  x = empty_lod(**EMPTY[case])
+  out = EMPTY_OPS[name](x)
+  for leaf in jax.tree.leaves(out):
+    assert np.all(np.isfinite(np.asarray(leaf, np.float64))), (name, case)
+  if name == "dynamic_rnn":  # the carries stay as given, with a gradient of 1
+    ys, carry = out
+    np.testing.assert_array_equal(carry, 1.0)
+    grad = jax.grad(
+      lambda c: jnp.sum(
+        jo.dynamic_rnn(lambda h, x_t, _: (h + x_t, h), x, init_carry=c)[1]
+      )
+    )(jnp.ones((x.capacity.sequences[-1], 3)))
+    np.testing.assert_array_equal(grad, 1.0)
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY))
+def test_seq2seq_takes_all_empty_targets(case):
+  tgt = empty_lod(**EMPTY[case], dtype=np.int32, features=())
+  count = tgt.capacity.sequences[-1]
+  src = LoDTensor.from_sequences(
+    [np.array([3, 1, 4]), np.array([1, 5])],
+    buckets=jaxlod.Buckets.fixed(tokens=8, sequences=count, time=4),
+  )
+  model = Seq2Seq(
+    src_vocab=8,
+    tgt_vocab=8,
+    embed_dim=4,
+    encoder=DynamicRNN(nn.GRUCell(6)),
+    decoder=AttentionDecoder(nn.GRUCell(6), DotAttention()),
+  )
+  logits, params = model.init_with_output(jax.random.key(0), src, tgt)
+  assert logits.values.shape == (tgt.capacity.tokens, 8)
+  rngs = nnx.Rngs(0)
+  twin = nnx_nn.Seq2Seq(
+    8,
+    8,
+    4,
+    nnx_nn.DynamicRNN(nnx.GRUCell(4, 6, rngs=rngs)),
+    nnx_nn.AttentionDecoder(nnx.GRUCell(4, 6, rngs=rngs), nnx_nn.DotAttention()),
+    features=6,
+    rngs=rngs,
+  )
+  assert twin(src, tgt).values.shape == (tgt.capacity.tokens, 8)

@@ -31,6 +31,16 @@ def zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
   return x.with_values(jnp.where(real, values, jnp.zeros((), values.dtype)))
 
 
+def example_row(tree: Any) -> Any:
+  """The first row of every leaf, ``[1, ...]``; zeros for a leaf with no rows
+  (an all-empty batch), so that a layer can still create its parameters."""
+
+  def first(a: jax.Array) -> jax.Array:
+    return a[:1] if a.shape[0] else jnp.zeros((1, *a.shape[1:]), a.dtype)
+
+  return jax.tree.map(first, tree)
+
+
 def merge_directions(
   x: LoDTensor,
   forward: Any,

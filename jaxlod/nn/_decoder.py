@@ -94,5 +94,5 @@ class AttentionDecoder(_common.DecoderCalls, nn.Module):
 
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
     """`step` as a pure function of the variables, for `dynamic_rnn`."""
-    first = jax.tree.map(lambda a: a[:1], (carry, tgt.values, memory))
+    first = _common.example_row((carry, tgt.values, memory))
     return pure_method(self, "step", *first)

@@ -124,7 +124,7 @@ class DynamicRNN(nn.Module):
       key = jax.random.key(0) if init_key is None else init_key
       initial_carry = self.cell.initialize_carry(key, (count, *x.feature_shape))
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
-    first = jax.tree.map(lambda a: a[:1], initial_carry)
+    first = _common.example_row(initial_carry)
     step = pure_method(self.cell, "__call__", first, x_row)
     return _common.run_cell(self, step, x, initial_carry, reverse, return_carry, table)
 

@@ -295,7 +295,15 @@ def dynamic_rnn(
     ),
     vma,
   )
-  ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
+  if table.time_capacity == 0:
+    # Every sequence is empty and no step can run (a loop body would index
+    # per-step arrays of length 0): outputs are zeros, carries stay as given.
+    ys = (
+      [spec.zeros((spec.rows, *t), d) for t, d in y_tails] if return_sequences else []
+    )
+    final = carry
+  else:
+    ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
   final = permute_rows(final, table.ranks, table.order, "final_carry")
   final_carry = jax.tree.unflatten(carry_tree, final)
   if not return_sequences:
