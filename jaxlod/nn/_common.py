@@ -41,6 +41,27 @@ def example_row(tree: Any) -> Any:
   return jax.tree.map(first, tree)
 
 
+def count_steps(step: Callable, carry: Any) -> tuple[Callable, Any, Callable]:
+  """A pure step with RNG streams (see `pure_method`) that draws afresh at
+  every step, as ``flax.linen.RNN`` splits its RNGs per step.
+
+  The carry gains a step counter ``[count]``: all active rows of a phase are
+  at the same step, so its maximum is the step, and each stream's key is
+  folded with it. Returns ``(step, carry, unwrap)``, `unwrap` taking the
+  counter off a final carry; a step without streams comes back unchanged.
+  """
+  if not getattr(step, "streams", ()):
+    return step, carry, lambda final: final
+  count = jax.tree.leaves(carry)[0].shape[0]
+
+  def counted(state: Any, *args: Any) -> Any:
+    inner, t = state
+    new, *rest = step(inner, *args, step=jnp.max(t, initial=0))
+    return ((new, t + 1), *rest)
+
+  return counted, (carry, jnp.zeros((count,), jnp.int32)), lambda final: final[0]
+
+
 def merge_directions(
   x: LoDTensor,
   forward: Any,
@@ -418,8 +439,9 @@ class DecoderCalls:
     self.check_input_width(tgt, memory)
     carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry)
     padded = self.precompute(memory)
+    step, carry, _ = count_steps(self.pure_step(carry, tgt, padded), carry)
     return core.run_decoder(
-      self.pure_step(carry, tgt, padded),
+      step,
       tgt,
       padded,
       carry,

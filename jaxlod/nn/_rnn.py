@@ -22,16 +22,24 @@ def pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
   While initializing, the method is called once on `example` (one row) so
   that the parameters exist. The returned function applies an unbound copy
   to them, so `dynamic_rnn` can trace it inside its loop and send gradients
-  to the parameters.
+  to the parameters. The call's RNG streams but ``params`` (``dropout``,
+  say) reach it as one key each, ``apply(*args, step=t)`` folding `t` into
+  them; ``apply.streams`` names them (see `_common.count_steps`).
   """
   if module.is_initializing():
     getattr(module, method)(*example)
   variables = module.variables
   unbound = module.clone(parent=None)
+  streams = sorted(name for name in module.scope.rngs if name != "params")
+  keys = {name: module.make_rng(name) for name in streams}
 
-  def apply(*args: Any) -> Any:
-    return unbound.apply(variables, *args, method=method)
+  def apply(*args: Any, step: jax.Array | None = None) -> Any:
+    rngs = keys
+    if step is not None:
+      rngs = {name: jax.random.fold_in(key, step) for name, key in keys.items()}
+    return unbound.apply(variables, *args, method=method, rngs=rngs)
 
+  apply.streams = tuple(streams)
   return apply
 
 
@@ -126,7 +134,9 @@ class DynamicRNN(nn.Module):
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
     first = _common.example_row(initial_carry)
     step = pure_method(self.cell, "__call__", first, x_row)
-    return _common.run_cell(self, step, x, initial_carry, reverse, return_carry, table)
+    step, initial_carry, unwrap = _common.count_steps(step, initial_carry)
+    out = _common.run_cell(self, step, x, initial_carry, reverse, return_carry, table)
+    return (unwrap(out[0]), out[1]) if isinstance(out, tuple) else out
 
 
 class Bidirectional(nn.Module):
