@@ -461,11 +461,18 @@ def check_pair(x: Any, table: Any, name: str) -> None:
 
 
 def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) -> None:
-  """Eagerly checks that `table` ranks sequences of these `lengths`.
-
-  Under `jit` nothing is checked (the table is data there).
-  """
+  """Checks that `table` ranks sequences of these `lengths`: eagerly a
+  `ValueError` naming the first rank that differs, under `jit` a
+  `jax.experimental.checkify` check (a table of another batch with the same
+  capacities would give wrong results)."""
   if not is_concrete(lengths, table.order, table.lengths):
+    lengths = jnp.asarray(lengths)
+    ranked = jnp.take(lengths, jnp.asarray(table.order), axis=0)
+    require(
+      jnp.all(ranked == jnp.asarray(table.lengths)),
+      f"The rank table does not describe {name}'s {level}: its lengths in rank "
+      f"order differ from {name}'s (a table of another batch?).",
+    )
     return
   expected = np.asarray(lengths)[np.asarray(table.order)]
   ranked = np.asarray(table.lengths)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental import checkify
 from jax.test_util import check_grads
 
@@ -491,7 +492,7 @@ def test_reorder_by_rank_errors(x, match):
     reorder_by_rank(x, rank_table(_lod([[3, 2, 0]])))
 
 
-def test_reorder_by_rank_rejects_a_table_of_other_lengths():
+def test_reorder_by_rank_checks_lengths_when_asked():
   """A level-1 table has the right count capacity but ranks other sequences."""
   x = LoDTensor.from_lengths(np.arange(7.0), [[0, 2], [2, 5]])
   with pytest.raises(
@@ -499,7 +500,48 @@ def test_reorder_by_rank_rejects_a_table_of_other_lengths():
     match=r"The rank table does not describe `x`'s level 0: at rank 0 it has length "
     r"5, `x` has 2\.",
   ):
-    reorder_by_rank(x, rank_table(x, level=1))
+    reorder_by_rank(x, rank_table(x, level=1), check_lengths=True)
+
+
+def _fluid_reorder(seqs: list, table_lengths: list) -> list:
+  """Fluid's reorder_lod_tensor_by_rank: whole level-0 sequences into the
+  order of a rank table of *other* lengths (a stable sort, longest first)."""
+  order = sorted(range(len(table_lengths)), key=lambda i: -table_lengths[i])
+  return [seqs[i] for i in order]
+
+
+@given(
+  st.lists(st.integers(0, 4), min_size=1, max_size=5).flatmap(
+    lambda src: st.tuples(
+      st.just(src), st.lists(st.integers(0, 4), min_size=len(src), max_size=len(src))
+    )
+  )
+)
+def test_reorder_by_rank_follows_another_tensors_table(lengths):
+  """Encoder states reordered by the target's ranks, as Fluid's DynamicRNN
+  does: the counts agree, the lengths need not."""
+  src_lengths, tgt_lengths = lengths
+  src = LoDTensor.from_lengths(np.arange(float(sum(src_lengths))), [src_lengths])
+  tgt = LoDTensor.from_lengths(np.zeros(sum(tgt_lengths)), [tgt_lengths])
+  moved = reorder_by_rank(src, rank_table(tgt))
+  expected = _fluid_reorder([s.tolist() for s in src.to_list()], tgt_lengths)
+  assert [s.tolist() for s in moved.to_list()] == expected
+  # Jitted, and checked under checkify: the same.
+  err, jitted = checkify.checkify(jax.jit(reorder_by_rank))(src, rank_table(tgt))
+  err.throw()
+  assert [s.tolist() for s in jitted.to_list()] == expected
+
+
+def test_reorder_by_rank_needs_equal_counts():
+  buckets = Buckets.fixed(tokens=8, sequences=3, time=4)
+  src = LoDTensor.from_lengths(np.arange(5.0), [[3, 2]], buckets=buckets)
+  tgt = LoDTensor.from_lengths(np.zeros(3), [[1, 1, 1]], buckets=buckets)
+  match = r"as many level-0 sequences as the rank table ranks \(3\), got 2"
+  with pytest.raises(ValueError, match=match):
+    reorder_by_rank(src, rank_table(tgt))
+  err, _ = checkify.checkify(jax.jit(reorder_by_rank))(src, rank_table(tgt))
+  with pytest.raises(checkify.JaxRuntimeError, match="as many level-0 sequences"):
+    err.throw()
 
 
 @pytest.mark.parametrize(

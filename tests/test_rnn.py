@@ -574,3 +574,24 @@ def test_residuals_without_a_batch_axis_are_stacked_by_step():
   (_, ref_outputs), ref_grads = _value_and_grads(reference_loss)(*args)
   assert_close(outputs, ref_outputs, rtol=1e-5, atol=1e-5)
   assert_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+
+
+def test_a_table_of_another_batch_is_caught_under_checkify():
+  """Same capacities, other lengths: eagerly a ValueError, jitted a checkify
+  error (without it the carries would silently be wrong)."""
+  buckets = Buckets.fixed(tokens=8, sequences=2, time=4)
+  x = LoDTensor.from_lengths(np.ones((5, 1), np.float32), [[3, 2]], buckets=buckets)
+  other = LoDTensor.from_lengths(np.ones((5, 1), np.float32), [[1, 4]], buckets=buckets)
+
+  def run(x, table):
+    step = lambda c, x_t, _: (c + x_t, c)  # noqa: E731
+    return dynamic_rnn(step, x, init_carry=jnp.zeros((2, 1)), table=table)[1]
+
+  with pytest.raises(ValueError, match="The rank table does not describe `inputs`"):
+    run(x, rank_table(other))
+  err, _ = checkify.checkify(jax.jit(run))(x, rank_table(other))
+  with pytest.raises(checkify.JaxRuntimeError, match="a table of another batch"):
+    err.throw()
+  err, carry = checkify.checkify(jax.jit(run))(x, rank_table(x))
+  err.throw()
+  np.testing.assert_array_equal(carry, [[3.0], [2.0]])

@@ -225,21 +225,42 @@ def _reorder_lod(x: LoDTensor, table: RankTable) -> LoDTensor:
   return LoDTensor(values, new_offsets, x.num_outer, x.time_capacity)
 
 
-def reorder_by_rank(x: Any, table: RankTable) -> Any:
+def reorder_by_rank(x: Any, table: RankTable, *, check_lengths: bool = False) -> Any:
   """Puts rows, or whole sequences, into the rank order of `table`.
 
-  Fluid's ``reorder_lod_tensor_by_rank``.
+  Fluid's ``reorder_lod_tensor_by_rank``: `table` may rank *another* tensor
+  with as many sequences (DynamicRNN reorders the encoder's states by the
+  target's ranks), so only the counts must agree, not the lengths.
 
   Args:
     x: a LoDTensor, whose level-0 sequences are permuted with everything
-      nested in them (its level-0 count capacity must equal the table's); or
-      an array, or a pytree of arrays, ``[count_capacity, ...]``, whose rows
-      are permuted: ``out[r] = x[table.order[r]]``.
+      nested in them (its level-0 count capacity and real number of sequences
+      must equal the table's); or an array, or a pytree of arrays,
+      ``[count_capacity, ...]``, whose rows are permuted: ``out[r] =
+      x[table.order[r]]``.
     table: a rank table.
+    check_lengths: also require `table` to rank `x` itself (its level-0
+      lengths are the table's), for a caller that means the same batch.
 
   Returns:
     The same structure in rank order. Differentiable; the backward pass is the
     inverse permutation.
+
+  Raises:
+    ValueError: for a level-0 count capacity other than the table's; for a
+      real number of sequences other than the table's (eagerly, and under
+      `jit` through `jax.experimental.checkify`); with `check_lengths`, for
+      lengths the table does not rank.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.ops import rank_table, reorder_by_rank
+    >>> tgt = LoDTensor.from_lengths(np.zeros(6), [[1, 4, 1]])
+    >>> src = LoDTensor.from_lengths(np.arange(6.0), [[3, 1, 2]])
+    >>> moved = reorder_by_rank(src, rank_table(tgt))  # the target's ranks
+    >>> moved.recursive_lengths(), moved.values.tolist()
+    ([[1, 3, 2]], [3.0, 0.0, 1.0, 2.0, 4.0, 5.0])
   """
   if not isinstance(table, RankTable):
     raise TypeError(f"Expected `table` to be a RankTable, got {type(table).__name__}.")
@@ -249,7 +270,15 @@ def reorder_by_rank(x: Any, table: RankTable) -> Any:
         f"Expected `x` to have level-0 count capacity {table.count_capacity} "
         f"(the rank table's), got {x.capacity.sequences[0]}."
       )
-    check_ranked(x.lengths(0), table, "`x`", "level 0")
+    require(
+      x.num_sequences(0) == table.count,
+      "Expected `x` to hold as many level-0 sequences as the rank table ranks "
+      "({count}), got {n}.",
+      count=table.count,
+      n=x.num_sequences(0),
+    )
+    if check_lengths:
+      check_ranked(x.lengths(0), table, "`x`", "level 0")
     return _reorder_lod(x, table)
   return permute_rows(x, table.order, table.ranks, "x")
 
