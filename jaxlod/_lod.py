@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -572,3 +573,22 @@ def _is_nested(seq: Any) -> bool:
   if isinstance(seq, np.ndarray | jax.Array) or not isinstance(seq, list | tuple):
     return False
   return any(isinstance(item, list | tuple | np.ndarray | jax.Array) for item in seq)
+
+
+def _tuples(value: Any) -> Any:
+  """JSON's lists back into the tuples static pytree data is made of."""
+  return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def register_export(cls: type, name: str) -> None:
+  """Registers a dataclass pytree for `jax.export` serialization: its static
+  fields (ints and tuples of ints) travel as JSON."""
+  jax.export.register_pytree_node_serialization(
+    cls,
+    serialized_name=name,
+    serialize_auxdata=lambda meta: json.dumps(meta).encode(),
+    deserialize_auxdata=lambda data: _tuples(json.loads(data)),
+  )
+
+
+register_export(LoDTensor, "jaxlod.LoDTensor")

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental import checkify
 from jax.test_util import check_grads
 
@@ -595,3 +597,38 @@ def test_a_table_of_another_batch_is_caught_under_checkify():
   err, carry = checkify.checkify(jax.jit(run))(x, rank_table(x))
   err.throw()
   np.testing.assert_array_equal(carry, [[3.0], [2.0]])
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+  st.lists(st.integers(0, 5), min_size=1, max_size=4),
+  st.booleans(),
+)
+def test_padding_rows_never_reach_the_gradients(lengths, remat):
+  """A step whose parameter gradient is NaN at zero input (``sqrt(w * x)``):
+  the gradient equals the unpadded per-sequence one, padding rows (zeros past
+  the data, and the next step's rows inside a phase) never reach it."""
+  buckets = Buckets.fixed(tokens=24, sequences=4, time=6)
+  rows = np.linspace(0.5, 2.0, sum(lengths), dtype=np.float32)[:, None]
+  x = LoDTensor.from_lengths(rows, [lengths], buckets=buckets)
+  step = lambda w: lambda c, x_t, _: (c + jnp.sqrt(w * x_t), c)  # noqa: E731
+
+  def loss(w, x):
+    _, carry = dynamic_rnn(step(w), x, init_carry=jnp.zeros((4, 1)), remat=remat)
+    return jnp.sum(carry)
+
+  def reference(w):
+    return sum(jnp.sum(jnp.sqrt(w * jnp.asarray(s))) for s in x.to_list())
+
+  got = _padding_grad(loss, remat)(jnp.float32(1.5), x)
+  np.testing.assert_allclose(got, jax.grad(reference)(1.5), rtol=1e-5)
+
+
+_PADDING_GRADS: dict = {}
+
+
+def _padding_grad(loss, remat):
+  """One jitted gradient per mode: the fixed capacity compiles once."""
+  if remat not in _PADDING_GRADS:
+    _PADDING_GRADS[remat] = jax.jit(jax.grad(loss))
+  return _PADDING_GRADS[remat]

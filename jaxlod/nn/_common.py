@@ -167,9 +167,14 @@ def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
 
 
 def embed_ids(
-  embed: Callable[[jax.Array], jax.Array], ids: Any, name: str
+  embed: Callable[[jax.Array], jax.Array], ids: Any, name: str, vocab: int
 ) -> LoDTensor:
-  """Embeds a LoDTensor of ids ``[tokens]`` or ``[tokens, 1]``."""
+  """Embeds a LoDTensor of ids ``[tokens]`` or ``[tokens, 1]``.
+
+  An id outside ``[0, vocab)`` on a real row raises (eagerly a `ValueError`,
+  under `jit` a `jax.experimental.checkify` check): an embedding lookup
+  would give NaN rows (or clamp), and decoding would then drop the source.
+  """
   ids = check_lod(ids, name)
   values = ids.values
   if values.ndim == 2 and values.shape[1] == 1:
@@ -180,6 +185,12 @@ def embed_ids(
       f"ids), got {tuple(ids.values.shape)}."
     )
   check_integer(values.dtype, f"{name}.values")
+  _checks.require_each(
+    ids.row_mask() & ((values < 0) | (values >= vocab)),
+    f"Expected every id of `{name}` in [0, {vocab}) (the vocabulary); row "
+    "{i} holds {value}.",
+    value=values,
+  )
   return zero_padding(ids, embed(values))
 
 
@@ -477,7 +488,7 @@ class Seq2SeqCalls:
     """
     # Only a given table is passed on: an encoder need not take one.
     extra = {} if table is None else {"table": table}
-    src = embed_ids(self.src_embed, src, "src")
+    src = embed_ids(self.src_embed, src, "src", self.src_vocab)
     return _checks.check_encoded(self.encoder(src, **extra))
 
   def initial_state(self, memory: LoDTensor) -> Any:
@@ -597,7 +608,7 @@ class Seq2SeqCalls:
         whose ladder is not its loop's.
     """
     memory = self.encode(src, src_table)
-    tgt = embed_ids(self.tgt_embed, tgt_in, "tgt_in")
+    tgt = embed_ids(self.tgt_embed, tgt_in, "tgt_in", self.tgt_vocab)
     # Dropout keeps zero padding rows at zero.
     tgt = tgt.with_values(self.dropout_rows(tgt.values))
     outputs = self.decoder(

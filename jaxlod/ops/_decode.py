@@ -212,8 +212,11 @@ def _max_lengths(
   return jnp.clip(lengths, 1, cap).astype(jnp.int32)
 
 
-def _checked_step(step_fn: Callable, bos_id: int, eos_id: int) -> Callable:
-  """`step_fn` with its outputs checked at trace time."""
+def _checked_step(
+  step_fn: Callable, bos_id: int, eos_id: int, max_length: int
+) -> Callable:
+  """`step_fn` with its outputs checked at trace time, and its NaN scores
+  ranked below every finite one (see below)."""
 
   def step(carry, tokens, statics):
     b = tokens.shape[0]
@@ -231,7 +234,18 @@ def _checked_step(step_fn: Callable, bos_id: int, eos_id: int) -> Callable:
           f"Expected `{name}` in [0, {log_probs.shape[1]}) (the vocabulary of "
           f"`step_fn`), got {value}."
         )
-    return new_carry, log_probs
+    nan = jnp.isnan(log_probs)
+    require(
+      ~jnp.any(nan),
+      "Expected `step_fn` to return log_probs without NaN (a NaN is ranked "
+      "below every finite score).",
+    )
+    # A NaN becomes a score below every finite one that still sums to a
+    # finite value over the longest hypothesis (-inf marks dead slots): a
+    # source whose scores are all NaN still comes back with its hypotheses,
+    # scored near the dtype's minimum, never with none.
+    floor = jnp.finfo(log_probs.dtype).min / (max_length + 2)
+    return new_carry, jnp.where(nan, floor, log_probs)
 
   return step
 
@@ -375,7 +389,7 @@ def beam_search(
 
   carry = jax.tree.map(beams, init_carry)
   statics = jax.tree.map(beams, statics)
-  step = _checked_step(step_fn, settings.bos_id, eos_id)
+  step = _checked_step(step_fn, settings.bos_id, eos_id, settings.max_length)
   flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), (carry, statics))
   probe = jax.eval_shape(
     step, flat[0], jnp.zeros((count * beam_size,), jnp.int32), flat[1]

@@ -97,19 +97,33 @@ def _set_prefix(full: jax.Array, part: jax.Array) -> jax.Array:
   return lax.dynamic_update_slice(full, part.astype(full.dtype), (0,) * full.ndim)
 
 
+def _step_inputs(
+  values: Leaves, offset: jax.Array, size: int, active: jax.Array
+) -> Leaves:
+  """A step's `size` input rows; the rows past its active batch (zeros past
+  the data, or the next step's rows) are replaced by row 0, which is always
+  active (rank 0 is the longest sequence). Their results are discarded and
+  their cotangents are zero, but a step whose gradient is not finite at
+  zero input (``sqrt``, say) would turn ``0 * inf`` into NaN in the
+  parameters' gradients: at a real row's input it stays finite."""
+  rows = [_slab(v, offset, size) for v in values]
+  return [_mask(active, leaf, leaf[:1]) for leaf in rows]
+
+
 def _pad_rows(part: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(part, [(0, rows - part.shape[0])] + [(0, 0)] * (part.ndim - 1))
 
 
 def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
-  """The shape (or `shape`), dtype and varying mesh axes of `x`."""
-  shape = x.shape if shape is None else shape
+  """The shape (or `shape`), dtype and varying mesh axes of `x` (an array, or
+  a Python scalar the step closes over)."""
   aval = jax.typeof(x)
+  shape = aval.shape if shape is None else shape
   mat = getattr(aval, "mat", None)
   if mat is None or not mat.varying:
-    return jax.ShapeDtypeStruct(shape, x.dtype)
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
   return jax.ShapeDtypeStruct(
-    shape, x.dtype, sharding=aval.sharding, manual_axis_type=mat
+    shape, aval.dtype, sharding=aval.sharding, manual_axis_type=mat
   )
 
 
@@ -570,7 +584,7 @@ def _forward_phase(
   def body(t: jax.Array, state: _ForwardState) -> _ForwardState:
     c, ys, buffers = state
     active, offset, saved_at = data.cells(t)
-    x = [_slab(v, offset, b) for v in values]
+    x = _step_inputs(values, offset, b, active)
     if residual_mode:
       out, vjp = _step_vjp(spec, phase, data, c, x)
       new_c, y = out[: len(c)], out[len(c) :]
@@ -646,7 +660,7 @@ def _backward_phase(
     t = data.first + data.last - 1 - i
     active, offset, saved_at = data.cells(t)
     stored = _load(where, buffers, t, saved_at, b)
-    x = [_slab(v, offset, b) for v in values]
+    x = _step_inputs(values, offset, b, active)
     if plan.recompute:
       _, vjp = _step_vjp(spec, phase, data, stored, x)
     else:

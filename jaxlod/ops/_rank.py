@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod._lod import LoDTensor, is_concrete, register_export
 
 
 def default_ladder(
@@ -157,6 +157,7 @@ jax.tree_util.register_dataclass(
   ],
   meta_fields=["ladder", "level"],
 )
+register_export(RankTable, "jaxlod.ops.RankTable")
 
 
 def _table_arrays(xp, lengths, time_capacity: int, ladder: tuple[int, ...]):

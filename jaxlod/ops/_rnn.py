@@ -143,7 +143,9 @@ def _convert_phases(step_fn, carry, x_tree, values, statics, ladder):
         consts.append(c)
     span = tuple(index[id(c)] for c in phase_consts)
     phases.append(_loop.Phase(size=b, fn=flat, consts=span))
-  return phases, consts, y_tails, y_tree
+  # A Python scalar the step closes over (a weight `w` under `jax.grad`) is
+  # a constant too: as an array it has a shape and a dtype like the others.
+  return phases, [jnp.asarray(c) for c in consts], y_tails, y_tree
 
 
 def _float_flags(leaves: list) -> tuple[bool, ...]:
