@@ -21,6 +21,7 @@ from jaxlod._checks import (
   check_offsets,
   host_numbers,
   is_concrete,
+  is_integer_dtype,
 )
 
 
@@ -104,6 +105,11 @@ def owners(offsets: jax.Array, items: jax.Array, count: int) -> jax.Array:
 
 def _is_array(value: Any) -> bool:
   return isinstance(value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+
+
+def _is_index_dtype(dtype: Any) -> bool:
+  """Integer, or ``float0`` (the cotangent JAX gives integer leaves)."""
+  return is_integer_dtype(dtype) or dtype == jax.dtypes.float0
 
 
 # -- the pytree ----------------------------------------------------------------
@@ -202,6 +208,15 @@ class LoDTensor:
         raise ValueError(
           f"Expected offsets of level {level} to have shape [count_capacity + 1], "
           f"got {tuple(o.shape)}."
+        )
+    for name, leaf in [(f"offsets of level {i}", o) for i, o in enumerate(offsets)] + [
+      ("num_outer", self.num_outer)
+    ]:
+      if _is_array(leaf) and not _is_index_dtype(leaf.dtype):
+        raise TypeError(
+          f"Expected integer {name}, got {np.dtype(leaf.dtype).name}: the LoD "
+          "is integer data, so a tree map over a LoDTensor must leave it alone "
+          "(cast the rows with `x.astype(dtype)`)."
         )
 
   # -- host builders ----------------------------------------------------------
@@ -477,6 +492,22 @@ class LoDTensor:
       return jnp.zeros((self.capacity.tokens,), jnp.int32)
     rows = jnp.arange(self.capacity.tokens, dtype=jnp.int32)
     return jnp.where(self.row_mask(), owners(self.offsets[-1], rows, count), count)
+
+  def astype(self, dtype: Any) -> LoDTensor:
+    """The same LoD over the rows cast to `dtype`; the offsets stay integer.
+
+    Use it rather than a tree map, which would cast the offsets too (and
+    raise).
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp
+      >>> from jaxlod import LoDTensor
+      >>> x = LoDTensor.from_lengths(np.ones((3, 2)), [[2, 1]])
+      >>> y = x.astype(jnp.bfloat16)
+      >>> y.values.dtype, y.offsets[0].dtype
+      (dtype(bfloat16), dtype('int32'))
+    """
+    return self.with_values(jnp.asarray(self.values).astype(dtype))
 
   def with_values(self, values: jax.Array) -> LoDTensor:
     """The same LoD over new rows ``[token_capacity, *new_features]``."""

@@ -718,3 +718,19 @@ def test_to_padded_pad_value_under_jit():
   padded, _ = jax.jit(lambda x: x.to_padded(pad_value=-5.0))(x)
   assert_close(padded[0, 1], np.full(2, -5.0))
   assert_close(padded[1], np.ones((2, 2)))
+
+
+def test_a_tree_map_that_casts_the_offsets_raises():
+  """The LoD is integer data: a float tree map over a batch must not corrupt
+  it silently; `astype` casts only the rows."""
+  x = LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[2, 1]])
+  match = r"Expected integer offsets of level 0, got bfloat16"
+  with pytest.raises(TypeError, match=match):
+    jax.tree.map(lambda a: a.astype(jnp.bfloat16), x)
+  y = x.astype(jnp.bfloat16)
+  assert y.values.dtype == jnp.bfloat16
+  assert y.recursive_lengths() == x.recursive_lengths()
+  # Integer tree maps and autodiff's float0 cotangents keep working.
+  assert jax.tree.map(jnp.zeros_like, x).offsets[0].dtype == jnp.int32
+  grad = jax.grad(lambda x: jnp.sum(x.values), allow_int=True)(x)
+  assert grad.offsets[0].dtype == jax.dtypes.float0
