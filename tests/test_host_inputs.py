@@ -55,6 +55,16 @@ def test_strings_and_objects_are_refused(values, dtype):
     LoDTensor.from_sequences([values])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "int4", "bool"])
+def test_numbers_numpy_files_as_void_are_accepted(dtype):
+  """ml_dtypes arrays (NumPy's kind 'V') are numbers to JAX."""
+  values = np.ones((3, 2), jax.numpy.dtype(dtype))
+  x = LoDTensor.from_lengths(values, [[2, 1]])
+  assert x.values.dtype == jax.numpy.dtype(dtype)
+  y = LoDTensor.from_sequences([values[:2], values[2:]])
+  assert y.values.dtype == x.values.dtype
+
+
 def test_from_sequences_reads_a_generator_once():
   seqs = [np.ones((2, 3)), np.zeros((0, 3)), np.full((1, 3), 2.0)]
   x = LoDTensor.from_sequences(s for s in seqs)
