@@ -57,15 +57,15 @@ def lengths_to_offsets(recursive_lengths: Sequence[Any]) -> list[np.ndarray]:
       raise ValueError(
         f"LoD level {level}, index {i}: length {lengths[i]} is negative."
       )
-    level_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    # Offsets live in int32 on the device (and an int64 sum can wrap).
+    # Offsets live in int32 on the device (and an int64 cumsum can wrap):
+    # sum exactly in Python ints first.
     total = sum(int(n) for n in lengths)
     if total > np.iinfo(np.int32).max:
       raise ValueError(
         f"LoD level {level}: the lengths sum to {total}, over the int32 "
         f"offsets' limit {np.iinfo(np.int32).max}."
       )
-    offsets.append(level_offsets)
+    offsets.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
   return offsets
 
 

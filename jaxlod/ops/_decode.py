@@ -216,7 +216,7 @@ def _checked_step(
   step_fn: Callable, bos_id: int, eos_id: int, max_length: int
 ) -> Callable:
   """`step_fn` with its outputs checked at trace time, and its NaN scores
-  ranked below every finite one (see below)."""
+  ranked last (see below)."""
 
   def step(carry, tokens, statics):
     b = tokens.shape[0]
@@ -237,13 +237,13 @@ def _checked_step(
     nan = jnp.isnan(log_probs)
     require(
       ~jnp.any(nan),
-      "Expected `step_fn` to return log_probs without NaN (a NaN is ranked "
-      "below every finite score).",
+      "Expected `step_fn` to return log_probs without NaN (NaN scores are "
+      "ranked last).",
     )
-    # A NaN becomes a score below every finite one that still sums to a
-    # finite value over the longest hypothesis (-inf marks dead slots): a
-    # source whose scores are all NaN still comes back with its hypotheses,
-    # scored near the dtype's minimum, never with none.
+    # A NaN becomes a score far below any real log-probability that still
+    # sums to a finite value over the longest hypothesis (-inf marks dead
+    # slots): a source whose scores are all NaN still comes back with its
+    # hypotheses, scored near the dtype's minimum, never with none.
     floor = jnp.finfo(log_probs.dtype).min / (max_length + 2)
     return new_carry, jnp.where(nan, floor, log_probs)
 
