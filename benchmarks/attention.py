@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples._timing import machine_info, measure_interleaved
+from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 
 HIDDEN = 256
@@ -263,10 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     return
   if args.repeats < 1:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
-  text = json.dumps(run(args.repeats), indent=2)
-  print(text)
-  if args.json is not None:
-    args.json.write_text(text + "\n")
+  write_report(run(args.repeats), args.json)
 
 
 if __name__ == "__main__":

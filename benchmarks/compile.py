@@ -58,7 +58,7 @@ import rnn  # noqa: E402  (the workloads, batches and arms of benchmarks/rnn.py)
 
 import jaxlod  # noqa: E402
 import jaxlod.ops  # noqa: E402
-from jaxlod.examples._timing import machine_info, measure_interleaved  # noqa: E402
+from jaxlod.examples._timing import machine_info, measure_interleaved, write_report  # noqa: E402
 
 
 def ladders(count: int) -> dict[str, tuple[int, ...] | None]:
@@ -287,12 +287,7 @@ def main(argv: list[str] | None = None) -> None:
   if args.first_call_child:
     first_call_child()
     return
-  names = [name.strip() for name in args.workloads.split(",") if name.strip()]
-  unknown = [name for name in names if name not in rnn.WORKLOADS]
-  if unknown:
-    parser.error(f"unknown workloads {unknown}; choose from {list(rnn.WORKLOADS)}")
-  if args.repeats < 1:
-    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  names = rnn.workload_names(parser, args)
   start = time.perf_counter()
   report = {"machine": machine_info(), "repeats": args.repeats, "workloads": {}}
   for name in names:
@@ -300,10 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     report["workloads"][name] = run_workload(rnn.WORKLOADS[name], args.repeats)
   report["compilation_cache"] = cache_effect()
   report["wall_s"] = time.perf_counter() - start
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.json is not None:
-    args.json.write_text(text + "\n")
+  write_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ Usage: ``python benchmarks/decode.py [--repeats N] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples._timing import machine_info, measure_interleaved
+from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 from jaxlod.ops import DecodeSettings
 
@@ -266,10 +265,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
-  text = json.dumps(run(args.repeats), indent=2)
-  print(text)
-  if args.json is not None:
-    args.json.write_text(text + "\n")
+  write_report(run(args.repeats), args.json)
 
 
 if __name__ == "__main__":

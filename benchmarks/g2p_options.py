@@ -55,7 +55,6 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -74,7 +73,7 @@ from jaxlod.data import Batcher
 from jaxlod.examples import _g2p_data as data
 from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
-from jaxlod.examples._timing import machine_info, measure_interleaved
+from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
 
 SLOWER_THAN = 1.03
 SCORE_TOLERANCE = 1e-5
@@ -351,10 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, name) < 1:
       flag = "--" + name.replace("_", "-")
       parser.error(f"{flag} must be >= 1, got {getattr(args, name)}")
-  text = json.dumps(run(args.train_steps, args.repeats, args.decode_repeats), indent=2)
-  print(text)
-  if args.json is not None:
-    args.json.write_text(text + "\n")
+  write_report(run(args.train_steps, args.repeats, args.decode_repeats), args.json)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ import rnn  # noqa: E402  (the workloads, batches and arms of benchmarks/rnn.py)
 
 import jaxlod  # noqa: E402
 import jaxlod.ops  # noqa: E402
-from jaxlod.examples._timing import machine_info, measure_interleaved  # noqa: E402
+from jaxlod.examples._timing import machine_info, measure_interleaved, write_report  # noqa: E402
 
 # -- the cells, split into an input projection and a recurrence ----------------------
 
@@ -216,22 +215,14 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--json", type=Path, default=None, help="also write here")
   args = parser.parse_args(argv)
-  names = [name.strip() for name in args.workloads.split(",") if name.strip()]
-  unknown = [name for name in names if name not in rnn.WORKLOADS]
-  if unknown:
-    parser.error(f"unknown workloads {unknown}; choose from {list(rnn.WORKLOADS)}")
-  if args.repeats < 1:
-    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  names = rnn.workload_names(parser, args)
   start = time.perf_counter()
   report = {"machine": machine_info(), "repeats": args.repeats, "workloads": {}}
   for name in names:
     print(f"{name}: {rnn.WORKLOADS[name].description}", file=sys.stderr)
     report["workloads"][name] = run_workload(rnn.WORKLOADS[name], args.repeats)
   report["wall_s"] = time.perf_counter() - start
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.json is not None:
-    args.json.write_text(text + "\n")
+  write_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -84,7 +83,7 @@ except ImportError:  # Run from a checkout without installing it.
   import jaxlod
 import jaxlod.ops
 from jaxlod.examples._timing import machine_info as _machine_info
-from jaxlod.examples._timing import measure_interleaved
+from jaxlod.examples._timing import measure_interleaved, write_report
 
 try:
   import torch
@@ -668,6 +667,19 @@ def machine_info() -> dict[str, Any]:
   )
 
 
+def workload_names(parser: argparse.ArgumentParser, args: Any) -> list[str]:
+  """``args.workloads`` (comma-separated names) as a list, with
+  ``args.repeats`` checked; errors through `parser` (the scripts that reuse
+  these workloads share it)."""
+  names = [name.strip() for name in args.workloads.split(",") if name.strip()]
+  unknown = [name for name in names if name not in WORKLOADS]
+  if unknown:
+    parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -681,12 +693,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     "machine fewer threads avoid stalls at torch's thread barriers",
   )
   args = parser.parse_args(argv)
-  args.workloads = [name.strip() for name in args.workloads.split(",") if name.strip()]
-  unknown = [name for name in args.workloads if name not in WORKLOADS]
-  if unknown:
-    parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
-  if args.repeats < 1:
-    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  args.workloads = workload_names(parser, args)
   if args.torch_threads < 1:
     parser.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
   return args
@@ -704,10 +711,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name}: {WORKLOADS[name].description}", file=sys.stderr)
     report["workloads"][name] = run_workload(WORKLOADS[name], args.repeats)
   report["wall_s"] = time.perf_counter() - start
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.json is not None:
-    args.json.write_text(text + "\n")
+  write_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ except ImportError:  # Run from a checkout without installing it.
 from jaxlod.data import Batcher
 from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
-from jaxlod.examples._timing import machine_info, measure_interleaved
+from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
 from jaxlod.parallel import shard_batch
 
 SHARD_COUNTS = (2, 4, 8)
@@ -357,10 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     "median_step_ratio_2_over_1": two["median_step_s"] / one["median_step_s"],
   }
   report["wall_s"] = time.perf_counter() - start
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.json is not None:
-    args.json.write_text(text + "\n")
+  write_report(report, args.json)
 
 
 if __name__ == "__main__":

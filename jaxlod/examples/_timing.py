@@ -116,3 +116,14 @@ def machine_info(**extra: Any) -> dict[str, Any]:
     **extra,
     "load_average_at_start": list(os.getloadavg()),
   }
+
+
+def write_report(report: dict[str, Any], path: Any = None) -> None:
+  """Prints a benchmark's JSON report, and writes it to `path` when given."""
+  import json
+  from pathlib import Path
+
+  text = json.dumps(report, indent=2)
+  print(text)
+  if path is not None:
+    Path(path).write_text(text + "\n")
