@@ -97,19 +97,6 @@ def _set_prefix(full: jax.Array, part: jax.Array) -> jax.Array:
   return lax.dynamic_update_slice(full, part.astype(full.dtype), (0,) * full.ndim)
 
 
-def _step_inputs(
-  values: Leaves, offset: jax.Array, size: int, active: jax.Array
-) -> Leaves:
-  """A step's `size` input rows; the rows past its active batch (zeros past
-  the data, or the next step's rows) are replaced by row 0, which is always
-  active (rank 0 is the longest sequence). Their results are discarded and
-  their cotangents are zero, but a step whose gradient is not finite at
-  zero input (``sqrt``, say) would turn ``0 * inf`` into NaN in the
-  parameters' gradients: at a real row's input it stays finite."""
-  rows = [_slab(v, offset, size) for v in values]
-  return [_mask(active, leaf, leaf[:1]) for leaf in rows]
-
-
 def _pad_rows(part: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(part, [(0, rows - part.shape[0])] + [(0, 0)] * (part.ndim - 1))
 
@@ -584,7 +571,7 @@ def _forward_phase(
   def body(t: jax.Array, state: _ForwardState) -> _ForwardState:
     c, ys, buffers = state
     active, offset, saved_at = data.cells(t)
-    x = _step_inputs(values, offset, b, active)
+    x = [_slab(v, offset, b) for v in values]
     if residual_mode:
       out, vjp = _step_vjp(spec, phase, data, c, x)
       new_c, y = out[: len(c)], out[len(c) :]
@@ -660,7 +647,7 @@ def _backward_phase(
     t = data.first + data.last - 1 - i
     active, offset, saved_at = data.cells(t)
     stored = _load(where, buffers, t, saved_at, b)
-    x = _step_inputs(values, offset, b, active)
+    x = [_slab(v, offset, b) for v in values]
     if plan.recompute:
       _, vjp = _step_vjp(spec, phase, data, stored, x)
     else:

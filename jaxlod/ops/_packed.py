@@ -92,10 +92,17 @@ def time_major(x: LoDTensor, table: RankTable, reverse: bool) -> TimeMajor:
 def pack(values: jax.Array, layout: TimeMajor) -> jax.Array:
   """LoDTensor rows ``[token_capacity, ...]`` -> time-major rows.
 
-  Returns ``[token_capacity + count_capacity, ...]``, zeros past the data.
-  Differentiable; the backward pass is the inverse gather.
+  Returns ``[token_capacity + count_capacity, ...]``. Rows past the data
+  hold copies of the first LoDTensor row (zeros when there is none): a step
+  run at a batch size larger than its active batch reads them, and a step
+  whose gradient is not finite at zero input (``sqrt``, say) would turn the
+  zero cotangents of those rows into NaN parameter gradients (``0 * inf``);
+  at a real row's input they stay finite. Differentiable; the backward pass
+  is the inverse gather, which never reads those rows.
   """
-  return gather(values, *layout.to_time_major, *layout.to_rows)
+  index, valid = layout.to_time_major
+  has_rows = jnp.any(layout.to_rows[1])
+  return gather(values, index, valid | has_rows, *layout.to_rows)
 
 
 def unpack(rows: jax.Array, layout: TimeMajor) -> jax.Array:
