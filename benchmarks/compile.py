@@ -201,11 +201,7 @@ def run_workload(w: rnn.Workload, repeats: int) -> dict[str, Any]:
     "makespan": lanes.makespan,
     "token_steps": lanes.count * lanes.makespan,
   }
-  calls = {
-    name: (lambda arm=arm: arm.train(params, *arm.inputs), jax.block_until_ready)
-    for name, arm in arms.items()
-  }
-  measured = measure_interleaved(calls, repeats)
+  measured = rnn.time_arms(arms, params, "train", repeats)
   floor_s = measured["floor"]["median_s"]
   result = {
     name: {

@@ -45,7 +45,7 @@ import rnn  # noqa: E402  (the workloads, batches and arms of benchmarks/rnn.py)
 
 import jaxlod  # noqa: E402
 import jaxlod.ops  # noqa: E402
-from jaxlod.examples._timing import machine_info, measure_interleaved, write_report  # noqa: E402
+from jaxlod.examples._timing import machine_info, write_report  # noqa: E402
 
 # -- the cells, split into an input projection and a recurrence ----------------------
 
@@ -176,11 +176,7 @@ def run_workload(w: rnn.Workload, repeats: int) -> dict[str, Any]:
     "jaxlod": rnn.jaxlod_arm(cell, batch, remat=False),
     "jaxlod_hoisted": jaxlod_hoisted_arm(w, cell, batch),
   }
-  calls = {
-    name: (lambda arm=arm: arm.train(params, *arm.inputs), jax.block_until_ready)
-    for name, arm in arms.items()
-  }
-  measured = measure_interleaved(calls, repeats)
+  measured = rnn.time_arms(arms, params, "train", repeats)
   times = {name: t["median_s"] for name, t in measured.items()}
   reference = arms["jaxlod"].train(params, *arms["jaxlod"].inputs)
   hoisted = arms["jaxlod_hoisted"].train(params, *arms["jaxlod_hoisted"].inputs)
