@@ -7,13 +7,14 @@ the rank table and the ops built on it.
 
 from jaxlod._buckets import Buckets
 from jaxlod._cache import enable_compilation_cache
-from jaxlod._lod import Capacity, LoDTensor
+from jaxlod._lod import Capacity, Fault, LoDTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
   "Buckets",
   "Capacity",
+  "Fault",
   "LoDTensor",
   "__version__",
   "enable_compilation_cache",

@@ -11,6 +11,7 @@ Example:
   >>> import numpy as np
   >>> from jaxlod._checks import require
   >>> require(np.array([1, 2]) > 0, "fine")
+  True
   >>> require(np.int32(5) <= 4, "{n} rows, more than 4", n=np.int32(5))
   Traceback (most recent call last):
   ...
@@ -75,6 +76,10 @@ def require(ok: Any, message: str, *, traced: str | None = None, **fields: Any):
       traced check does not pass.
     **fields: arrays or Python scalars named in the messages.
 
+  Returns:
+    Whether every item of `ok` holds: `True` eagerly (or it raised), a bool
+    scalar under `jit`, for an op to record a `jaxlod.Fault` in its result.
+
   Raises:
     ValueError: when `ok` and `fields` are concrete and an item of `ok` is
       False. Under `jit` the check is `checkify.debug_check`: a no-op
@@ -85,9 +90,11 @@ def require(ok: Any, message: str, *, traced: str | None = None, **fields: Any):
       if fields:
         message = message.format(**{k: _host(v) for k, v in fields.items()})
       raise ValueError(message)
-  else:
-    message = traced or message
-    checkify.debug_check(jnp.all(ok), message, **_named(message, fields))
+    return True
+  message = traced or message
+  holds = jnp.all(ok)
+  checkify.debug_check(holds, message, **_named(message, fields))
+  return holds
 
 
 def require_each(bad: Any, message: str, *, traced: str | None = None, **values: Any):
@@ -101,13 +108,17 @@ def require_each(bad: Any, message: str, *, traced: str | None = None, **values:
       defaults to `message`.
     **values: arrays ``[n]``, or scalars (the same value for every item).
 
+  Returns:
+    Whether no item is bad: `True` eagerly (or it raised), a bool scalar
+    under `jit` (see `require`).
+
   Raises:
     ValueError: eagerly, for the first bad item. Under `jit` a
       `jax.experimental.checkify` check with the same message.
   """
   bad = jnp.asarray(bad)
   if bad.shape[0] == 0:
-    return
+    return True
   if is_concrete(bad, *values.values()):
     hits = np.flatnonzero(np.asarray(bad))
     if hits.size:
@@ -116,14 +127,16 @@ def require_each(bad: Any, message: str, *, traced: str | None = None, **values:
         k: _host(np.asarray(v)[i] if np.ndim(v) else v) for k, v in values.items()
       }
       raise ValueError(message.format(i=i, **fields))
-    return
+    return True
   message = traced or message
   i = jnp.argmax(bad)
   fields = {
     k: jnp.asarray(v)[i] if jnp.ndim(v) else jnp.asarray(v)
     for k, v in _named(message, values).items()
   }
-  checkify.debug_check(~jnp.any(bad), message, **_named(message, {"i": i, **fields}))
+  holds = ~jnp.any(bad)
+  checkify.debug_check(holds, message, **_named(message, {"i": i, **fields}))
+  return holds
 
 
 def check_lengths_fit(
@@ -434,10 +447,11 @@ def check_pool_dtype(dtype: Any, pool: str) -> None:
 # -- rank tables -------------------------------------------------------------------
 
 
-def check_pair(x: Any, table: Any, name: str) -> None:
+def check_pair(x: Any, table: Any, name: str) -> Any:
   """`x` is a LoDTensor whose last level `table` ranks.
 
-  Checks the types and capacities, and eagerly the lengths (`check_ranked`).
+  Checks the types and capacities, and the lengths (`check_ranked`, whose
+  result it returns).
   """
   # `jaxlod.ops` imports this module: import its RankTable at call time.
   from jaxlod.ops._rank import RankTable
@@ -458,23 +472,27 @@ def check_pair(x: Any, table: Any, name: str) -> None:
       f"least the time capacity of `{name}`'s last level, got "
       f"{x.time_capacity[-1]}."
     )
-  check_ranked(x.lengths(), table, f"`{name}`", "last level")
+  return check_ranked(x.lengths(), table, f"`{name}`", "last level")
 
 
-def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) -> None:
+def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) -> Any:
   """Checks that `table` ranks sequences of these `lengths`: eagerly a
   `ValueError` naming the first rank that differs, under `jit` a
   `jax.experimental.checkify` check (a table of another batch with the same
-  capacities would give wrong results)."""
+  capacities would give wrong results).
+
+  Returns:
+    Whether it does: `True` eagerly, a bool scalar under `jit`, for the
+    caller to mark its results (`jaxlod.Fault.TABLE`).
+  """
   if not is_concrete(lengths, table.order, table.lengths):
     lengths = jnp.asarray(lengths)
     ranked = jnp.take(lengths, jnp.asarray(table.order), axis=0)
-    require(
+    return require(
       jnp.all(ranked == jnp.asarray(table.lengths)),
       f"The rank table does not describe {name}'s {level}: its lengths in rank "
       f"order differ from {name}'s (a table of another batch?).",
     )
-    return
   expected = np.asarray(lengths)[np.asarray(table.order)]
   ranked = np.asarray(table.lengths)
   if not np.array_equal(expected, ranked):
@@ -483,6 +501,7 @@ def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) ->
       f"The rank table does not describe {name}'s {level}: at rank {bad} it has "
       f"length {int(ranked[bad])}, {name} has {int(expected[bad])}."
     )
+  return True
 
 
 # -- pytrees of per-sequence arrays and step functions -----------------------------

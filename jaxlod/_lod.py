@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 from collections.abc import Iterable, Sequence
@@ -21,6 +22,7 @@ from jaxlod._checks import (
   check_offsets,
   host_numbers,
   is_concrete,
+  is_float_dtype,
   is_integer_dtype,
 )
 
@@ -37,6 +39,85 @@ class Capacity(NamedTuple):
   tokens: int
   sequences: tuple[int, ...]
   time: tuple[int, ...]
+
+
+class Fault(enum.IntFlag):
+  """Why an op under `jit` could not honour its contract (`LoDTensor.faults`).
+
+  Under `jit`, data-dependent checks are `jax.experimental.checkify` checks:
+  without `checkify.checkify` around the caller nothing raises. So an op
+  whose output would not fit, or that was given a rank table of another
+  batch, still returns a valid LoDTensor (its LoD clamped to the
+  capacities) and records the fault in the result's ``faults`` bitmask,
+  which every op passes on. Host reads of a faulted tensor (`to_list`,
+  `recursive_lengths`) raise instead of returning fewer rows.
+
+  Attributes:
+    CAPACITY: the output needed more tokens, sequences or time than its
+      capacity; rows or sequences were cut.
+    TABLE: a rank table did not rank the tensor it was used with (a table
+      of another batch); the rows are in the wrong order.
+    INPUT: another data check on the arguments failed (counts or totals
+      that differ, a slice out of range, rows that do not divide into a new
+      width); the result follows the op's documented clipping.
+  """
+
+  CAPACITY = 1
+  TABLE = 2
+  INPUT = 4
+
+
+def describe_faults(faults: int) -> str:
+  """The names of the bits set in `faults`, for messages."""
+  names = [f.name for f in Fault if faults & f]
+  unknown = faults & ~sum(Fault)
+  return ", ".join(names + ([f"unknown bits {unknown:#x}"] if unknown else []))
+
+
+def faults_of(*tensors: Any) -> jax.Array:
+  """The union of the `faults` of every LoDTensor in `tensors`. Jittable."""
+  out = jnp.zeros((), jnp.int32)
+  for x in tensors:
+    out = out | jnp.asarray(x.faults, jnp.int32)
+  return out
+
+
+def fault_unless(ok: Any, fault: Fault) -> Any:
+  """0 where `ok` holds, else `fault`: 0 for a Python `True` (an eager check
+  that passed), else an int32 scalar. Jittable."""
+  if ok is True:
+    return 0
+  return jnp.where(jnp.asarray(ok), jnp.int32(0), jnp.int32(fault))
+
+
+def with_faults(x: LoDTensor, *faults: Any) -> LoDTensor:
+  """`x` with each bitmask of `faults` (ints, int32 scalars, or LoDTensors
+  whose faults it inherits) added to its own. Jittable."""
+  added = [f.faults if isinstance(f, LoDTensor) else f for f in faults]
+  added = [f for f in added if not (isinstance(f, int) and f == 0)]
+  if not added:
+    return x
+  total = faults_of(x)
+  for f in added:
+    total = total | jnp.asarray(f, jnp.int32)
+  return dataclasses.replace(x, faults=total)
+
+
+def nan_unless(ok: Any, tree: Any) -> Any:
+  """The float leaves of `tree` (arrays, or LoDTensors' values) turned NaN
+  unless `ok` (a bool scalar) holds, so that a result computed from a wrong
+  rank table under `jit` is loud in any loss; other leaves pass. Jittable."""
+  if ok is True:
+    return tree
+
+  def poison(a):
+    if isinstance(a, LoDTensor):
+      return a.with_values(poison(a.values))
+    if not is_float_dtype(jnp.result_type(a)):
+      return a
+    return jnp.where(ok, a, jnp.asarray(jnp.nan, jnp.result_type(a)))
+
+  return jax.tree.map(poison, tree, is_leaf=lambda a: isinstance(a, LoDTensor))
 
 
 # -- host-side building ----------------------------------------------------------
@@ -117,7 +198,7 @@ def _is_index_dtype(dtype: Any) -> bool:
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["values", "offsets", "num_outer"],
+  data_fields=["values", "offsets", "num_outer", "faults"],
   meta_fields=["time_capacity"],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -135,8 +216,8 @@ class LoDTensor:
   batch of the same capacities.
 
   A frozen dataclass, registered as a pytree with
-  `jax.tree_util.register_dataclass`: ``values``, ``offsets`` and
-  ``num_outer`` are its dynamic leaves, ``time_capacity`` its static data;
+  `jax.tree_util.register_dataclass`: ``values``, ``offsets``, ``num_outer``
+  and ``faults`` are its dynamic leaves, ``time_capacity`` its static data;
   token and count capacities are read from the shapes. Equality is identity
   (``==`` is ``is``; compare the fields to compare values), as arrays have
   no single truth value.
@@ -156,6 +237,11 @@ class LoDTensor:
       counts are the last offset of the level above).
     time_capacity: static, per level, a bound on the longest sequence (any
       sequence of ints is accepted and stored as a tuple).
+    faults: int32 scalar, a `Fault` bitmask: 0 for a sound tensor; set by an
+      op under `jit` that could not honour its contract without
+      `checkify` (an output over its capacity, a rank table of another
+      batch), and passed on by every op. Host reads of a faulted tensor
+      raise. Defaults to 0.
 
   Example:
     >>> import numpy as np
@@ -174,6 +260,7 @@ class LoDTensor:
   offsets: tuple[jax.Array, ...]
   num_outer: jax.Array
   time_capacity: tuple[int, ...]
+  faults: jax.Array = 0
 
   def __post_init__(self):
     """Stores `offsets` and `time_capacity` as tuples; checks the shapes.
@@ -192,6 +279,8 @@ class LoDTensor:
     time_capacity = tuple(int(t) for t in self.time_capacity)
     object.__setattr__(self, "offsets", offsets)
     object.__setattr__(self, "time_capacity", time_capacity)
+    if type(self.faults) is int:  # the default, or a Python int given
+      object.__setattr__(self, "faults", np.asarray(self.faults, np.int32))
     if len(offsets) == 0:
       raise ValueError("Expected at least one LoD level, got none.")
     if len(time_capacity) != len(offsets):
@@ -210,7 +299,8 @@ class LoDTensor:
           f"got {tuple(o.shape)}."
         )
     for name, leaf in [(f"offsets of level {i}", o) for i, o in enumerate(offsets)] + [
-      ("num_outer", self.num_outer)
+      ("num_outer", self.num_outer),
+      ("faults", self.faults),
     ]:
       if _is_array(leaf) and not _is_index_dtype(leaf.dtype):
         raise TypeError(
@@ -516,7 +606,9 @@ class LoDTensor:
         f"Expected `values` to have leading dimension {self.capacity.tokens} "
         f"(token capacity), got shape {jnp.shape(values)}."
       )
-    return LoDTensor(values, self.offsets, self.num_outer, self.time_capacity)
+    return LoDTensor(
+      values, self.offsets, self.num_outer, self.time_capacity, self.faults
+    )
 
   def to_padded(
     self, pad_value: Any = 0, time_capacity: int | None = None
@@ -554,8 +646,17 @@ class LoDTensor:
   # -- host-only views ----------------------------------------------------------------
 
   def _host_offsets(self) -> list[np.ndarray]:
-    if not is_concrete(*self.offsets, self.num_outer):
+    if not is_concrete(*self.offsets, self.num_outer, self.faults):
       raise ValueError("This method reads data on the host; it cannot run under jit.")
+    faults = int(np.bitwise_or.reduce(np.asarray(self.faults).reshape(-1), initial=0))
+    if faults:
+      raise ValueError(
+        f"This LoDTensor is faulted ({describe_faults(faults)}): an op under "
+        "`jit` could not honour its contract and returned it clamped to its "
+        "capacities, so rows may be missing or out of order. Run the caller "
+        "under `jax.experimental.checkify.checkify` to see which op and why "
+        "(and pass larger capacities, or the rank table of this batch)."
+      )
     real = [np.asarray(self.offsets[0])[: int(self.num_outer) + 1]]
     for o in self.offsets[1:]:
       real.append(np.asarray(o)[: int(real[-1][-1]) + 1])
@@ -596,6 +697,10 @@ class LoDTensor:
       lod = f", lod={self.recursive_lengths()}"
     except (ValueError, TypeError, AttributeError):
       lod = ""
+    faults = self.faults
+    if _is_array(faults) and is_concrete(faults) and np.any(np.asarray(faults)):
+      bits = int(np.bitwise_or.reduce(np.asarray(faults).reshape(-1), initial=0))
+      lod = f", faults={describe_faults(bits)}"
     return f"{head}{lod}, capacity={self.capacity})"
 
 

@@ -141,3 +141,28 @@ def last_level(x: LoDTensor) -> list[np.ndarray]:
   offsets = np.asarray(x.offsets[-1])[: int(x.num_sequences(-1)) + 1]
   values = np.asarray(x.values)
   return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.size - 1)]
+
+
+def assert_valid(x: LoDTensor) -> None:
+  """The LoD invariants (DESIGN.md), read from the leaves, faults or not.
+
+  Offsets start at 0 and never decrease; the real count fits its capacity;
+  sequences past it are empty; no sequence is longer than its level's time
+  capacity; each level's last offset fits the level below (the token
+  capacity for rows); rows past the last offset are zeros.
+  """
+  offsets = [np.asarray(o) for o in x.offsets]
+  capacity = x.capacity
+  real = int(x.num_outer)
+  assert 0 <= real <= capacity.sequences[0], (real, capacity)
+  for level, o in enumerate(offsets):
+    assert o[0] == 0, (level, o)
+    assert np.all(np.diff(o) >= 0), (level, o)
+    assert np.all(o[real:] == o[real]), (level, real, o)
+    assert np.max(np.diff(o), initial=0) <= capacity.time[level], (level, o, capacity)
+    below = (
+      capacity.sequences[level + 1] if level + 1 < len(offsets) else capacity.tokens
+    )
+    assert o[-1] <= below, (level, o, capacity)
+    real = int(o[-1])
+  assert not np.any(np.asarray(x.values)[real:]), np.asarray(x.values)[real:]

@@ -301,9 +301,9 @@ def test_pytree_structure():
     np.ones(6, np.float32), [[1, 2], [5, 0, 1]], buckets=buckets
   )
   leaves, treedef = jax.tree.flatten(x)
-  assert len(leaves) == 4  # values, two offsets, num_outer
+  assert len(leaves) == 5  # values, two offsets, num_outer, faults
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(x)]
-  assert paths == [".values", ".offsets[0]", ".offsets[1]", ".num_outer"]
+  assert paths == [".values", ".offsets[0]", ".offsets[1]", ".num_outer", ".faults"]
   y = jax.tree.unflatten(treedef, leaves)
   assert_lod_equal(y, x)
   # The time capacity is static: it is part of the treedef.
@@ -328,7 +328,7 @@ def test_frozen_dataclass_with_identity_equality():
   x = LoDTensor.from_lengths(np.ones(3, np.float32), [[1, 2]])
   assert dataclasses.is_dataclass(x)
   names = [f.name for f in dataclasses.fields(x)]
-  assert names == ["values", "offsets", "num_outer", "time_capacity"]
+  assert names == ["values", "offsets", "num_outer", "time_capacity", "faults"]
   with pytest.raises(dataclasses.FrozenInstanceError):
     x.values = x.values * 2
   y = jax.tree.map(lambda a: a, x)

@@ -20,7 +20,7 @@ PUBLIC_MODULES = [
 
 # The foundation's names; later layers may add more to `__all__`.
 FOUNDATION = {
-  "jaxlod": {"Buckets", "Capacity", "LoDTensor", "__version__"},
+  "jaxlod": {"Buckets", "Capacity", "Fault", "LoDTensor", "__version__"},
   "jaxlod.ops": {
     "RankTable",
     "array_to_lod",

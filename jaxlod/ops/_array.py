@@ -22,7 +22,14 @@ from jaxlod._checks import (
   require,
   static_int,
 )
-from jaxlod._lod import LoDTensor, owners
+from jaxlod._lod import (
+  Fault,
+  LoDTensor,
+  fault_unless,
+  nan_unless,
+  owners,
+  with_faults,
+)
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops._rank import RankTable
 
@@ -157,10 +164,11 @@ def lod_to_array(x: LoDTensor, table: RankTable) -> jax.Array:
     >>> lod_to_array(x, rank_table(x)).tolist()
     [[3.0, 1.0], [4.0, 2.0], [5.0, 0.0]]
   """
-  check_pair(x, table, "x")
+  ranked = check_pair(x, table, "x")
   index, valid = _cell_rows(x, table)
   flat = gather(x.values, index, valid, *_row_cells(x, table))
-  return flat.reshape(table.time_capacity, table.count_capacity, *x.feature_shape)
+  shape = (table.time_capacity, table.count_capacity, *x.feature_shape)
+  return nan_unless(ranked, flat.reshape(shape))
 
 
 def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDTensor:
@@ -180,7 +188,7 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
     A LoDTensor with `like`'s LoD and ``values [token_capacity, *features]``,
     zeros in padding rows.
   """
-  check_pair(like, table, "like")
+  ranked = check_pair(like, table, "like")
   array = jnp.asarray(array)
   expected = (table.time_capacity, table.count_capacity)
   if array.ndim < 2 or array.shape[:2] != expected:
@@ -190,7 +198,8 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
     )
   flat = array.reshape(-1, *array.shape[2:])
   index, valid = _row_cells(like, table)
-  return like.with_values(gather(flat, index, valid, *_cell_rows(like, table)))
+  out = like.with_values(gather(flat, index, valid, *_cell_rows(like, table)))
+  return with_faults(nan_unless(ranked, out), fault_unless(ranked, Fault.TABLE))
 
 
 def _inverse_permutation(perm: jax.Array) -> jax.Array:
@@ -198,9 +207,20 @@ def _inverse_permutation(perm: jax.Array) -> jax.Array:
   return jnp.zeros((n,), jnp.int32).at[perm].set(jnp.arange(n, dtype=jnp.int32))
 
 
-def _reorder_lod(x: LoDTensor, table: RankTable) -> LoDTensor:
-  """Permutes the level-0 sequences of `x` (with all their nested levels)."""
+def _reorder_lod(x: LoDTensor, table: RankTable, same_count: Any) -> LoDTensor:
+  """Permutes the level-0 sequences of `x` (with all their nested levels).
+
+  `same_count`: whether `x` has the table's real count (see `require`). When
+  it does not (under `jit`), real sequences may land past ``x.num_outer``,
+  which then grows to cover them, so that the result stays a valid LoD.
+  """
   perm = jnp.asarray(table.order, jnp.int32)
+  num_outer = x.num_outer
+  if same_count is not True and x.capacity.sequences[0] > 0:
+    moved = jnp.diff(x.offsets[0])[perm] > 0
+    last = x.capacity.sequences[0] - jnp.argmax(moved[::-1])
+    cover = jnp.where(jnp.any(moved), last, 0).astype(jnp.int32)
+    num_outer = jnp.where(same_count, num_outer, jnp.maximum(num_outer, cover))
   new_offsets = []
   for level, old in enumerate(x.offsets):
     lengths = jnp.diff(old)[perm]
@@ -222,7 +242,7 @@ def _reorder_lod(x: LoDTensor, table: RankTable) -> LoDTensor:
     # Items past the real total are padding; they map to themselves.
     perm = jnp.where(items < new[-1], moved, items).astype(jnp.int32)
   values = permutation_gather(x.values, perm, _inverse_permutation(perm))
-  return LoDTensor(values, new_offsets, x.num_outer, x.time_capacity)
+  return LoDTensor(values, new_offsets, num_outer, x.time_capacity, x.faults)
 
 
 def reorder_by_rank(x: Any, table: RankTable, *, check_lengths: bool = False) -> Any:
@@ -270,16 +290,20 @@ def reorder_by_rank(x: Any, table: RankTable, *, check_lengths: bool = False) ->
         f"Expected `x` to have level-0 count capacity {table.count_capacity} "
         f"(the rank table's), got {x.capacity.sequences[0]}."
       )
-    require(
+    same_count = require(
       x.num_sequences(0) == table.count,
       "Expected `x` to hold as many level-0 sequences as the rank table ranks "
       "({count}), got {n}.",
       count=table.count,
       n=x.num_sequences(0),
     )
+    ranked = True
     if check_lengths:
-      check_ranked(x.lengths(0), table, "`x`", "level 0")
-    return _reorder_lod(x, table)
+      ranked = check_ranked(x.lengths(0), table, "`x`", "level 0")
+    out = _reorder_lod(x, table, same_count)
+    return with_faults(
+      out, fault_unless(same_count, Fault.INPUT), fault_unless(ranked, Fault.TABLE)
+    )
   return permute_rows(x, table.order, table.ranks, "x")
 
 

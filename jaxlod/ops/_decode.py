@@ -279,7 +279,9 @@ def _results(
   ).astype(jnp.int32)
   ids = build(values, [per_source, hyp_lengths], num_sources, capacity)
   score_values = jnp.where(valid[order], best.reshape(-1)[order], 0.0)
-  scores = LoDTensor(score_values, ids.offsets[:1], ids.num_outer, (num_results,))
+  scores = LoDTensor(
+    score_values, ids.offsets[:1], ids.num_outer, (num_results,), ids.faults
+  )
   return Hypotheses(ids, scores)
 
 

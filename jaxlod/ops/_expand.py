@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._lod import Capacity, LoDTensor
+from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, with_faults
 from jaxlod.ops import _segment
 from jaxlod.ops._array import masked_take
 
@@ -81,11 +81,12 @@ def _expand_rows(
   return _repeat_rows(x, lengths, y.num_sequences(level), cap)
 
 
-def _match_counts(x: LoDTensor, y: LoDTensor, level: int) -> jax.Array:
-  """`x`'s offsets on `y`'s count capacity at `level`, the real counts checked."""
+def _match_counts(x: LoDTensor, y: LoDTensor, level: int) -> tuple[jax.Array, Any]:
+  """`x`'s offsets on `y`'s count capacity at `level`, and whether the real
+  counts agree (checked: see `_checks.require`)."""
   cx, cy = x.capacity.sequences[0], y.capacity.sequences[level]
   nx, ny = x.num_sequences(0), y.num_sequences(level)
-  _checks.require(
+  same = _checks.require(
     nx == ny,
     "sequence_expand: expected `x` to have {ny} sequences (those of `y` at level "
     f"{level}), got {{nx}}.",
@@ -93,13 +94,13 @@ def _match_counts(x: LoDTensor, y: LoDTensor, level: int) -> jax.Array:
     ny=ny,
   )
   if _checks.is_concrete(nx, ny):
-    return _fit_offsets(x.offsets[0], cy)
+    return _fit_offsets(x.offsets[0], cy), same
   if cx != cy:
     raise ValueError(
       f"Expected `x` to have count capacity {cy} (the count capacity of `y` at "
       f"level {level}), got {cx}."
     )
-  return x.offsets[0]
+  return x.offsets[0], same
 
 
 @functools.partial(jax.jit, static_argnames=("cap",))
@@ -120,7 +121,7 @@ def _expand_sequences(
   x: LoDTensor, y: LoDTensor, level: int, capacity: Any
 ) -> LoDTensor:
   """``y.lengths(level)[i]`` copies of `x`'s sequence ``i``, one per sequence."""
-  offsets = _match_counts(x, y, level)
+  offsets, same = _match_counts(x, y, level)
   repeats, x_lengths = y.lengths(level), jnp.diff(offsets)
   bound = Capacity(
     _items(y, level) * x.time_capacity[0],
@@ -135,7 +136,8 @@ def _expand_sequences(
   cap = _segment.output_capacity(
     capacity, bound=bound, real=real, where="sequence_expand"
   )
-  return _copy_sequences(x.values, offsets, repeats, cap)
+  out = _copy_sequences(x.values, offsets, repeats, cap)
+  return with_faults(out, x, y, fault_unless(same, Fault.INPUT))
 
 
 def sequence_expand(
@@ -197,7 +199,7 @@ def sequence_expand(
   if isinstance(x, LoDTensor):
     x = _checks.check_lod(x, "x", levels=(1,))
     return _expand_sequences(x, y, level, capacity)
-  return _expand_rows(x, y, level, capacity, "sequence_expand")
+  return with_faults(_expand_rows(x, y, level, capacity, "sequence_expand"), y)
 
 
 def sequence_expand_as(
@@ -244,7 +246,7 @@ def sequence_expand_as(
       "Expected `x` to be an array [count, *features] (one row per sequence of "
       "`y`), got LoDTensor."
     )
-  return _expand_rows(x, y, 0, capacity, "sequence_expand_as")
+  return with_faults(_expand_rows(x, y, 0, capacity, "sequence_expand_as"), y)
 
 
 # -- sequence_concat ---------------------------------------------------------------
@@ -273,14 +275,14 @@ def _check_concat_inputs(xs: Any) -> list[LoDTensor]:
         f"Expected `xs[{i}]` to have dtype {first.values.dtype} (that of "
         f"`xs[0]`), got {x.values.dtype}."
       )
-  _check_counts(xs)
   return xs
 
 
-def _check_counts(xs: list[LoDTensor]) -> None:
-  """Every input has the real number of sequences of ``xs[0]``."""
+def _check_counts(xs: list[LoDTensor]) -> Any:
+  """Every input has the real number of sequences of ``xs[0]`` (checked: see
+  `_checks.require_each`, whose result it returns)."""
   counts = jnp.stack([x.num_sequences(0) for x in xs])
-  _checks.require_each(
+  return _checks.require_each(
     counts != counts[0],
     "sequence_concat: `xs[{i}]` has {count} sequences, `xs[0]` has {first}; "
     "expected the same number.",
@@ -375,6 +377,7 @@ def sequence_concat(
     [[1.0, 2.0], [3.0, 4.0, 5.0]]
   """
   xs = _check_concat_inputs(xs)
+  same = _check_counts(xs)
   lengths = jnp.stack([x.lengths(0) for x in xs])
   out_lengths = jnp.sum(lengths, axis=0)
   tokens = [x.capacity.tokens for x in xs]
@@ -391,7 +394,8 @@ def sequence_concat(
   )
   starts = jnp.stack([x.offsets[0][:-1] for x in xs])
   values = tuple(x.values for x in xs)
-  return _concat_kernel(values, starts, lengths, xs[0].num_outer, cap)
+  out = _concat_kernel(values, starts, lengths, xs[0].num_outer, cap)
+  return with_faults(out, *xs, fault_unless(same, Fault.INPUT))
 
 
 # -- sequence_erase ----------------------------------------------------------------
@@ -517,7 +521,7 @@ def sequence_erase(
   cap = _segment.output_capacity(
     capacity, bound=x.capacity, real=real, where="sequence_erase"
   )
-  return _compact(x.values, keep, lengths, x.num_outer, cap)
+  return with_faults(_compact(x.values, keep, lengths, x.num_outer, cap), x)
 
 
 # -- sequence_slice ----------------------------------------------------------------
@@ -596,7 +600,7 @@ def sequence_slice(
   offset = _per_sequence_ints(offset, "offset", x)
   length = _per_sequence_ints(length, "length", x)
   sizes = x.lengths()
-  _checks.require_each(
+  in_range = _checks.require_each(
     # `length > sizes - offset` rather than `offset + length > sizes`: the
     # sum of two int32 values can wrap past the limit and pass.
     (offset < 0) | (length < 0) | (offset > sizes) | (length > sizes - offset),
@@ -607,4 +611,5 @@ def sequence_slice(
     offset=offset,
     length=length,
   )
-  return _slice_kernel(x, offset, length)
+  out = _slice_kernel(x, offset, length)
+  return with_faults(out, x, fault_unless(in_range, Fault.INPUT))

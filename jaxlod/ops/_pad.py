@@ -27,7 +27,7 @@ from jaxlod._checks import (
   require_each,
   static_int,
 )
-from jaxlod._lod import Capacity, LoDTensor
+from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, with_faults
 from jaxlod.ops._array import gather, permutation_gather
 from jaxlod.ops._segment import (
   Rows,
@@ -141,16 +141,17 @@ def _num_sequences(num_sequences: Any, count: int) -> Any:
   return num
 
 
-def _check_unpad_lengths(lengths: jax.Array, time: int, num: Any) -> None:
-  """``0 <= lengths <= time``, and sequences past `num` are empty."""
+def _check_unpad_lengths(lengths: jax.Array, time: int, num: Any) -> Any:
+  """``0 <= lengths <= time``, and sequences past `num` are empty: `True`
+  eagerly (or a `ValueError`), a bool scalar under `jit` (see `require`)."""
   range_text = f"outside [0, {time}] (the time dimension of `padded`)"
-  require_each(
+  in_range = require_each(
     (lengths < 0) | (lengths > time),
     f"sequence_unpad: lengths[{{i}}] = {{length}} is {range_text}.",
     traced=f"sequence_unpad: a length is {range_text}.",
     length=lengths,
   )
-  require_each(
+  empty_past = require_each(
     (jnp.arange(lengths.shape[0]) >= num) & (lengths != 0),
     "sequence_unpad: lengths[{i}] = {length}, but sequence {i} is past "
     "`num_sequences` {num}; padding sequences must be empty.",
@@ -159,6 +160,7 @@ def _check_unpad_lengths(lengths: jax.Array, time: int, num: Any) -> None:
     length=lengths,
     num=num,
   )
+  return in_range if empty_past is True else in_range & empty_past
 
 
 def _unpad_lengths(lengths: Any, count: int, num: Any) -> jax.Array:
@@ -223,7 +225,7 @@ def sequence_unpad(
   count, time = padded.shape[:2]
   num = _num_sequences(num_sequences, count)
   lengths = _unpad_lengths(lengths, count, num)
-  _check_unpad_lengths(lengths, time, num)
+  ok = _check_unpad_lengths(lengths, time, num)
   real = Capacity(total(lengths), (num,), (longest(lengths),))
   bound = Capacity(count * time, (count,), (time,))
   cap = output_capacity(capacity, bound=bound, real=real, where="sequence_unpad")
@@ -233,7 +235,7 @@ def sequence_unpad(
   cell_row, cell_valid = _cell_rows(offsets, time, cap.tokens)
   flat = padded.reshape(count * time, *padded.shape[2:])
   values = gather(flat, row_cell, row_valid, cell_row, cell_valid)
-  return build(values, [lengths], num, cap)
+  return with_faults(build(values, [lengths], num, cap), fault_unless(ok, Fault.INPUT))
 
 
 # -- mask and reverse ----------------------------------------------------------------

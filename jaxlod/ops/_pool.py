@@ -121,7 +121,7 @@ def sequence_pool(
   real = jnp.arange(count) < x.num_sequences(-1)
   real = real.reshape((count,) + (1,) * len(x.feature_shape))
   values = jnp.where(real, pooled, jnp.zeros((), pooled.dtype))
-  return LoDTensor(values, x.offsets[:-1], x.num_outer, x.time_capacity[:-1])
+  return LoDTensor(values, x.offsets[:-1], x.num_outer, x.time_capacity[:-1], x.faults)
 
 
 def sequence_first_step(x: LoDTensor) -> jax.Array | LoDTensor:

@@ -26,9 +26,10 @@ def _as_array(value: Any, name: str, expected: str) -> jax.Array:
     ) from None
 
 
-def _require_equal(got: Any, expected: Any, message: str) -> None:
-  """Scalars `got == expected`; the message formats ``{got}`` and ``{expected}``."""
-  _checks.require_each(
+def _require_equal(got: Any, expected: Any, message: str) -> Any:
+  """Scalars `got == expected`; the message formats ``{got}`` and ``{expected}``.
+  Returns whether they are (see `_checks.require`)."""
+  return _checks.require_each(
     jnp.reshape(jnp.asarray(got) != jnp.asarray(expected), (1,)),
     message,
     got=jnp.reshape(jnp.asarray(got), (1,)),
@@ -78,7 +79,7 @@ def sequence_reshape(x: LoDTensor, new_dim: int) -> LoDTensor:
   new_dim = _checks.static_int(new_dim, "new_dim", minimum=1)
   tokens, dim = x.values.shape
   lengths = x.lengths()
-  _checks.require_each(
+  divides = _checks.require_each(
     (lengths * dim) % new_dim != 0,
     f"sequence_reshape: sequence {{i}} has {{length}} rows of dim {dim} "
     f"({{size}} numbers), not a multiple of `new_dim` {new_dim}.",
@@ -93,7 +94,14 @@ def sequence_reshape(x: LoDTensor, new_dim: int) -> LoDTensor:
   last = (x.offsets[-1] * dim // new_dim).astype(jnp.int32)
   time = (*x.time_capacity[:-1], x.time_capacity[-1] * dim // new_dim)
   values = flat.reshape(new_tokens, new_dim)
-  return LoDTensor(values, (*x.offsets[:-1], last), x.num_outer, time)
+  if divides is not True:
+    # A sequence that does not divide: cut each length to the new time
+    # capacity so that the LoD stays valid, and mark the result.
+    lens = jnp.minimum(jnp.diff(last), time[-1])
+    last = _segment.offsets_from_lengths(lens)
+    values = jnp.where((jnp.arange(new_tokens) < last[-1])[:, None], values, 0)
+  out = LoDTensor(values, (*x.offsets[:-1], last), x.num_outer, time, x.faults)
+  return _lod.with_faults(out, _lod.fault_unless(divides, _lod.Fault.INPUT))
 
 
 # -- sequence_scatter ---------------------------------------------------------------
@@ -316,13 +324,21 @@ def lod_reset(
       y.time_capacity,
       y.num_rows,
     )
-  _require_equal(
+  same = _require_equal(
     total,
     rows,
     "lod_reset: mismatched totals: the new LoD covers {got} rows, `x` has "
     "{expected} real rows.",
   )
-  return LoDTensor(values, offsets, jnp.asarray(num_outer, jnp.int32), time)
+  if same is not True:
+    # The totals differ (under `jit`): the last level's offsets are cut to the
+    # rows `x` has and rows past them zeroed, so that the LoD stays valid.
+    offsets = (*offsets[:-1], jnp.minimum(offsets[-1], tokens))
+    kept = jnp.arange(tokens) < offsets[-1][-1]
+    values = jnp.where(kept.reshape((-1,) + (1,) * (values.ndim - 1)), values, 0)
+  out = LoDTensor(values, offsets, jnp.asarray(num_outer, jnp.int32), time)
+  inputs = [a for a in (x, y) if isinstance(a, LoDTensor)]
+  return _lod.with_faults(out, *inputs, _lod.fault_unless(same, _lod.Fault.INPUT))
 
 
 def _rows_of(x: Any) -> tuple[jax.Array, Any]:

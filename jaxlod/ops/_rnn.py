@@ -16,21 +16,23 @@ from jaxlod._checks import (
   is_lod,
   require,
 )
-from jaxlod._lod import LoDTensor
+from jaxlod._lod import Fault, LoDTensor, fault_unless, nan_unless, with_faults
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _packed
 from jaxlod.ops._array import permute_rows
 from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
 
 
-def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any]:
+def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any, Any]:
+  """The LoDTensors of `inputs`, their tree, and whether they share one LoD
+  (a `require` check: `True` eagerly, a bool scalar under `jit`)."""
   leaves, tree = jax.tree.flatten(inputs, is_leaf=is_lod)
   if not leaves or not all(is_lod(x) for x in leaves):
     raise TypeError(
       "Expected `inputs` to be a LoDTensor or a pytree of LoDTensors, got "
       f"{type(inputs).__name__}."
     )
-  first = leaves[0]
+  first, same = leaves[0], True
   for i, x in enumerate(leaves[1:], 1):
     if x.capacity != first.capacity:
       raise ValueError(
@@ -38,7 +40,7 @@ def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any]:
         f"{first.capacity}, input {i} has {x.capacity}."
       )
     for level, (a, b) in enumerate(zip(first.offsets, x.offsets, strict=True)):
-      require(
+      equal = require(
         jnp.array_equal(a, b),
         f"Expected every input to have the same LoD; input {i} differs from "
         f"input 0 at level {level}: {{b}} vs {{a}}.",
@@ -46,15 +48,17 @@ def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any]:
         a=a,
         b=b,
       )
-  return leaves, tree
+      same = equal if same is True else same & equal
+  return leaves, tree, same
 
 
 def _resolve_table(
   x: LoDTensor, table: RankTable | None, ladder: Sequence[int] | None
-) -> RankTable:
+) -> tuple[RankTable, Any]:
+  """The rank table of `x`, and whether a given one ranks it (`check_pair`)."""
   if table is None:
-    return rank_table(x, level=-1, ladder=ladder)
-  check_pair(x, table, "inputs")
+    return rank_table(x, level=-1, ladder=ladder), True
+  ranked = check_pair(x, table, "inputs")
   if ladder is not None:
     wanted = normalize_ladder(table.count_capacity, ladder)
     if wanted != table.ladder:
@@ -62,7 +66,7 @@ def _resolve_table(
         f"Got both `table` (ladder {table.ladder}) and `ladder` {wanted}; pass "
         "the ladder to `rank_table` instead."
       )
-  return table
+  return table, ranked
 
 
 def prepare_statics(static_inputs: Any, count: int, per: str = "input sequence") -> Any:
@@ -234,9 +238,9 @@ def dynamic_rnn(
     >>> h.tolist(), ys.to_list()[0].tolist()
     ([6.0, 2.0], [2.0, 4.0, 6.0])
   """
-  lods, x_tree = _flatten_inputs(inputs)
+  lods, x_tree, same_lod = _flatten_inputs(inputs)
   x0 = lods[0]
-  table = _resolve_table(x0, table, ladder)
+  table, ranked = _resolve_table(x0, table, ladder)
   count = table.count_capacity
   check_rows(init_carry, count, "init_carry")
   statics = prepare_statics(static_inputs, count)
@@ -307,8 +311,13 @@ def dynamic_rnn(
   else:
     ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
   final = permute_rows(final, table.ranks, table.order, "final_carry")
-  final_carry = jax.tree.unflatten(carry_tree, final)
+  # A table of another batch under `jit` (without `checkify`) gives wrong
+  # carries: NaN float results and a faulted output make that loud.
+  final_carry = nan_unless(ranked, jax.tree.unflatten(carry_tree, final))
   if not return_sequences:
     return final_carry
-  outputs = [x0.with_values(_packed.unpack(y, layout)) for y in ys]
-  return jax.tree.unflatten(y_tree, outputs), final_carry
+  fault = fault_unless(ranked, Fault.TABLE) | fault_unless(same_lod, Fault.INPUT)
+  outputs = [
+    with_faults(x0.with_values(_packed.unpack(y, layout)), *lods, fault) for y in ys
+  ]
+  return jax.tree.unflatten(y_tree, nan_unless(ranked, outputs)), final_carry

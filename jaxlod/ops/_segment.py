@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import check_fits, is_concrete
-from jaxlod._lod import Capacity, LoDTensor, owners
+from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, owners
 
 # -- rows and their sequences -------------------------------------------------------
 
@@ -167,6 +167,14 @@ def build(
 ) -> LoDTensor:
   """A LoDTensor from per-level lengths, padded to `capacity`. Jittable.
 
+  Under `jit` a size over its capacity is a `checkify` check (see
+  `output_capacity`); without `checkify`, the result is still a valid
+  LoDTensor: each level's lengths are cut to its time capacity, its
+  sequences to its count capacity and its offsets to the size of the level
+  below (the token capacity for rows), rows past the last offset are
+  zeroed, and ``faults`` gets `Fault.CAPACITY`, so that host reads raise.
+  The op adds its inputs' faults (`jaxlod._lod.with_faults`).
+
   Args:
     values: ``[tokens, *features]`` rows; cut or zero-padded to
       ``capacity.tokens`` (rows past the real total must be padding).
@@ -175,16 +183,28 @@ def build(
     num_outer: the real number of level-0 sequences.
     capacity: the output's static capacities.
   """
+  num_outer = jnp.asarray(num_outer, jnp.int32)
+  over = num_outer > capacity.sequences[0]
+  real = jnp.minimum(num_outer, capacity.sequences[0])  # items of this level
   offsets = []
   for level, lens in enumerate(lengths):
     lens = jnp.asarray(lens, jnp.int32)
-    count = capacity.sequences[level]
+    count, time = capacity.sequences[level], capacity.time[level]
+    over |= jnp.any(lens > time)
     lens = (
       lens[:count]
       if lens.shape[0] >= count
       else jnp.pad(lens, (0, count - lens.shape[0]))
     )
-    offsets.append(offsets_from_lengths(lens))
+    slots = jnp.arange(count, dtype=jnp.int32)
+    lens = jnp.where(slots < real, jnp.minimum(lens, time), 0)
+    below = (
+      capacity.sequences[level + 1] if level + 1 < len(lengths) else capacity.tokens
+    )
+    level_offsets = offsets_from_lengths(lens)
+    over |= level_offsets[-1] > below
+    offsets.append(jnp.minimum(level_offsets, below))
+    real = offsets[-1][-1]
   tokens = capacity.tokens
   if values.shape[0] >= tokens:
     values = values[:tokens]
@@ -192,4 +212,14 @@ def build(
     values = jnp.pad(
       values, [(0, tokens - values.shape[0])] + [(0, 0)] * (values.ndim - 1)
     )
-  return LoDTensor(values, offsets, jnp.asarray(num_outer, jnp.int32), capacity.time)
+  if not is_concrete(over):  # eagerly, `output_capacity` has raised already
+    kept = jnp.arange(tokens) < real
+    values = jnp.where(kept.reshape((-1,) + (1,) * (values.ndim - 1)), values, 0)
+  faults = fault_unless(~over, Fault.CAPACITY)
+  return LoDTensor(
+    values,
+    offsets,
+    jnp.minimum(num_outer, capacity.sequences[0]),
+    capacity.time,
+    faults,
+  )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._lod import LoDTensor
+from jaxlod._lod import LoDTensor, with_faults
 from jaxlod.ops import _segment
 
 # -- private helpers ------------------------------------------------------------
@@ -202,7 +202,7 @@ def sequence_enumerate(
     capacity, bound=x.capacity, real=_segment.real_sizes(x), where="sequence_enumerate"
   )
   lengths = [x.lengths(level) for level in range(x.num_levels)]
-  return _segment.build(values, lengths, x.num_outer, chosen)
+  return with_faults(_segment.build(values, lengths, x.num_outer, chosen), x)
 
 
 def _check_ids(values: jax.Array, name: str) -> None:
