@@ -212,6 +212,26 @@ def check_integer_level(name: str, level: int, values: Any) -> np.ndarray:
   return array.astype(np.int64)
 
 
+def _check_ordered(offsets: list[np.ndarray], where: str = "") -> None:
+  """Each level's offsets start at 0 and never decrease."""
+  for level, o in enumerate(offsets):
+    if o.size == 0:
+      raise ValueError(
+        f"{where}LoD level {level} has no offsets; expected at least [0]."
+      )
+    if o[0] != 0:
+      raise ValueError(
+        f"{where}LoD level {level}, index 0: offsets must start at 0, got {o[0]}."
+      )
+    drops = np.flatnonzero(np.diff(o) < 0)
+    if drops.size:
+      i = int(drops[0])
+      raise ValueError(
+        f"{where}LoD level {level}, index {i + 1}: offsets must be "
+        f"non-decreasing, got {o[i]} at index {i} then {o[i + 1]}."
+      )
+
+
 def check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
   """Paddle's CheckLoD, with messages naming the level, index and values.
 
@@ -232,20 +252,7 @@ def check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
   checked = [
     check_integer_level("offsets", level, o) for level, o in enumerate(offsets)
   ]
-  for level, o in enumerate(checked):
-    if o.size == 0:
-      raise ValueError(f"LoD level {level} has no offsets; expected at least [0].")
-    if o[0] != 0:
-      raise ValueError(
-        f"LoD level {level}, index 0: offsets must start at 0, got {o[0]}."
-      )
-    drops = np.flatnonzero(np.diff(o) < 0)
-    if drops.size:
-      i = int(drops[0])
-      raise ValueError(
-        f"LoD level {level}, index {i + 1}: offsets must be non-decreasing, "
-        f"got {o[i]} at index {i} then {o[i + 1]}."
-      )
+  _check_ordered(checked)
   for level in range(len(checked) - 1):
     last, count = checked[level][-1], checked[level + 1].size - 1
     if last != count:
@@ -259,6 +266,144 @@ def check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
       f"equal the number of rows of `values`, which is {num_rows}."
     )
   return checked
+
+
+def _host_index(value: Any, name: str, where: str) -> np.ndarray:
+  """An integer LoD leaf of a built tensor, read on the host."""
+  if isinstance(value, jax.ShapeDtypeStruct) or not is_concrete(value):
+    raise ValueError(
+      f"{where}Checking a LoDTensor reads its LoD on the host: expected concrete "
+      f"arrays, got {type(value).__name__} for `{name}` (not under jit, not "
+      "abstract shapes)."
+    )
+  array = np.asarray(value)
+  if not is_integer_dtype(array.dtype):
+    raise ValueError(
+      f"{where}Expected integer `{name}`, got dtype {np.dtype(array.dtype).name}."
+    )
+  return array.astype(np.int64)
+
+
+def check_stored_lod(x: LoDTensor, where: str = "") -> None:
+  """Every invariant of a built LoDTensor's LoD, read on the host.
+
+  Paddle's CheckLoD on padded offsets: each level's offsets are integer,
+  start at 0 and never decrease; ``num_outer`` and each level's last real
+  offset fit the next count capacity; padding sequences are empty (their
+  offsets repeat the last real one); the last offset fits the token
+  capacity; no sequence is longer than its level's time capacity. A
+  ``num_outer`` with leading axes (stacked shards) is checked shard by shard.
+  The rows of ``values`` are not read.
+
+  Args:
+    x: a LoDTensor with concrete leaves.
+    where: a prefix for the messages.
+
+  Raises:
+    ValueError: for the first broken invariant, naming the level, the index
+      and the values.
+  """
+  num_outer = _host_index(x.num_outer, "num_outer", where)
+  offsets = [
+    _host_index(o, f"offsets[{level}]", where) for level, o in enumerate(x.offsets)
+  ]
+  lead = num_outer.shape
+  tokens = int(jnp.shape(x.values)[len(lead)])
+  for shard in np.ndindex(lead):
+    at = f"{where}shard {shard}: " if lead else where
+    _check_padded_lod(
+      [o[shard] for o in offsets], int(num_outer[shard]), tokens, x.time_capacity, at
+    )
+
+
+def _check_padded_lod(
+  offsets: list[np.ndarray],
+  num_outer: int,
+  tokens: int,
+  time_capacity: tuple[int, ...],
+  where: str,
+) -> None:
+  """`check_stored_lod` of one tensor: int64 ``[count_capacity + 1]`` offsets."""
+  _check_ordered(offsets, where)
+  count, above = num_outer, "`num_outer`"
+  for level, o in enumerate(offsets):
+    capacity = o.size - 1
+    if not 0 <= count <= capacity:
+      raise ValueError(
+        f"{where}LoD level {level}: {above} is {count}, outside [0, {capacity}] "
+        "(the level's count capacity)."
+      )
+    pad = np.flatnonzero(o[count + 1 :] != o[count])
+    if pad.size:
+      i = count + 1 + int(pad[0])
+      raise ValueError(
+        f"{where}LoD level {level}, index {i}: padding sequences (past the "
+        f"{count} real ones) must be empty, so their offsets must repeat the "
+        f"last real offset {o[count]}, got {o[i]}."
+      )
+    lengths = np.diff(o[: count + 1])
+    if lengths.size and lengths.max() > time_capacity[level]:
+      i = int(np.argmax(lengths))
+      raise ValueError(
+        f"{where}LoD level {level}, index {i}: a sequence of length {lengths[i]}, "
+        f"more than the time capacity {time_capacity[level]}."
+      )
+    count, above = int(o[count]), f"the last offset of level {level}"
+  if count > tokens:
+    raise ValueError(
+      f"{where}LoD level {len(offsets) - 1} (last): last offset {count} must be "
+      f"at most the token capacity {tokens}."
+    )
+
+
+# -- restoring serialized pytrees (flax.serialization) -----------------------------
+
+
+def check_lod_restore(target: LoDTensor, saved: dict[str, Any], where: str) -> None:
+  """A LoDTensor state of the target's number of levels (its time capacity
+  may differ: `check_stored_lod` checks the data against the target's)."""
+  time = saved["time_capacity"]
+  if len(time) != target.num_levels:
+    raise ValueError(
+      f"{where}the state has {len(time)} LoD level(s) (time capacity {time}), "
+      f"the target {target.num_levels} (time capacity {target.time_capacity})."
+    )
+
+
+def check_restored_lod(x: LoDTensor, saved: dict[str, Any], where: str) -> None:
+  """`check_stored_lod` of a restored LoDTensor: its data against the
+  target's capacities, the messages naming both time capacities."""
+  check_stored_lod(
+    x,
+    f"{where}time capacity {saved['time_capacity']} saved, {x.time_capacity} in "
+    "the target; ",
+  )
+
+
+def check_same_static(target: Any, saved: dict[str, Any], where: str) -> None:
+  """Every static field of the state equals the target's."""
+  for name, value in saved.items():
+    if value != getattr(target, name):
+      raise ValueError(
+        f"{where}the state has {name}={value!r}, the target "
+        f"{name}={getattr(target, name)!r}; restore into a target with the "
+        "saved value."
+      )
+
+
+def check_restored_shapes(target: Any, restored: Any, where: str) -> None:
+  """Every leaf of `restored` has the shape of the target's leaf."""
+  pairs = zip(
+    jax.tree_util.tree_leaves_with_path(restored),
+    jax.tree.leaves(target),
+    strict=True,
+  )
+  for (path, new), old in pairs:
+    if jnp.shape(new) != jnp.shape(old):
+      raise ValueError(
+        f"{where}the state's leaf {leaf_name(path)} has shape {jnp.shape(new)}, the "
+        f"target's {jnp.shape(old)} (the capacities or feature shapes differ)."
+      )
 
 
 # -- arguments of the ops ----------------------------------------------------------
