@@ -649,6 +649,14 @@ class LoDTensor:
   def _host_offsets(self) -> list[np.ndarray]:
     if not is_concrete(*self.offsets, self.num_outer, self.faults):
       raise ValueError("This method reads data on the host; it cannot run under jit.")
+    self._check_sound()
+    real = [np.asarray(self.offsets[0])[: int(self.num_outer) + 1]]
+    for o in self.offsets[1:]:
+      real.append(np.asarray(o)[: int(real[-1][-1]) + 1])
+    return real
+
+  def _check_sound(self) -> None:
+    """Raises for a tensor with faults (host only)."""
     faults = int(np.bitwise_or.reduce(np.asarray(self.faults).reshape(-1), initial=0))
     if faults:
       raise ValueError(
@@ -658,10 +666,6 @@ class LoDTensor:
         "under `jax.experimental.checkify.checkify` to see which op and why "
         "(and pass larger capacities, or the rank table of this batch)."
       )
-    real = [np.asarray(self.offsets[0])[: int(self.num_outer) + 1]]
-    for o in self.offsets[1:]:
-      real.append(np.asarray(o)[: int(real[-1][-1]) + 1])
-    return real
 
   def recursive_lengths(self) -> list[list[int]]:
     """Paddle's length-based LoD of the real sequences (host only).
@@ -685,7 +689,8 @@ class LoDTensor:
         decrease; a ``num_outer`` or a last offset beyond the next count
         capacity; a padding sequence that is not empty; a last offset beyond
         the token capacity; a sequence longer than its level's time
-        capacity; or leaves that are not concrete arrays (under `jit`).
+        capacity; leaves that are not concrete arrays (under `jit`); or
+        `faults` (an op under `jit` could not honour its contract).
 
     Example:
       >>> import dataclasses
@@ -699,6 +704,7 @@ class LoDTensor:
       ValueError: LoD level 0, index 0: a sequence of length 4, more than the time ...
     """
     _checks.check_stored_lod(self)
+    self._check_sound()
 
   def to_list(self) -> list:
     """The real sequences as NumPy arrays (host only).
