@@ -224,13 +224,14 @@ def generate(
   Each member encodes `src` once and keeps its own decoder carry over the
   same hypotheses; one member decodes with its own log-probabilities.
   """
-  steps, carries, memories = [], [], []
+  steps, carries, memories, encoded = [], [], [], []
   for member in members:
     memory = member.encode(src, src_table)
+    encoded.append(memory)
     carries.append(member.initial_state(memory))
     memories.append(member.precompute(memory))
     steps.append(lambda c, t, m, f=member.decode_step: f(c, t, m)[:2])
-  return _decode.beam_search(
+  hyps = _decode.beam_search(
     _decode.ensemble_step(steps),
     tuple(carries),
     settings,
@@ -238,6 +239,7 @@ def generate(
     max_lengths=max_lengths,
     num_sources=check_lod(src, "src").num_sequences(-1),
   )
+  return _decode.faulted_by(hyps, encoded)
 
 
 # -- the methods the twins share -----------------------------------------------------

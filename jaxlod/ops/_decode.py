@@ -29,7 +29,7 @@ from jaxlod._checks import (
   require_each,
   static_int,
 )
-from jaxlod._lod import Capacity, LoDTensor
+from jaxlod._lod import Capacity, LoDTensor, with_faults
 from jaxlod.ops import _search
 from jaxlod.ops._rank import default_ladder, normalize_ladder
 from jaxlod.ops._rnn import prepare_statics
@@ -417,7 +417,16 @@ def beam_search(
   ladder = _ladder(settings, count)
   state = _search.run(state, step, update, ladder, settings.max_length)
   final = _search.scores(state.slots, alpha)
-  return _results(state.slots, final, settings.results, n)
+  hyps = _results(state.slots, final, settings.results, n)
+  return faulted_by(hyps, static_inputs)
+
+
+def faulted_by(hyps: Hypotheses, sources: Any) -> Hypotheses:
+  """`hyps` with the faults of every LoDTensor in the pytree `sources` (the
+  memories they were decoded from: an encoder run with a rank table of
+  another batch, say)."""
+  tensors = [x for x in jax.tree.leaves(sources, is_leaf=is_lod) if is_lod(x)]
+  return Hypotheses(*(with_faults(h, *tensors) for h in hyps))
 
 
 def ensemble_step(
