@@ -212,32 +212,39 @@ def check_integer_level(name: str, level: int, values: Any) -> np.ndarray:
   return array.astype(np.int64)
 
 
-def _check_ordered(offsets: list[np.ndarray], where: str = "") -> None:
-  """Each level's offsets start at 0 and never decrease."""
+def _check_ordered(
+  offsets: list[np.ndarray], where: str = "", name: str = "offsets"
+) -> None:
+  """Each level's offsets (named `name` in messages) start at 0 and never
+  decrease."""
   for level, o in enumerate(offsets):
     if o.size == 0:
       raise ValueError(
-        f"{where}LoD level {level} has no offsets; expected at least [0]."
+        f"{where}LoD level {level} has no {name}; expected at least [0]."
       )
     if o[0] != 0:
       raise ValueError(
-        f"{where}LoD level {level}, index 0: offsets must start at 0, got {o[0]}."
+        f"{where}LoD level {level}, index 0: {name} must start at 0, got {o[0]}."
       )
     drops = np.flatnonzero(np.diff(o) < 0)
     if drops.size:
       i = int(drops[0])
       raise ValueError(
-        f"{where}LoD level {level}, index {i + 1}: offsets must be "
+        f"{where}LoD level {level}, index {i + 1}: {name} must be "
         f"non-decreasing, got {o[i]} at index {i} then {o[i + 1]}."
       )
 
 
-def check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
+def check_offsets(
+  offsets: Sequence[Any], num_rows: int, name: str = "offsets"
+) -> list[np.ndarray]:
   """Paddle's CheckLoD, with messages naming the level, index and values.
 
   Args:
     offsets: one sequence of ints per level, level 0 outermost.
     num_rows: the number of rows of ``values``.
+    name: what the messages call the offsets (``"row_splits"`` for
+      `LoDTensor.from_row_splits`).
 
   Returns:
     The offsets as int64 NumPy arrays.
@@ -249,20 +256,19 @@ def check_offsets(offsets: Sequence[Any], num_rows: int) -> list[np.ndarray]:
   """
   if len(offsets) == 0:
     raise ValueError("Expected at least one LoD level, got none.")
-  checked = [
-    check_integer_level("offsets", level, o) for level, o in enumerate(offsets)
-  ]
-  _check_ordered(checked)
+  checked = [check_integer_level(name, level, o) for level, o in enumerate(offsets)]
+  _check_ordered(checked, name=name)
+  last_one = f"last {name.removesuffix('s')}"
   for level in range(len(checked) - 1):
     last, count = checked[level][-1], checked[level + 1].size - 1
     if last != count:
       raise ValueError(
-        f"LoD level {level}: last offset {last} must equal the number of "
+        f"LoD level {level}: {last_one} {last} must equal the number of "
         f"sequences at level {level + 1}, which is {count}."
       )
   if checked[-1][-1] != num_rows:
     raise ValueError(
-      f"LoD level {len(checked) - 1} (last): last offset {checked[-1][-1]} must "
+      f"LoD level {len(checked) - 1} (last): {last_one} {checked[-1][-1]} must "
       f"equal the number of rows of `values`, which is {num_rows}."
     )
   return checked
@@ -353,6 +359,259 @@ def _check_padded_lod(
     raise ValueError(
       f"{where}LoD level {len(offsets) - 1} (last): last offset {count} must be "
       f"at most the token capacity {tokens}."
+    )
+
+
+# -- converters' inputs: padded batches, segment ids, PackedSequence --------------
+
+
+def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> int:
+  """The lengths of a padded batch ``[count, time, *features]`` (host).
+
+  Args:
+    lengths: int64 ``[count]``.
+    time: the length of the time axis of the batch.
+    num_sequences: how many of the `count` rows, a prefix, are real
+      sequences (an integer scalar); `None` for all of them.
+
+  Returns:
+    The number of real sequences.
+
+  Raises:
+    TypeError: for a `num_sequences` that is not an integer scalar.
+    ValueError: for a length outside ``[0, time]``, a `num_sequences`
+      outside ``[0, count]``, or a nonzero length past `num_sequences`.
+  """
+  bad = np.flatnonzero((lengths < 0) | (lengths > time))
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(
+      f"LoD level 0, index {i}: length {lengths[i]} is outside [0, {time}] (the "
+      "time dimension of `padded`)."
+    )
+  count = lengths.shape[0]
+  if num_sequences is None:
+    return count
+  n = np.asarray(num_sequences)
+  if n.ndim or not is_integer_dtype(n.dtype):
+    raise TypeError(
+      f"Expected `num_sequences` to be an integer scalar, got {num_sequences!r}."
+    )
+  n = int(n)
+  if not 0 <= n <= count:
+    raise ValueError(
+      f"Expected `num_sequences` in [0, {count}] (the rows of `padded`), got {n}."
+    )
+  past = np.flatnonzero(lengths[n:])
+  if past.size:
+    i = n + int(past[0])
+    raise ValueError(
+      f"LoD level 0, index {i}: length {lengths[i]} past `num_sequences` {n}; "
+      "the padding slots after the real sequences must be empty."
+    )
+  return n
+
+
+def _host_ids(value: Any, name: str, rows: int) -> np.ndarray:
+  """One integer per row of `values` (host), as int64."""
+  array = host_numbers(value, name)
+  if array.shape != (rows,):
+    raise ValueError(
+      f"Expected `{name}` to have shape ({rows},) (one per row of `values`), got "
+      f"{array.shape}."
+    )
+  if array.size:
+    check_integer(array.dtype, name)
+  return array.astype(np.int64)
+
+
+def check_segment_ids(
+  segment_ids: Any, positions: Any, rows: int, padding_id: Any
+) -> np.ndarray:
+  """The segments of packed rows (Grain, T5X, MaxText), checked on the host.
+
+  Each maximal run of rows with one id other than `padding_id` is a
+  segment. Padding rows come last, and an id does not come back after its
+  run ends. `positions`, if given, count 0, 1, ... within each segment;
+  their values at padding rows are not read.
+
+  Args:
+    segment_ids: int ``[rows]``.
+    positions: int ``[rows]``, or `None`.
+    rows: the rows of ``values``.
+    padding_id: the id of padding rows (an int), or `None` for none.
+
+  Returns:
+    int64 ``[num_segments]``: the length of each segment, in row order.
+
+  Raises:
+    TypeError: for non-integer ids, positions or `padding_id`.
+    ValueError: for a shape other than ``[rows]``, a real row after a
+      padding row, an id that comes back after another id, or a position
+      that does not count up from 0 in its segment; the message names the
+      index and the values.
+  """
+  ids = _host_ids(segment_ids, "segment_ids", rows)
+  real = rows
+  if padding_id is not None:
+    padding_id = static_int(padding_id, "padding_id")
+    pad = np.flatnonzero(ids == padding_id)
+    real = int(pad[0]) if pad.size else rows
+    after = np.flatnonzero(ids[real:] != padding_id)
+    if after.size:
+      i = real + int(after[0])
+      raise ValueError(
+        f"`segment_ids` index {i}: id {ids[i]} after padding (id {padding_id}) "
+        f"at index {real}; padding rows must come last."
+      )
+  ids = ids[:real]
+  starts = np.flatnonzero(np.concatenate([[real > 0], ids[1:] != ids[:-1]]))
+  run_ids = ids[starts]
+  _, first = np.unique(run_ids, return_index=True)
+  again = np.ones(run_ids.size, bool)
+  again[first] = False
+  if np.any(again):
+    k = int(np.flatnonzero(again)[0])
+    i = int(starts[k])
+    before = int(np.flatnonzero(run_ids == run_ids[k])[0])
+    raise ValueError(
+      f"`segment_ids` index {i}: id {ids[i]} reappears after id {ids[i - 1]} "
+      f"(its segment ended at index {starts[before + 1] - 1}); each segment "
+      "must be one contiguous run of rows."
+    )
+  lengths = np.diff(np.append(starts, real))
+  if positions is not None:
+    given = _host_ids(positions, "positions", rows)[:real]
+    expected = np.arange(real) - np.repeat(starts, lengths)
+    bad = np.flatnonzero(given != expected)
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+        f"`positions` index {i}: expected {expected[i]} (the segment of id "
+        f"{ids[i]} starts at index {i - expected[i]}), got {given[i]}; positions "
+        "count 0, 1, ... within each segment."
+      )
+  return lengths
+
+
+def check_batch_sizes(batch_sizes: Any, num_rows: int) -> np.ndarray:
+  """A PackedSequence's ``batch_sizes`` (host), as int64 ``[time]``.
+
+  Raises:
+    TypeError: for non-integer sizes.
+    ValueError: for sizes that are not 1-D, a size that is not positive, a
+      size larger than the one before it, or sizes whose sum is not
+      `num_rows` (the rows of ``data``); the message names the index and
+      the values.
+  """
+  sizes = host_numbers(batch_sizes, "batch_sizes")
+  if sizes.ndim != 1:
+    raise ValueError(
+      f"Expected `batch_sizes` to be 1-D ([time]), got shape {sizes.shape}."
+    )
+  if sizes.size:
+    check_integer(sizes.dtype, "batch_sizes")
+  sizes = sizes.astype(np.int64)
+  bad = np.flatnonzero(sizes <= 0)
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(
+      f"`batch_sizes` index {i}: {sizes[i]}, expected a positive size (a "
+      "PackedSequence holds no empty sequence)."
+    )
+  rises = np.flatnonzero(np.diff(sizes) > 0)
+  if rises.size:
+    i = int(rises[0]) + 1
+    raise ValueError(
+      f"`batch_sizes` index {i}: {sizes[i]} is more than {sizes[i - 1]} at index "
+      f"{i - 1}; a PackedSequence's batch sizes never increase."
+    )
+  total = sum(int(n) for n in sizes)
+  if total != num_rows:
+    raise ValueError(f"`batch_sizes` sum to {total}, but `data` has {num_rows} rows.")
+  return sizes
+
+
+def _permutation(value: Any, name: str, count: int) -> np.ndarray:
+  """A permutation of ``range(count)`` (host), as int64."""
+  perm = host_numbers(value, name)
+  if perm.shape != (count,):
+    raise ValueError(
+      f"Expected `{name}` to have shape ({count},) (one per sequence, "
+      f"batch_sizes[0]), got {perm.shape}."
+    )
+  if perm.size:
+    check_integer(perm.dtype, name)
+  perm = perm.astype(np.int64)
+  out = np.flatnonzero((perm < 0) | (perm >= count))
+  if out.size:
+    i = int(out[0])
+    raise ValueError(
+      f"`{name}` index {i}: {perm[i]} is outside [0, {count}); expected a "
+      f"permutation of range({count})."
+    )
+  _, first = np.unique(perm, return_index=True)
+  again = np.ones(count, bool)
+  again[first] = False
+  if np.any(again):
+    i = int(np.flatnonzero(again)[0])
+    j = int(np.flatnonzero(perm == perm[i])[0])
+    raise ValueError(
+      f"`{name}` index {i}: {perm[i]} repeats index {j}; expected a permutation "
+      f"of range({count})."
+    )
+  return perm
+
+
+def check_sort_indices(sorted_indices: Any, unsorted_indices: Any, count: int):
+  """The rank of each original sequence of a PackedSequence (host).
+
+  Args:
+    sorted_indices: ``[count]``, the original index of the sequence at each
+      rank; `None` for the inverse of `unsorted_indices`.
+    unsorted_indices: ``[count]``, the rank of each original sequence;
+      `None` for the inverse of `sorted_indices`. Both `None`: the identity.
+    count: the number of sequences.
+
+  Returns:
+    int64 ``[count]``: the rank of each original sequence.
+
+  Raises:
+    ValueError: for indices that are not a permutation, or two that are not
+      inverses; the message names the index and the values.
+  """
+  if sorted_indices is None and unsorted_indices is None:
+    return np.arange(count)
+  if sorted_indices is None:
+    return _permutation(unsorted_indices, "unsorted_indices", count)
+  order = _permutation(sorted_indices, "sorted_indices", count)
+  ranks = np.empty(count, np.int64)
+  ranks[order] = np.arange(count)
+  if unsorted_indices is not None:
+    given = _permutation(unsorted_indices, "unsorted_indices", count)
+    bad = np.flatnonzero(given != ranks)
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+        f"`unsorted_indices` index {i}: {given[i]}, but `sorted_indices` puts "
+        f"sequence {i} at index {ranks[i]}; expected the inverse of "
+        "`sorted_indices`."
+      )
+  return ranks
+
+
+def check_packable(lengths: np.ndarray, where: str) -> None:
+  """Real lengths a PackedSequence can hold: at least one, none zero (host)."""
+  if lengths.size == 0:
+    raise ValueError(
+      f"{where}: the tensor has no sequences; a PackedSequence holds at least one."
+    )
+  empty = np.flatnonzero(lengths == 0)
+  if empty.size:
+    i = int(empty[0])
+    raise ValueError(
+      f"{where}: sequence {i} is empty (length 0); a PackedSequence cannot hold "
+      "empty sequences (torch forbids zero lengths)."
     )
 
 

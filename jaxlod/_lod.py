@@ -21,6 +21,8 @@ from jaxlod._checks import (
   check_integer_level,
   check_lengths_fit,
   check_offsets,
+  check_padded_lengths,
+  check_segment_ids,
   host_numbers,
   is_concrete,
   is_float_dtype,
@@ -223,8 +225,14 @@ class LoDTensor:
   (``==`` is ``is``; compare the fields to compare values), as arrays have
   no single truth value.
 
-  Build one on the host with `from_lengths`, `from_offsets`, `from_sequences`
-  or `from_padded`; they validate the LoD and never truncate data.
+  Build one on the host with `from_lengths`, `from_offsets`, `from_sequences`,
+  or from another library's format: `from_padded` (a padded batch and
+  lengths, as `flax.linen.RNN` takes them), `from_segment_ids` (packed rows
+  with segment ids, as Grain, T5X and MaxText pack them), `from_row_splits`
+  (`tf.RaggedTensor`'s nested row splits) and
+  `jaxlod.interop.from_packed_sequence` (PyTorch). They validate the LoD and
+  never truncate data; `to_padded`, `to_segment_ids`, `row_splits` and
+  `jaxlod.interop.to_packed_sequence` convert back, exactly.
 
   The constructor ``LoDTensor(values, offsets, num_outer, time_capacity)``
   checks shapes, not values; prefer the builders.
@@ -432,19 +440,51 @@ class LoDTensor:
 
   @classmethod
   def from_padded(
-    cls, padded: Any, lengths: Any, *, buckets: Buckets | None = None
+    cls,
+    padded: Any,
+    lengths: Any,
+    *,
+    num_sequences: Any = None,
+    buckets: Buckets | None = None,
   ) -> LoDTensor:
-    """Builds a one-level LoDTensor from a padded batch.
+    """Builds a one-level LoDTensor from a padded batch: the inverse of
+    `to_padded`.
+
+    ``(padded, lengths)`` is what `flax.linen.RNN` takes as ``(inputs,
+    seq_lengths)`` (batch-major; transpose a time-major batch first). Cells
+    past each sequence's end are not read. A padded batch has one level;
+    rebuild outer levels with `from_lengths` on the rows.
 
     Args:
       padded: ``[count, time, *features]``; row ``t`` of sequence ``i`` is
         ``padded[i, t]`` for ``t < lengths[i]``.
       lengths: ``[count]`` integer lengths, ``0 <= lengths[i] <= time``.
+      num_sequences: how many of the `count` sequences are real (an integer
+        scalar, e.g. ``x.num_sequences()``); the sequences past it must be
+        empty and are dropped, as the padding slots that `to_padded` gives.
+        `None` (the default): all `count`.
       buckets: capacity policy; `None` means exact sizes.
 
     Raises:
       ValueError: for a `padded` of rank < 2, a `lengths` of the wrong shape,
-        or a length outside ``[0, time]``.
+        a length outside ``[0, time]`` or a nonzero length past
+        `num_sequences` (naming the index and the length).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxlod import LoDTensor, Buckets
+      >>> buckets = Buckets.fixed(tokens=8, sequences=4, time=3)
+      >>> x = LoDTensor.from_lengths(np.arange(1.0, 6.0), [[2, 0, 3]], buckets=buckets)
+      >>> padded, seq_lengths = x.to_padded()
+      >>> padded.tolist()
+      [[1.0, 2.0, 0.0], [0.0, 0.0, 0.0], [3.0, 4.0, 5.0], [0.0, 0.0, 0.0]]
+      >>> seq_lengths.tolist()  # flax.linen.RNN's seq_lengths
+      [2, 0, 3, 0]
+      >>> y = LoDTensor.from_padded(
+      ...   padded, seq_lengths, num_sequences=x.num_sequences(), buckets=buckets
+      ... )
+      >>> y.recursive_lengths(), y.capacity == x.capacity
+      ([[2, 0, 3]], True)
     """
     padded = np.asarray(padded)
     if padded.ndim < 2:
@@ -458,15 +498,102 @@ class LoDTensor:
         f"Expected `lengths` to have shape ({padded.shape[0]},) (one per "
         f"sequence of `padded`), got {lengths.shape}."
       )
-    bad = np.flatnonzero((lengths < 0) | (lengths > padded.shape[1]))
-    if bad.size:
-      i = int(bad[0])
-      raise ValueError(
-        f"LoD level 0, index {i}: length {lengths[i]} is outside [0, "
-        f"{padded.shape[1]}] (the time dimension of `padded`)."
-      )
+    count = check_padded_lengths(lengths, padded.shape[1], num_sequences)
+    lengths, padded = lengths[:count], padded[:count]
     mask = np.arange(padded.shape[1])[None, :] < lengths[:, None]
     return cls.from_lengths(padded[mask], [lengths], buckets=buckets)
+
+  @classmethod
+  def from_segment_ids(
+    cls,
+    values: Any,
+    segment_ids: Any,
+    *,
+    positions: Any = None,
+    padding_id: int | None = 0,
+    buckets: Buckets | None = None,
+  ) -> LoDTensor:
+    """Builds a one-level LoDTensor from packed rows with segment ids.
+
+    The packed format of Grain's packing transforms, T5X and MaxText: the
+    rows of several sequences one after another, ``segment_ids`` 1, 2, ...
+    naming each row's sequence, 0 for the padding rows at the end, and
+    ``positions`` counting 0, 1, ... within each sequence. Each maximal run
+    of one id is a sequence, in row order; ids are labels (any integers,
+    any order). An empty sequence has no rows to carry its id: the format
+    holds none. For a batch ``[batch, length]``, convert each packed row.
+    The inverse of `to_segment_ids`; the 0-based ids of `segment_ids` work
+    with ``padding_id=x.capacity.sequences[-1]``.
+
+    Args:
+      values: ``[rows, *features]`` packed rows.
+      segment_ids: int ``[rows]``: each row's sequence id, or `padding_id`
+        for padding rows, which come last and are dropped. An id may not
+        come back after its run ends.
+      positions: optional int ``[rows]``, checked to count 0, 1, ... within
+        each sequence (not read at padding rows). They do not split a run:
+        adjacent sequences need different ids.
+      padding_id: the id of padding rows; `None` if every row is real.
+      buckets: capacity policy; `None` means exact sizes.
+
+    Raises:
+      TypeError: for non-integer ids or positions.
+      ValueError: for ids or positions not of shape ``[rows]``, a real row
+        after a padding row, an id that comes back after another, or a
+        position that does not count up; the message names the index and
+        the values.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxlod import LoDTensor
+      >>> x = LoDTensor.from_segment_ids(
+      ...   np.arange(6.0), [1, 1, 1, 2, 2, 0], positions=[0, 1, 2, 0, 1, 0]
+      ... )
+      >>> x.recursive_lengths(), x.values.tolist()
+      ([[3, 2]], [0.0, 1.0, 2.0, 3.0, 4.0])
+    """
+    values = _as_values(values)
+    lengths = check_segment_ids(segment_ids, positions, values.shape[0], padding_id)
+    rows = int(lengths.sum())
+    return cls.from_lengths(values[:rows], [lengths], buckets=buckets)
+
+  @classmethod
+  def from_row_splits(
+    cls, values: Any, row_splits: Any, *, buckets: Buckets | None = None
+  ) -> LoDTensor:
+    """Builds a LoDTensor from `tf.RaggedTensor`'s nested row splits.
+
+    A ragged tensor's ``nested_row_splits`` are LoD offsets: one 1-D array
+    per ragged dimension, outermost first, each indexing into the next and
+    the last into the rows of ``flat_values``. TensorFlow is not needed:
+    the splits are NumPy (or any) arrays. The inverse of `row_splits`.
+
+    Args:
+      values: ``[rows, *features]``, the ragged tensor's ``flat_values``.
+      row_splits: a list of 1-D integer arrays, outermost first (a single
+        1-D array for one level, as `tf.RaggedTensor.from_row_splits`
+        takes it); empty rows (repeated splits) are legal.
+      buckets: capacity policy; `None` means exact sizes.
+
+    Raises:
+      ValueError: for splits that do not start at 0 or decrease, or a last
+        split that is not the number of rows (or sequences) below; the
+        message names the level, the index and the values.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxlod import LoDTensor
+      >>> x = LoDTensor.from_row_splits(np.arange(5.0), [[0, 2, 3], [0, 3, 3, 5]])
+      >>> x.recursive_lengths()
+      [[2, 1], [3, 0, 2]]
+      >>> [s.tolist() for s in x.row_splits()]
+      [[0, 2, 3], [0, 3, 3, 5]]
+    """
+    values = _as_values(values)
+    if isinstance(row_splits, np.ndarray | jax.Array) and row_splits.ndim == 1:
+      row_splits = [row_splits]
+    checked = check_offsets(row_splits, values.shape[0], name="row_splits")
+    return cls._build(values, checked, _buckets.resolve(buckets))
 
   @classmethod
   def _build(
@@ -568,7 +695,11 @@ class LoDTensor:
 
     Padding rows get the last level's count capacity, one past every
     sequence slot, so that `jax.ops.segment_sum` and friends with
-    ``num_segments=count_capacity`` drop them.
+    ``num_segments=count_capacity`` drop them. The packed format's ids,
+    0-based: `to_segment_ids` gives them 1-based with 0 for padding, and
+    ``from_segment_ids(x.values, x.segment_ids(),
+    padding_id=x.capacity.sequences[-1])`` converts back (an empty
+    sequence, with no rows, is not in either).
 
     Example:
       >>> import numpy as np
@@ -616,6 +747,11 @@ class LoDTensor:
   ) -> tuple[jax.Array, jax.Array]:
     """The last level as a padded batch. Jittable.
 
+    ``(padded, lengths)`` is what `flax.linen.RNN` takes as ``(inputs,
+    seq_lengths)``; `from_padded` converts back (pass it
+    ``num_sequences=x.num_sequences()`` to drop the padding slots). Outer
+    levels are not in the padded form.
+
     Args:
       pad_value: value of cells past each sequence's end.
       time_capacity: static length of the time axis; defaults to the last
@@ -643,6 +779,46 @@ class LoDTensor:
     rows = self.values[jnp.clip(index, 0, tokens - 1)]
     mask = mask.reshape(mask.shape + (1,) * len(self.feature_shape))
     return jnp.where(mask, rows, pad), lengths
+
+  def to_segment_ids(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The last level as packed rows with segment ids and positions. Jittable.
+
+    The packed format of Grain's packing transforms, T5X and MaxText:
+    sequence ``i`` (0-based) has id ``i + 1`` at each of its rows, padding
+    rows have id 0, and positions count 0, 1, ... within each sequence (0
+    at padding rows). An empty sequence has no rows, so its id does not
+    appear and `from_segment_ids` gives back the tensor without it; outer
+    levels are not in the format either. `segment_ids` gives the same ids
+    0-based, with padding rows at the count capacity, for
+    `jax.ops.segment_sum` and friends.
+
+    Returns:
+      ``(values [token_capacity, *features], segment_ids [token_capacity],
+      positions [token_capacity])``, the ids and positions int32.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxlod import LoDTensor, Buckets
+      >>> buckets = Buckets.fixed(tokens=6, sequences=3, time=3)
+      >>> x = LoDTensor.from_lengths(np.arange(5.0), [[3, 2]], buckets=buckets)
+      >>> values, segment_ids, positions = x.to_segment_ids()
+      >>> segment_ids.tolist(), positions.tolist()
+      ([1, 1, 1, 2, 2, 0], [0, 1, 2, 0, 1, 0])
+      >>> y = LoDTensor.from_segment_ids(
+      ...   values, segment_ids, positions=positions, buckets=buckets
+      ... )
+      >>> y.recursive_lengths(), (y.values == x.values).all().item()
+      ([[3, 2]], True)
+    """
+    mask = self.row_mask()
+    ids = self.segment_ids()
+    rows = jnp.arange(self.capacity.tokens, dtype=jnp.int32)
+    positions = rows - self.offsets[-1][ids]
+    return (
+      self.values,
+      jnp.where(mask, ids + 1, 0).astype(jnp.int32),
+      jnp.where(mask, positions, 0).astype(jnp.int32),
+    )
 
   # -- host-only views ----------------------------------------------------------------
 
@@ -674,6 +850,18 @@ class LoDTensor:
       One list of ints per level, level 0 first, without padding sequences.
     """
     return [np.diff(o).tolist() for o in self._host_offsets()]
+
+  def row_splits(self) -> list[np.ndarray]:
+    """The LoD of the real sequences as `tf.RaggedTensor`'s nested row splits
+    (host only).
+
+    Returns:
+      One int64 NumPy array per level, level 0 first, without padding
+      sequences: the offsets, which `from_row_splits` takes back. The rows
+      they split are ``x.values[:splits[-1][-1]]``; TensorFlow users pass both
+      to `tf.RaggedTensor.from_nested_row_splits`.
+    """
+    return [o.astype(np.int64) for o in self._host_offsets()]
 
   def validate(self) -> None:
     """Checks every invariant of the LoD on the host.

@@ -7,10 +7,15 @@ import pytest
 
 DOCS = sorted((pathlib.Path(__file__).parent.parent / "docs").glob("*.md"))
 
+# Pages whose examples need an optional dependency: skipped without it.
+NEEDS = {"interop.md": "torch"}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
 def test_docs_examples(page):
+  if page.name in NEEDS:
+    pytest.importorskip(NEEDS[page.name])
   result = doctest.testfile(
     str(page), module_relative=False, optionflags=doctest.ELLIPSIS, verbose=False
   )

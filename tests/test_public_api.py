@@ -16,6 +16,7 @@ PUBLIC_MODULES = [
   "jaxlod.nn.nnx",
   "jaxlod.data",
   "jaxlod.parallel",
+  "jaxlod.interop",
 ]
 
 # The foundation's names; later layers may add more to `__all__`.
@@ -68,7 +69,12 @@ FOUNDATION = {
   "jaxlod.data": {"Batch", "Batcher"},
   # Scale-out (a contract).
   "jaxlod.parallel": {"data_parallel", "shard_batch"},
+  # Converters to other frameworks' formats (a contract).
+  "jaxlod.interop": {"from_packed_sequence", "to_packed_sequence"},
 }
+
+# Modules whose examples need an optional dependency: skipped without it.
+NEEDS = {"jaxlod.interop._torch": "torch"}
 
 
 # The sequence ops (a contract: later layers call them by these names).
@@ -156,6 +162,8 @@ def _library_modules():
   "module", sorted(set(_library_modules()) | set(FOUNDATION_DOCTESTS))
 )
 def test_doctests(module):
+  if module in NEEDS:
+    pytest.importorskip(NEEDS[module])
   mod = importlib.import_module(module)
   result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, verbose=False)
   if module in FOUNDATION_DOCTESTS:
