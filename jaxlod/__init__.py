@@ -11,6 +11,9 @@ from jaxlod._lod import Capacity, Fault, LoDTensor
 
 __version__ = "0.1.0"
 
+# Registers LoDTensor and RankTable for serialization (needs the modules above).
+from jaxlod import _serial  # noqa: E402, F401
+
 __all__ = [
   "Buckets",
   "Capacity",

@@ -17,7 +17,9 @@ import jaxlod
 from jaxlod import Buckets, Fault, LoDTensor
 from jaxlod import nn as lnn
 from jaxlod.ops import (
+  DecodeSettings,
   array_to_lod,
+  beam_search,
   dynamic_rnn,
   lod_reset,
   lod_to_array,
@@ -307,3 +309,23 @@ def test_reshape_that_does_not_divide_stays_valid():
   assert_valid(out)
   assert int(out.faults) == Fault.INPUT
   assert int(jax.jit(lambda x: sequence_reshape(x, 1))(x).faults) == 0
+
+
+def test_decoding_from_a_faulted_memory_is_faulted():
+  table = jnp.log(jnp.array([[0.1, 0.5, 0.4], [0.6, 0.3, 0.1], [0.5, 0.2, 0.3]]))
+
+  def step(carry, tokens, memory):
+    del memory
+    return carry, table[tokens]
+
+  settings = DecodeSettings(bos_id=0, eos_id=0, max_length=3, beam_size=2)
+  memory = LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[2, 1]])
+  run = jax.jit(
+    lambda memory: beam_search(step, jnp.zeros(2), settings, static_inputs=memory)
+  )
+  assert int(run(memory).ids.faults) == 0
+  faulted = dataclasses.replace(memory, faults=np.int32(Fault.TABLE))
+  ids, scores = run(faulted)
+  assert int(ids.faults) == int(scores.faults) == Fault.TABLE
+  with pytest.raises(ValueError, match=r"faulted \(TABLE\)"):
+    ids.to_list()

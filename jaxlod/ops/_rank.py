@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._checks import check_same_static
-from jaxlod._lod import LoDTensor, is_concrete, register_export, register_state
+from jaxlod._lod import LoDTensor, is_concrete
 
 
 def default_ladder(
@@ -158,8 +157,6 @@ jax.tree_util.register_dataclass(
   ],
   meta_fields=["ladder", "level"],
 )
-register_export(RankTable, "jaxlod.ops.RankTable")
-register_state(RankTable, check_same_static)
 
 
 def _table_arrays(xp, lengths, time_capacity: int, ladder: tuple[int, ...]):
