@@ -9,6 +9,10 @@ from jaxlod._buckets import Buckets
 from jaxlod._cache import enable_compilation_cache
 from jaxlod._lod import Capacity, Fault, LoDTensor
 
+# isort: split
+# `_checks` and `_lod` import each other; `_lod` loads first.
+from jaxlod._checks import unchecked
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -18,4 +22,5 @@ __all__ = [
   "LoDTensor",
   "__version__",
   "enable_compilation_cache",
+  "unchecked",
 ]

@@ -53,6 +53,12 @@ class Memory(NamedTuple):
   keys: jax.Array | None = None
 
 
+# `jax.export` serializes the pytree structures of arguments and results.
+jax.export.register_namedtuple_serialization(
+  Memory, serialized_name="jaxlod.ops.Memory"
+)
+
+
 def lod_memory(memory: LoDTensor, keys: LoDTensor | None = None) -> Memory:
   """The `Memory` of a one-level LoDTensor and its precomputed keys.
 

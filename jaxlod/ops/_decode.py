@@ -53,6 +53,12 @@ class Hypotheses(NamedTuple):
   scores: LoDTensor
 
 
+# `jax.export` serializes the pytree structures of arguments and results.
+jax.export.register_namedtuple_serialization(
+  Hypotheses, serialized_name="jaxlod.ops.Hypotheses"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
   """The static settings of a decoding loop: one hashable value.
