@@ -9,10 +9,13 @@ from jaxlod._buckets import Buckets
 from jaxlod._cache import enable_compilation_cache
 from jaxlod._lod import Capacity, Fault, LoDTensor
 
-__version__ = "0.1.0"
+# isort: split
+# `_checks` and `_lod` import each other; `_lod` loads first. `_serial`
+# registers LoDTensor and RankTable for serialization.
+from jaxlod import _serial  # noqa: F401
+from jaxlod._checks import unchecked
 
-# Registers LoDTensor and RankTable for serialization (needs the modules above).
-from jaxlod import _serial  # noqa: E402, F401
+__version__ = "0.1.0"
 
 __all__ = [
   "Buckets",
@@ -21,4 +24,5 @@ __all__ = [
   "LoDTensor",
   "__version__",
   "enable_compilation_cache",
+  "unchecked",
 ]

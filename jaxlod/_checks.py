@@ -5,7 +5,7 @@ capacities, pytree structures) raise at trace time and name the argument,
 the expected and the actual value. Checks of values go through `require` or
 `require_each`: eagerly they raise `ValueError`, under `jit` they become
 `jax.experimental.checkify` checks (no-ops unless the caller is wrapped in
-`checkify.checkify`).
+`checkify.checkify`). `unchecked` drops them from a function to export.
 
 Example:
   >>> import numpy as np
@@ -20,9 +20,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -83,7 +84,8 @@ def require(ok: Any, message: str, *, traced: str | None = None, **fields: Any):
   Raises:
     ValueError: when `ok` and `fields` are concrete and an item of `ok` is
       False. Under `jit` the check is `checkify.debug_check`: a no-op
-      unless the caller is wrapped in `checkify.checkify`.
+      unless the caller is wrapped in `checkify.checkify`, and an effect
+      that `jax.export` cannot serialize (see `unchecked`).
   """
   if is_concrete(ok, *fields.values()):
     if not bool(np.all(np.asarray(ok))):
@@ -137,6 +139,51 @@ def require_each(bad: Any, message: str, *, traced: str | None = None, **values:
   holds = ~jnp.any(bad)
   checkify.debug_check(holds, message, **_named(message, {"i": i, **fields}))
   return holds
+
+
+def unchecked(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` without its `checkify` checks, so that `jax.export` can serialize it.
+
+  Under `jit`, jaxlod checks data through `checkify.debug_check`, and each
+  check leaves an effect in the traced program that
+  ``jax.export.Exported.serialize`` refuses ("must have a nullary
+  constructor"). `unchecked` runs `fn` under `checkify.checkify` and drops
+  the error it returns: no check is left in the program, jaxlod's or
+  `fn`'s own. What a failed check also does stays: the op records a
+  `jaxlod.Fault` in the ``faults`` of its LoDTensor results (host reads of
+  them raise), and a rank table of another batch makes float results NaN.
+
+  Args:
+    fn: a function of pytrees of arrays (LoDTensors, rank tables, params).
+
+  Returns:
+    A function with `fn`'s arguments and results, to wrap in `jax.jit` and
+    export: ``jax.export.export(jax.jit(jaxlod.unchecked(fn)))(*args)``.
+    Called, it always traces `fn`, so the eager checks of concrete inputs
+    become traced ones too.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jaxlod import LoDTensor, unchecked
+    >>> from jaxlod.ops import lod_to_array, rank_table
+    >>> x = LoDTensor.from_lengths(np.arange(1.0, 6.0), [[2, 3]])
+    >>> exported = jax.export.export(jax.jit(unchecked(lod_to_array)))(
+    ...   x, rank_table(x)
+    ... )
+    >>> call = jax.export.deserialize(exported.serialize())
+    >>> call.call(x, rank_table(x)).tolist()
+    [[3.0, 1.0], [4.0, 2.0], [5.0, 0.0]]
+    >>> other = LoDTensor.from_lengths(np.ones(5), [[3, 2]])  # another batch
+    >>> bool(np.isnan(call.call(x, rank_table(other))).all())
+    True
+  """
+
+  @functools.wraps(fn)
+  def run(*args: Any, **kwargs: Any) -> Any:
+    _, out = checkify.checkify(fn)(*args, **kwargs)
+    return out
+
+  return run
 
 
 def check_lengths_fit(

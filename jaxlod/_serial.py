@@ -1,9 +1,10 @@
 """Serialization of jaxlod's pytrees: `jax.export` and `flax.serialization`.
 
-`LoDTensor` and `jaxlod.ops.RankTable` are registered here (the package
-imports this module), so that an exported function taking them can be
-serialized, and `flax.serialization.to_bytes` / `from_bytes` round-trip them
-with their static fields checked against the target's.
+`LoDTensor`, `jaxlod.ops.RankTable`, `Memory` and `Hypotheses` are
+registered here (the package imports this module), so that an exported
+function taking or returning them can be serialized, and
+`flax.serialization.to_bytes` / `from_bytes` round-trip LoDTensors and rank
+tables with their static fields checked against the target's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from flax import serialization
 
 from jaxlod import _checks
 from jaxlod._lod import LoDTensor
+from jaxlod.ops._attention import Memory
+from jaxlod.ops._decode import Hypotheses
 from jaxlod.ops._rank import RankTable
 
 
@@ -107,3 +110,9 @@ register_export(LoDTensor, "jaxlod.LoDTensor")
 register_state(LoDTensor, _checks.check_lod_restore, _checks.check_restored_lod)
 register_export(RankTable, "jaxlod.ops.RankTable")
 register_state(RankTable, _checks.check_same_static)
+jax.export.register_namedtuple_serialization(
+  Memory, serialized_name="jaxlod.ops.Memory"
+)
+jax.export.register_namedtuple_serialization(
+  Hypotheses, serialized_name="jaxlod.ops.Hypotheses"
+)

@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 from jax.experimental import checkify
 
-from jaxlod import Buckets, Capacity, LoDTensor, _checks
+from jaxlod import Buckets, Capacity, LoDTensor, _checks, unchecked
 from jaxlod.ops import rank_table
 
 
@@ -50,6 +51,24 @@ def test_require():
   )
   with pytest.raises(checkify.JaxRuntimeError, match="neg"):
     err.throw()
+
+
+def test_unchecked_drops_the_checks_so_jax_export_serializes():
+  def halve(v, *, scale):
+    ok = _checks.require(v > 0, "neg")
+    return jnp.where(ok, v * scale, jnp.nan)
+
+  v = jnp.array([2.0, -1.0])
+  quiet = unchecked(halve)
+  assert quiet.__name__ == "halve"
+  err, out = checkify.checkify(jax.jit(quiet, static_argnames="scale"))(v, scale=0.5)
+  assert err.get() is None
+  assert np.isnan(out).all()  # what the op does with a failed check stays
+  exported = export.export(jax.jit(quiet, static_argnames="scale"))(
+    jnp.array([2.0, 4.0]), scale=0.5
+  )
+  call = export.deserialize(exported.serialize())
+  assert call.call(jnp.array([2.0, 4.0])).tolist() == [1.0, 2.0]
 
 
 def test_static_int():
