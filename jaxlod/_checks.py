@@ -459,13 +459,13 @@ def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> 
   return n
 
 
-def _host_ids(value: Any, name: str, rows: int) -> np.ndarray:
-  """One integer per row of `values` (host), as int64."""
+def _host_ints(value: Any, name: str, size: int, per: str) -> np.ndarray:
+  """A 1-D integer argument of `size` items (host), as int64; `per` says
+  what each item belongs to, for the message."""
   array = host_numbers(value, name)
-  if array.shape != (rows,):
+  if array.shape != (size,):
     raise ValueError(
-      f"Expected `{name}` to have shape ({rows},) (one per row of `values`), got "
-      f"{array.shape}."
+      f"Expected `{name}` to have shape ({size},) ({per}), got {array.shape}."
     )
   if array.size:
     check_integer(array.dtype, name)
@@ -498,7 +498,7 @@ def check_segment_ids(
       that does not count up from 0 in its segment; the message names the
       index and the values.
   """
-  ids = _host_ids(segment_ids, "segment_ids", rows)
+  ids = _host_ints(segment_ids, "segment_ids", rows, "one per row of `values`")
   real = rows
   if padding_id is not None:
     padding_id = static_int(padding_id, "padding_id")
@@ -528,7 +528,7 @@ def check_segment_ids(
     )
   lengths = np.diff(np.append(starts, real))
   if positions is not None:
-    given = _host_ids(positions, "positions", rows)[:real]
+    given = _host_ints(positions, "positions", rows, "one per row of `values`")[:real]
     expected = np.arange(real) - np.repeat(starts, lengths)
     bad = np.flatnonzero(given != expected)
     if bad.size:
@@ -581,15 +581,7 @@ def check_batch_sizes(batch_sizes: Any, num_rows: int) -> np.ndarray:
 
 def _permutation(value: Any, name: str, count: int) -> np.ndarray:
   """A permutation of ``range(count)`` (host), as int64."""
-  perm = host_numbers(value, name)
-  if perm.shape != (count,):
-    raise ValueError(
-      f"Expected `{name}` to have shape ({count},) (one per sequence, "
-      f"batch_sizes[0]), got {perm.shape}."
-    )
-  if perm.size:
-    check_integer(perm.dtype, name)
-  perm = perm.astype(np.int64)
+  perm = _host_ints(value, name, count, "one per sequence, batch_sizes[0]")
   out = np.flatnonzero((perm < 0) | (perm >= count))
   if out.size:
     i = int(out[0])
