@@ -6,6 +6,7 @@ jitted step compiles once), builds the LoDTensors and rank tables with NumPy,
 and prefetches on a background thread. Each item is a `Batch`.
 """
 
-from jaxlod.data._batcher import Batch, Batcher
+from jaxlod.data._batcher import Batcher
+from jaxlod.data._packing import Batch
 
 __all__ = ["Batch", "Batcher"]
