@@ -141,6 +141,10 @@ FOUNDATION_DOCTESTS = [
 ]
 
 
+# Modules that need an optional extra: their doctests skip without it.
+OPTIONAL_MODULES = {"jaxlod.data._grain": "grain"}
+
+
 def _library_modules():
   """Every module of the library, except runnable programs."""
   names = ["jaxlod"]
@@ -156,6 +160,8 @@ def _library_modules():
   "module", sorted(set(_library_modules()) | set(FOUNDATION_DOCTESTS))
 )
 def test_doctests(module):
+  if module in OPTIONAL_MODULES:
+    pytest.importorskip(OPTIONAL_MODULES[module])
   mod = importlib.import_module(module)
   result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, verbose=False)
   if module in FOUNDATION_DOCTESTS:
