@@ -8,7 +8,7 @@ import pytest
 DOCS = sorted((pathlib.Path(__file__).parent.parent / "docs").glob("*.md"))
 
 # Pages whose examples need an optional dependency: skipped without it.
-NEEDS = {"interop.md": "torch"}
+NEEDS = {"interop.md": "torch", "data.md": "grain"}
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ FOUNDATION = {
 }
 
 # Modules whose examples need an optional dependency: skipped without it.
-NEEDS = {"jaxlod.interop._torch": "torch"}
+NEEDS = {"jaxlod.interop._torch": "torch", "jaxlod.data._grain": "grain"}
 
 
 # The sequence ops (a contract: later layers call them by these names).

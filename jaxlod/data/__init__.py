@@ -5,10 +5,29 @@ windows), packs each batch under a token budget on fixed capacities (so a
 jitted step compiles once), builds the LoDTensors and rank tables with NumPy,
 and prefetches on a background thread. Each item is a `Batch`.
 `plan_capacities` suggests the capacities and token budget from a sample of
-lengths.
+lengths. `LoDBatchDataset` applies the same policy inside a Grain pipeline
+(the ``jaxlod[grain]`` extra), where Grain's iterator state checkpoints it;
+Grain is imported when the name is first used.
 """
 
-from jaxlod.data._batcher import Batch, Batcher
+from jaxlod.data._batcher import Batcher
+from jaxlod.data._packing import Batch
 from jaxlod.data._plan import Candidate, CapacityPlan, plan_capacities
 
-__all__ = ["Batch", "Batcher", "Candidate", "CapacityPlan", "plan_capacities"]
+__all__ = [
+  "Batch",
+  "Batcher",
+  "Candidate",
+  "CapacityPlan",
+  "LoDBatchDataset",
+  "plan_capacities",
+]
+
+
+def __getattr__(name: str):
+  if name == "LoDBatchDataset":
+    from jaxlod.data._extras import grain_dataset
+
+    value = globals()[name] = grain_dataset()
+    return value
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,394 +2,27 @@
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import check_int, check_shards, check_tables
-from jaxlod._lod import LoDTensor
+from jaxlod.data._packing import (
+  Batch,
+  as_arrays,
+  build_batch,
+  check_examples_fit,
+  field_buckets,
+  pack_field,
+  plan_batches,
+)
 from jaxlod.data._prefetch import prefetch as _prefetch
-from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
+from jaxlod.ops._rank import normalize_ladder
 
 _THREAD_NAME = "jaxlod.data.Batcher"
-
-
-class Batch(NamedTuple):
-  """One batch of a `Batcher`: F fields packed as LoDTensors, with rank tables.
-
-  With the `Batcher`'s ``shards``, every field and table holds this
-  process's L local shards stacked on a new leading axis: shard ``s`` is
-  ``jax.tree.map(lambda a: a[s], fields[f])``, a LoDTensor on the field's
-  capacities, and ``np.asarray(fields[0].num_outer)`` gives the number of
-  examples of each local shard.
-
-  Attributes:
-    fields: F one-level LoDTensors, one per field. Field ``f`` holds the
-      batch's examples' field ``f`` in the order of `indices`: values
-      ``[token_capacity_f, *features_f]`` in the examples' dtype, on the
-      fixed capacities of the field's `Buckets`. With shards: values
-      ``[L, token_capacity_f, *features_f]``, offsets
-      ``[L, count_capacity_f + 1]`` and num_outer ``[L]``.
-    tables: F entries: ``rank_table(fields[f], ladder=ladder)``, or `None`
-      for a field the `Batcher`'s ``tables`` leaves out. With shards, each
-      local shard's table, stacked the same way.
-    indices: int64 ``[n]``, the example indices of the batch, in field order;
-      with shards, the local shards' examples one shard after another.
-    epoch: the epoch of the batch.
-    step: the batch's position in the stream of all epochs, counted from the
-      first batch of epoch 0.
-    num_tokens: real rows summed over the fields (padding excluded), of the
-      local shards with shards.
-  """
-
-  fields: tuple[LoDTensor, ...]
-  tables: tuple[RankTable | None, ...]
-  indices: np.ndarray
-  epoch: int
-  step: int
-  num_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-  """Every example's rows of one field, packed, and the field's capacities.
-
-  Attributes:
-    values: ``[total_rows, *features]``, example ``i``'s rows are
-      ``values[starts[i]:starts[i + 1]]``.
-    starts: int64 ``[num_examples + 1]``.
-    tokens: the fixed token capacity.
-    sequences: the fixed count capacity (LoD level 0).
-    time: the fixed time capacity (LoD level 0).
-  """
-
-  values: np.ndarray
-  starts: np.ndarray
-  tokens: int
-  sequences: int
-  time: int
-
-  def pack(self, indices: np.ndarray) -> LoDTensor:
-    """The examples `indices` of this field as a LoDTensor of NumPy arrays."""
-    starts, stops = self.starts[indices], self.starts[indices + 1]
-    lengths = stops - starts
-    offsets = np.zeros(self.sequences + 1, np.int32)
-    offsets[1 : indices.size + 1] = np.cumsum(lengths)
-    offsets[indices.size + 1 :] = offsets[indices.size]
-    rows = int(offsets[indices.size])
-    gather = np.arange(rows) + np.repeat(starts - offsets[: indices.size], lengths)
-    values = np.zeros((self.tokens, *self.values.shape[1:]), self.values.dtype)
-    values[:rows] = self.values[gather]
-    return LoDTensor(
-      values, (offsets,), np.asarray(indices.size, np.int32), (self.time,)
-    )
-
-
-def _field_buckets(buckets: Any, num_fields: int) -> list[Buckets]:
-  """One `Buckets.fixed` per field, checked."""
-  if isinstance(buckets, Buckets):
-    named = [("buckets", buckets)] * num_fields
-  elif isinstance(buckets, Sequence) and not isinstance(buckets, str):
-    if len(buckets) != num_fields:
-      raise ValueError(
-        f"Expected one Buckets per field ({num_fields}) in `buckets`, got "
-        f"{len(buckets)}."
-      )
-    named = [(f"buckets[{f}]", b) for f, b in enumerate(buckets)]
-  else:
-    raise TypeError(
-      f"Expected `buckets` to be a Buckets or a sequence of them, got {buckets!r}."
-    )
-  for name, b in named:
-    if not isinstance(b, Buckets):
-      raise TypeError(f"Expected `{name}` to be a Buckets, got {b!r}.")
-    if b.policy != "fixed":
-      raise ValueError(
-        f"Expected `{name}` to be Buckets.fixed(...), so that every batch has "
-        f"the same capacities and a jitted step compiles once; got policy "
-        f"{b.policy!r}."
-      )
-    if b.capacity(0, "sequences") < 1:
-      raise ValueError(
-        f"Expected `{name}` to hold at least one sequence, got a sequences "
-        "capacity of 0."
-      )
-  return [b for _, b in named]
-
-
-def _as_arrays(examples: Sequence[Any]) -> list[list[np.ndarray]]:
-  """The examples as F lists of arrays (one list per field), checked."""
-  if not hasattr(examples, "__len__") or not hasattr(examples, "__getitem__"):
-    raise TypeError(
-      f"Expected `examples` to be a sequence of examples, got "
-      f"{type(examples).__name__}."
-    )
-  if len(examples) == 0:
-    raise ValueError("Expected `examples` to hold at least one example, got none.")
-  columns = None
-  for i in range(len(examples)):
-    example = examples[i]
-    if not isinstance(example, tuple | list):
-      raise TypeError(
-        f"Expected example {i} to be a tuple of fields, got {type(example).__name__}."
-      )
-    if columns is None:
-      if not example:
-        raise ValueError("Expected example 0 to have at least one field, got none.")
-      columns = [[] for _ in example]
-    if len(example) != len(columns):
-      raise ValueError(
-        f"Expected every example to have {len(columns)} fields like example 0, "
-        f"got {len(example)} in example {i}."
-      )
-    for column, value in zip(columns, example, strict=True):
-      column.append(np.asarray(value))
-  return columns
-
-
-def _pack_field(f: int, arrays: list[np.ndarray], buckets: Buckets) -> _Field:
-  """Field `f` of every example in one array, after checking ranks and dtypes."""
-  for i, a in enumerate(arrays):
-    if a.ndim == 0:
-      raise ValueError(
-        f"Expected field {f} of example {i} to have rank >= 1 ([length, "
-        "*features]), got a scalar."
-      )
-  nonempty = [i for i, a in enumerate(arrays) if a.shape[0] > 0]
-  first = nonempty[0] if nonempty else 0
-  features = arrays[first].shape[1:]
-  for i in nonempty:
-    if arrays[i].shape[1:] != features:
-      raise ValueError(
-        f"Expected field {f} of example {i} to have feature shape {features} "
-        f"like example {first}, got {arrays[i].shape[1:]}."
-      )
-  dtypes = {arrays[i].dtype for i in nonempty} or {arrays[first].dtype}
-  dtype = np.result_type(*dtypes)
-  if dtype.kind not in "biufc":
-    raise TypeError(
-      f"Expected field {f} to hold numbers, got dtype {dtype} (example {first})."
-    )
-  lengths = np.array([a.shape[0] for a in arrays], np.int64)
-  values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)
-  return _Field(
-    values=values.astype(dtype, copy=False),
-    starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-    tokens=buckets.capacity(0, "tokens"),
-    sequences=buckets.capacity(0, "sequences"),
-    time=buckets.capacity(0, "time"),
-  )
-
-
-def _check_fits(lengths: np.ndarray, fields: list[_Field], budget: int) -> None:
-  """Raises for the first example that no batch can hold."""
-  time = np.array([field.time for field in fields])
-  tokens = np.array([field.tokens for field in fields])
-  costs = lengths.max(axis=1)
-  over_time, over_tokens = lengths > time, lengths > tokens
-  over = over_time.any(axis=1) | over_tokens.any(axis=1) | (costs > budget)
-  bad = np.flatnonzero(over)
-  if not bad.size:
-    return
-  i = int(bad[0])
-  for over, limit, caps in ((over_time, "time", time), (over_tokens, "token", tokens)):
-    for f in np.flatnonzero(over[i]):
-      raise ValueError(
-        f"Example {i} has length {lengths[i, f]} in field {f}, more than its "
-        f"{limit} capacity {caps[f]}."
-      )
-  raise ValueError(
-    f"Example {i} has cost {costs[i]} (its longest field), more than the token "
-    f"budget {budget}."
-  )
-
-
-def _greedy_batches(
-  order: np.ndarray, weights: np.ndarray, limits: np.ndarray, count: int, window: int
-) -> list[np.ndarray]:
-  """Cuts `order` into batches greedily, never across a window boundary.
-
-  Args:
-    order: int64 ``[n]`` example indices in packing order.
-    weights: ``[n_examples, K]`` non-negative sizes of each example.
-    limits: ``[K]``, the largest sum of each size in a batch; every example
-      fits alone.
-    count: the most examples in a batch.
-    window: batches hold examples of one window ``order[w * window:(w + 1) *
-      window]``.
-
-  Returns:
-    The batches, in order: a new one starts when the next example would take
-    any sum over its limit, the count over `count`, or cross a window.
-  """
-  n = order.size
-  cums = np.zeros((weights.shape[1], n + 1), np.int64)
-  cums[:, 1:] = np.cumsum(weights[order], axis=0).T
-  batches, start = [], 0
-  while start < n:
-    stop = min(start + count, (start // window + 1) * window, n)
-    for k in range(cums.shape[0]):
-      fits = np.searchsorted(cums[k], cums[k, start] + limits[k], side="right") - 1
-      stop = min(stop, int(fits))
-    batches.append(order[start:stop])
-    start = stop
-  return batches
-
-
-class _Deal:
-  """A global batch dealt to shards, each example to the least-loaded with room.
-
-  The load of a shard is its summed cost. Ties go to the shard with fewer
-  examples, then to the lower index, so an empty shard is always taken
-  first: a global batch of at least `shards` examples leaves none empty.
-  """
-
-  def __init__(self, shards: int, limits: list[int], count: int):
-    self.limits, self.count = limits, count
-    self.sums = [[0] * len(limits) for _ in range(shards)]
-    self.members: list[list[int]] = [[] for _ in range(shards)]
-    # (summed cost, examples, shard) of the shards below the count capacity;
-    # the cost is the last weight. Sorted, hence already a heap.
-    self._heap = [(0, 0, s) for s in range(shards)]
-
-  def add(self, i: int, weight: list[int]) -> bool:
-    """Deals example `i` of sizes `weight`; False if no shard has room."""
-    skipped, shard = [], None
-    while self._heap:
-      key = heapq.heappop(self._heap)
-      sums = self.sums[key[2]]
-      if all(a + b <= c for a, b, c in zip(sums, weight, self.limits, strict=True)):
-        shard = key[2]
-        break
-      skipped.append(key)
-    for key in skipped:
-      heapq.heappush(self._heap, key)
-    if shard is None:
-      return False
-    sums, members = self.sums[shard], self.members[shard]
-    for k, w in enumerate(weight):
-      sums[k] += w
-    members.append(i)
-    if len(members) < self.count:
-      heapq.heappush(self._heap, (sums[-1], len(members), shard))
-    return True
-
-  def peak(self) -> int:
-    """The largest summed cost of a shard."""
-    return max(sums[-1] for sums in self.sums)
-
-
-def _redeal(
-  deal: _Deal, batch: list[int], weights: list[list[int]]
-) -> list[np.ndarray]:
-  """The shards of a finished global batch, re-dealt by LPT where it fits.
-
-  Args:
-    deal: the incremental dealing of the global batch.
-    batch: the global batch's examples, in plan order.
-    weights: every example's sizes, cost last.
-
-  Returns:
-    One int64 array per shard: its examples, in plan order. LPT deals the
-    examples in descending cost (ties in plan order), each to the least-loaded
-    shard with room; it is kept when every example finds room and its most
-    loaded shard costs no more than that of `deal`, which fits by
-    construction.
-  """
-  position = {i: p for p, i in enumerate(batch)}
-  lpt = _Deal(len(deal.members), deal.limits, deal.count)
-  descending = sorted(batch, key=lambda i: (-weights[i][-1], position[i]))
-  if all(lpt.add(i, weights[i]) for i in descending) and lpt.peak() <= deal.peak():
-    deal = lpt
-  return [
-    np.array(sorted(shard, key=position.__getitem__), np.int64)
-    for shard in deal.members
-  ]
-
-
-def _cut(
-  part: list[int],
-  weights: list[list[int]],
-  limits: list[int],
-  count: int,
-  shards: int,
-  cap: float | None = None,
-) -> list[tuple[_Deal, list[int]]]:
-  """One window's examples cut into global batches, each dealt as it grows.
-
-  Each example goes, in turn, to the least-loaded shard with room
-  (`_Deal`); a new global batch starts when no shard has room or, with a
-  `cap`, when the batch's summed cost would pass it.
-  """
-  batches, batch, deal, total = [], [], _Deal(shards, limits, count), 0
-  for i in part:
-    cost = weights[i][-1]
-    full = cap is not None and total + cost > cap
-    if batch and (full or not deal.add(i, weights[i])):
-      batches.append((deal, batch))
-      batch, deal, total = [], _Deal(shards, limits, count), 0
-    if not batch:
-      deal.add(i, weights[i])
-    batch.append(i)
-    total += cost
-  if batch:
-    batches.append((deal, batch))
-  return batches
-
-
-# Slack over an even share of a window's cost, tried in turn (see
-# `_sharded_batches`).
-_EVEN_SLACK = (0.01, 0.03, 0.1, 0.3)
-
-
-def _sharded_batches(
-  order: np.ndarray,
-  weights: np.ndarray,
-  limits: np.ndarray,
-  count: int,
-  window: int,
-  shards: int,
-) -> list[list[np.ndarray]]:
-  """Cuts `order` into global batches dealt to shards, never across a window.
-
-  Args:
-    order: int64 ``[n]`` example indices in packing order.
-    weights: ``[n_examples, K]`` non-negative sizes of each example, its cost
-      last.
-    limits: ``[K]``, the largest sum of each size in a shard; every example
-      fits alone.
-    count: the most examples in a shard.
-    window: global batches hold examples of one window ``order[w * window:(w
-      + 1) * window]``.
-    shards: the number of shards of a global batch.
-
-  Returns:
-    The global batches, in order, each as `shards` int64 arrays (see
-    `_redeal`). Each window is cut greedily (`_cut`) into k global batches;
-    with several shards it is then cut again with a cap of an even share of
-    its cost (plus `_EVEN_SLACK`), kept when that needs no more than k
-    batches, so that the window's last batch is not a small remainder whose
-    few examples no dealing can balance.
-  """
-  weights, limits = weights.tolist(), limits.tolist()
-  batches = []
-  for start in range(0, order.size, window):
-    part = order[start : start + window].tolist()
-    cut = _cut(part, weights, limits, count, shards)
-    if shards > 1 and len(cut) > 1:
-      share = sum(weights[i][-1] for i in part) / len(cut)
-      for slack in _EVEN_SLACK:
-        even = _cut(part, weights, limits, count, shards, share * (1 + slack))
-        if len(even) <= len(cut):
-          cut = even
-          break
-    batches += [_redeal(deal, batch, weights) for deal, batch in cut]
-  return batches
 
 
 class Batcher:
@@ -542,11 +175,11 @@ class Batcher:
         "jaxlod.parallel.shard_batch to place a sharded batch across devices."
       )
     self._device_put = shards is None if device_put is None else bool(device_put)
-    columns = _as_arrays(examples)
-    field_buckets = _field_buckets(buckets, len(columns))
+    columns = as_arrays(examples)
+    per_field = field_buckets(buckets, len(columns))
     self._fields = [
-      _pack_field(f, arrays, b)
-      for f, (arrays, b) in enumerate(zip(columns, field_buckets, strict=True))
+      pack_field(f, arrays, b)
+      for f, (arrays, b) in enumerate(zip(columns, per_field, strict=True))
     ]
     self._ladders = [normalize_ladder(f.sequences, ladder) for f in self._fields]
     self._tables = check_tables(tables, len(self._fields))
@@ -554,8 +187,7 @@ class Batcher:
     if token_budget is None:
       token_budget = min(f.tokens for f in self._fields)
     self._token_budget = token_budget
-    _check_fits(self._lengths, self._fields, token_budget)
-    self._costs = self._lengths.max(axis=1)
+    check_examples_fit(self._lengths, self._fields, token_budget)
     self._counts: dict[int, int] = {}
 
   @property
@@ -614,19 +246,9 @@ class Batcher:
       order = rng.permutation(n)
     else:
       order = np.arange(n)
-    windows = np.arange(n) // self._window
-    order = order[np.lexsort((self._costs[order], windows))]
-    weights = np.concatenate([self._lengths, self._costs[:, None]], axis=1)
-    limits = np.array([f.tokens for f in self._fields] + [self._token_budget])
-    count = min(f.sequences for f in self._fields)
-    if self._shards is None:
-      batches = [
-        [b] for b in _greedy_batches(order, weights, limits, count, self._window)
-      ]
-    else:
-      batches = _sharded_batches(
-        order, weights, limits, count, self._window, self._shards
-      )
+    batches = plan_batches(
+      order, self._lengths, self._fields, self._token_budget, self._window, self._shards
+    )
     if self._shuffle:
       batches = [batches[j] for j in rng.permutation(len(batches))]
     self._counts[epoch] = len(batches)
@@ -654,31 +276,15 @@ class Batcher:
       epoch += 1
     return epoch, step
 
-  def _pack(self, indices: np.ndarray) -> tuple[tuple, tuple]:
-    """The fields and tables of one (unsharded) batch or shard."""
-    fields = tuple(field.pack(indices) for field in self._fields)
-    ladders = self._ladders
-    tables = tuple(
-      rank_table(x, ladder=ladder) if keep else None
-      for x, ladder, keep in zip(fields, ladders, self._tables, strict=True)
-    )
-    return fields, tables
-
   def _build(
     self, epoch: int, step: int, indices: np.ndarray | list[np.ndarray]
   ) -> Batch:
     """A batch of example `indices`, or with shards of each local shard's."""
-    if self._shards is None:
-      fields, tables = self._pack(indices)
-    else:
-      fields, tables = jax.tree.map(
-        lambda *a: np.stack(a), *[self._pack(shard) for shard in indices]
-      )
-      indices = np.concatenate(indices)
+    batch = build_batch(self._fields, self._ladders, self._tables, indices, epoch, step)
     if self._device_put:
-      fields, tables = jax.device_put((fields, tables))
-    num_tokens = int(self._lengths[indices].sum())
-    return Batch(fields, tables, indices, epoch, step, num_tokens)
+      fields, tables = jax.device_put((batch.fields, batch.tables))
+      batch = batch._replace(fields=fields, tables=tables)
+    return batch
 
   def _epoch_batches(self, epoch: int, first: int, step: int) -> Iterator[Batch]:
     local = self._local
