@@ -1,6 +1,11 @@
 """The G2P example: CMUdict split, vocabularies, error rates, and a tiny run."""
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -11,6 +16,7 @@ from jaxlod.examples import _g2p_data as data
 from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
 from jaxlod.ops import rank_table, sequence_cross_entropy
+from tests.g2p_batches import logging_batcher, read_log
 
 TINY = m.PRESETS["tiny"]
 NUM_PHONES = 41  # `<s>`, `</s>` and 39 phonemes
@@ -55,12 +61,23 @@ def tiny_state():
 
 @pytest.fixture
 def main_reuses_tiny_functions(
-  monkeypatch, tiny_step, tiny_decoder, tiny_ensemble_decoder
+  monkeypatch, tiny_step, tiny_decoder, tiny_ensemble_decoder, tiny_state
 ):
   """`g2p.main` builds its step and decoders anew, each compiling on its
   first call; the tests that run it several times hand it the module's,
   built by the same functions from the tiny preset, once its arguments are
-  checked. (tests/multidevice/test_g2p_devices.py lets it build its own.)"""
+  checked. (tests/multidevice/test_g2p_devices.py lets it build its own.)
+  A new run of the tiny preset starts from `tiny_state`, the same arrays:
+  `m.init_state` compiles anew each time too (jax's checkify numbers each
+  traced check, so a second trace misses the persistent cache)."""
+  init_state = m.init_state
+
+  def init_state_reused(config, num_phones, abstract=False):
+    if config == TINY and num_phones == NUM_PHONES and not abstract:
+      return tiny_state
+    return init_state(config, num_phones, abstract)
+
+  monkeypatch.setattr(m, "init_state", init_state_reused)
 
   def train_step(config, num_phones, mesh=None):
     assert dataclasses.replace(config, seed=0) == TINY
@@ -371,7 +388,13 @@ def test_a_checkpoint_without_ema_decay_resumes_as_zero(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_run_saves_and_resumes(
-  tmp_path, capsys, tiny_state, tiny_step, tiny_decoder, main_reuses_tiny_functions
+  tmp_path,
+  capsys,
+  monkeypatch,
+  tiny_state,
+  tiny_step,
+  tiny_decoder,
+  main_reuses_tiny_functions,
 ):
   config = TINY
   flags = ["--preset", "tiny", "--quiet"]
@@ -386,8 +409,12 @@ def test_tiny_run_saves_and_resumes(
   assert g2p.latest_step(tmp_path / "a") == 12
 
   # Stopped after 4 steps, then resumed: the same parameters as run "a".
+  # Its checkpoint is one saved before the example saved its Batcher's
+  # state: the batches go on from the step count.
   corpus = g2p.load_corpus(config)
   assert len(corpus.phones) == NUM_PHONES
+  save = g2p.save_checkpoint
+  monkeypatch.setattr(g2p, "save_checkpoint", lambda *args: save(*args[:5]))
   g2p.train(
     config,
     corpus,
@@ -399,10 +426,13 @@ def test_tiny_run_saves_and_resumes(
     step_fn=tiny_step,
     decode=tiny_decoder,
   )
+  monkeypatch.setattr(g2p, "save_checkpoint", save)
+  assert g2p.restore_batcher_state(tmp_path / "b", 4) is None
   flags += ["--workdir", str(tmp_path / "b")]
   second = g2p.main([*flags, "--resume", "--examples", "0"])
   out = capsys.readouterr().out
-  assert "resuming at step 4" in out and "step 6: dev PER" in out
+  assert "(resuming at step 4; no Batcher state saved: batches by step)" in out
+  assert "step 6: dev PER" in out
   assert "| word |" not in out
   assert second["start_step"] == 4 and [h[0] for h in second["history"]] == [6, 12]
   a = g2p.restore_checkpoint(tmp_path / "a", 12, config, len(corpus.phones))
@@ -426,6 +456,68 @@ def test_tiny_run_saves_and_resumes(
     g2p.check_resumable(saved, other, tmp_path)
 
 
+def _wait_for(done, proc, out: pathlib.Path, timeout_s: float) -> None:
+  """Polls `done()` while the child `proc` runs, for at most `timeout_s`."""
+  deadline = time.monotonic() + timeout_s
+  while not done():
+    assert proc.poll() is None, out.read_text()[-4000:]
+    assert time.monotonic() < deadline, out.read_text()[-4000:]
+    time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_uninterrupted_run(
+  tmp_path, monkeypatch, main_reuses_tiny_functions
+):
+  """The example killed (SIGKILL) in a child process right after its first
+  checkpoint, then resumed with --resume: the batches and the parameters of
+  one uninterrupted run, bit for bit."""
+  flags = ["--preset", "tiny", "--quiet", "--examples", "0"]
+  k, n = TINY.eval_every, TINY.steps  # checkpoints at 6 and 12
+  a, b = tmp_path / "a", tmp_path / "b"
+  monkeypatch.setattr(g2p, "Batcher", logging_batcher(tmp_path / "a.jsonl"))
+  g2p.main([*flags, "--workdir", str(a)])
+  whole = read_log(tmp_path / "a.jsonl")
+  assert [e["step"] for e in whole] == list(range(n))
+
+  # Run "b" takes the batch of step k after saving checkpoint k, and hangs
+  # when it asks for the next one; its worker thread has built more ahead.
+  killed, out = tmp_path / "killed.jsonl", tmp_path / "killed.out"
+  root = pathlib.Path(__file__).parent.parent
+  command = [sys.executable, "-m", "tests.g2p_batches", str(killed), str(k + 1)]
+  env = {**os.environ, "PYTHONPATH": str(root)}
+  with open(out, "w") as stdout:
+    proc = subprocess.Popen(
+      [*command, *flags, "--workdir", str(b)],
+      cwd=root,
+      env=env,
+      stdout=stdout,
+      stderr=subprocess.STDOUT,
+    )
+  try:
+    _wait_for(lambda: killed.exists() and len(read_log(killed)) > k, proc, out, 300)
+    proc.kill()
+    assert proc.wait(timeout=30) == -9
+  finally:  # never leave the child behind, whatever happened
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert read_log(killed) == whole[: k + 1]
+  assert g2p.latest_step(b) == k
+  assert g2p.restore_batcher_state(b, k)["step"] == k
+
+  monkeypatch.setattr(g2p, "Batcher", logging_batcher(tmp_path / "resumed.jsonl"))
+  resumed = g2p.main([*flags, "--workdir", str(b), "--resume"])
+  assert resumed["start_step"] == k and resumed["step"] == n
+  assert read_log(tmp_path / "resumed.jsonl") == whole[k:]
+  assert g2p.restore_batcher_state(b, n) == g2p.restore_batcher_state(a, n)
+  assert g2p.restore_batcher_state(a, n)["step"] == n
+  states = [g2p.restore_checkpoint(d, n, TINY, NUM_PHONES) for d in (a, b)]
+  leaves = [jax.tree.leaves(state) for state in states]
+  for x, y in zip(*leaves, strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_checkpoint_round_trip(tmp_path, tiny_state):
   config = TINY
   num_phones = NUM_PHONES
@@ -436,12 +528,42 @@ def test_checkpoint_round_trip(tmp_path, tiny_state):
   )
   g2p.save_checkpoint(tmp_path, 7, params, opt_state, config)
   assert g2p.latest_step(tmp_path) == 7
+  assert g2p.restore_batcher_state(tmp_path, 7) is None
+  state = {"step": 8, "shards": None, "token_capacities": [48, 48, 48]}
+  g2p.save_checkpoint(tmp_path, 8, params, opt_state, config, state)
+  assert g2p.restore_batcher_state(tmp_path, 8) == state
   restored = g2p.restore_checkpoint(tmp_path, 7, config, num_phones)
   assert jax.tree.structure(restored) == jax.tree.structure((params, opt_state))
   for got, want in zip(
     jax.tree.leaves(restored), jax.tree.leaves((params, opt_state)), strict=True
   ):
     np.testing.assert_array_equal(got, want)
+
+
+def test_resume_refuses_a_batcher_state_of_another_run(
+  tmp_path, tiny_state, tiny_step, tiny_decoder
+):
+  corpus = g2p.load_corpus(TINY)
+  functions = dict(quiet=True, step_fn=tiny_step, decode=tiny_decoder)
+  params, opt_state, _ = g2p.train(
+    TINY, corpus, *tiny_state, 0, tmp_path, stop=1, **functions
+  )
+  state = g2p.restore_batcher_state(tmp_path, 1)
+  assert state["step"] == 1 and state["seed"] == TINY.seed
+  assert state["num_examples"] == len(corpus.train) == 357
+  resume = dict(stop=2, batcher_state=state, **functions)
+  with pytest.raises(
+    ValueError,
+    match=r"Cannot resume from .*: the batches of its checkpoint are not this "
+    r"run's. Batcher state key 'seed' is 0, but this Batcher's is 1: ",
+  ):
+    other = dataclasses.replace(TINY, seed=1)
+    g2p.train(other, corpus, params, opt_state, 1, tmp_path, **resume)
+  with pytest.raises(
+    ValueError, match=r"its checkpoint of step 0 holds a Batcher state at step 1\."
+  ):
+    g2p.train(TINY, corpus, params, opt_state, 0, tmp_path, **resume)
+  assert g2p.latest_step(tmp_path) == 1
 
 
 def test_resume_needs_a_checkpoint(tmp_path):

@@ -3,11 +3,13 @@
 `Batcher` groups examples of similar length (sorted within shuffled
 windows), packs each batch under a token budget on fixed capacities (so a
 jitted step compiles once), builds the LoDTensors and rank tables with NumPy,
-and prefetches on a background thread. Each item is a `Batch`.
-`plan_capacities` suggests the capacities and token budget from a sample of
-lengths. `LoDBatchDataset` applies the same policy inside a Grain pipeline
-(the ``jaxlod[grain]`` extra), where Grain's iterator state checkpoints it;
-Grain is imported when the name is first used.
+and prefetches on a background thread. Each item is a `Batch`;
+`Batcher.get_state` and `Batcher.set_state` save and restore the position
+of the stream with a checkpoint. `plan_capacities` suggests the capacities
+and token budget from a sample of lengths. `LoDBatchDataset` applies the
+same policy inside a Grain pipeline (the ``jaxlod[grain]`` extra), where
+Grain's iterator state checkpoints it; Grain is imported when the name is
+first used.
 """
 
 from jaxlod.data._batcher import Batcher

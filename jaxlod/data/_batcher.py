@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import check_int, check_shards, check_tables
+from jaxlod.data import _state
 from jaxlod.data._packing import (
   Batch,
   as_arrays,
@@ -44,8 +45,11 @@ class Batcher:
   `window`, `shuffle`, `seed` and the epoch: never on `prefetch` or on the
   step where iteration started, so a run resumed with
   ``iterate(start_step=s)`` sees the batches that an uninterrupted run saw
-  from step ``s`` on. Every example appears exactly once per epoch; an
-  example that no batch can hold raises at construction.
+  from step ``s`` on. `get_state` gives the position of the current
+  `iterate` iterator as a small JSON-able dict, to save beside a model's
+  checkpoint, and `set_state` makes the next `iterate` go on from it. Every
+  example appears exactly once per epoch; an example that no batch can hold
+  raises at construction.
 
   Every field's `Buckets` is fixed, so each field's LoDTensor has the same
   shapes in every batch and a jitted step compiles once. Batches are built
@@ -189,6 +193,11 @@ class Batcher:
     self._token_budget = token_budget
     check_examples_fit(self._lengths, self._fields, token_budget)
     self._counts: dict[int, int] = {}
+    # The step of the next batch of the iterator served (`get_state`), the
+    # iterator (an `iterate` call's token), and whether `set_state` set it
+    # for the next `iterate`.
+    self._position, self._serving, self._restored = 0, None, False
+    self._plan_settings: dict[str, Any] | None = None
 
   @property
   def num_examples(self) -> int:
@@ -318,15 +327,147 @@ class Batcher:
       lambda: self._epoch_batches(epoch, 0, step), self._prefetch, _THREAD_NAME
     )
 
-  def iterate(self, start_step: int = 0) -> Iterator[Batch]:
+  def iterate(self, start_step: int | None = None) -> Iterator[Batch]:
     """Batches of epochs 0, 1, 2, ... without end, from `start_step` on.
 
     A run that stopped after `s` steps resumes with ``iterate(start_step=s)``:
     the batches are those an uninterrupted run would have yielded next,
     across epoch boundaries. Closing the iterator stops the worker thread.
 
+    The new iterator is the one `get_state` follows: the state's step moves
+    to ``batch.step + 1`` as the iterator hands each batch to the caller
+    (never as the worker builds one ahead). Iterators of earlier calls go
+    on, but no longer move the state.
+
     Args:
-      start_step: batches to skip (they are planned, never built), >= 0.
+      start_step: batches to skip (they are planned, never built), >= 0. By
+        default the step of the state given to `set_state` since the last
+        `iterate` call, if any, else 0.
     """
+    if start_step is None:
+      start_step = self._position if self._restored else 0
     start_step = check_int("start_step", start_step, 0)
-    return _prefetch(lambda: self._stream(start_step), self._prefetch, _THREAD_NAME)
+    token = object()
+    self._position, self._serving, self._restored = start_step, token, False
+    batches = _prefetch(lambda: self._stream(start_step), self._prefetch, _THREAD_NAME)
+    return self._served(token, batches)
+
+  def _served(self, token: object, batches: Iterator[Batch]) -> Iterator[Batch]:
+    """`batches`, moving the position past each one as the caller gets it,
+    while `token`'s iterator is the one served."""
+    try:
+      for batch in batches:
+        if self._serving is token:
+          self._position = batch.step + 1
+        yield batch
+    finally:
+      batches.close()
+
+  def _plan(self) -> dict[str, Any]:
+    """The settings the plan depends on, as a state holds them."""
+    if self._plan_settings is None:
+      self._plan_settings = {
+        "num_examples": self.num_examples,
+        "lengths_sha256": _state.lengths_digest(self._lengths),
+        "token_capacities": [f.tokens for f in self._fields],
+        "sequence_capacity": min(f.sequences for f in self._fields),
+        "token_budget": self._token_budget,
+        "window": self._window,
+        "shuffle": self._shuffle,
+        "seed": self._seed,
+        "shards": self._shards,
+      }
+    return self._plan_settings
+
+  def get_state(self) -> dict[str, Any]:
+    """The position of the iterator of the last `iterate` call, as a dict.
+
+    The state's ``"step"`` is the step of the next batch that iterator
+    yields: ``batch.step + 1`` of the last batch it handed to the caller, or
+    the step it started at. Batches its worker thread has built ahead and
+    not yet handed over do not count. Before any `iterate` call it is 0, and
+    after `set_state` (until the next `iterate` call) the state given.
+    `epoch` iterators neither move nor read it.
+
+    The other keys fix the plan the step belongs to: ``"version"``,
+    ``"num_examples"``, ``"lengths_sha256"`` (of every example's field
+    lengths), ``"token_capacities"`` (per field), ``"sequence_capacity"``
+    (the smallest of the fields'), ``"token_budget"``, ``"window"``,
+    ``"shuffle"``, ``"seed"`` and ``"shards"``. The values are JSON values
+    (ints, a bool, a str, lists of ints, ``None``), so the state saves as
+    JSON (``json.dumps``, Orbax's ``ocp.args.JsonSave``). With shards, the
+    step is global: every process's state is the same, and restores in any
+    process of a run with the same `shards`.
+
+    Returns:
+      A new dict; changing it leaves the Batcher alone.
+
+    Example:
+      >>> import itertools, json
+      >>> from jaxlod import Buckets
+      >>> from jaxlod.data import Batcher
+      >>> examples = [([1] * n,) for n in (3, 1, 4, 1, 5)]
+      >>> buckets = Buckets.fixed(tokens=8, sequences=4, time=6)
+      >>> batcher = Batcher(examples, buckets, seed=0)
+      >>> batcher.batches_per_epoch(0)
+      3
+      >>> batches = batcher.iterate()
+      >>> [next(batches).step for _ in range(2)]
+      [0, 1]
+      >>> state = batcher.get_state()
+      >>> state["step"], state["seed"], state["token_capacities"]
+      (2, 0, [8])
+      >>> saved = json.dumps(state)
+
+      A new run (a new Batcher on the same examples and settings) goes on
+      from there, across the epoch boundary:
+
+      >>> resumed = Batcher(examples, buckets, seed=0)
+      >>> resumed.set_state(json.loads(saved))
+      >>> [(b.epoch, b.step) for b in itertools.islice(resumed.iterate(), 3)]
+      [(0, 2), (1, 3), (1, 4)]
+      >>> [(b.epoch, b.step) for b in itertools.islice(batches, 3)]
+      [(0, 2), (1, 3), (1, 4)]
+    """
+    plan = self._plan()
+    return {
+      "version": _state.VERSION,
+      "step": self._position,
+      **plan,
+      "token_capacities": list(plan["token_capacities"]),
+    }
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    """Makes the next `iterate` call go on from a `get_state` state.
+
+    ``iterate()`` (without `start_step`) then yields the batch of the
+    state's step first; `get_state` returns this state until then. Only a
+    state from a Batcher with the same plan restores: the same examples'
+    lengths, token and sequence capacities, `token_budget`, `window`,
+    `shuffle`, `seed` and `shards` (`prefetch`, `ladder`, `device_put`,
+    `tables` and the process may differ). Iterators of earlier `iterate`
+    calls no longer move the state.
+
+    Args:
+      state: a dict from `get_state`, possibly through JSON.
+
+    Raises:
+      TypeError: for a state that is not a mapping, or a key's value of the
+        wrong type.
+      ValueError: for a missing or unknown key, another ``"version"``, a
+        negative ``"step"``, or a plan setting that differs from this
+        Batcher's, naming the key, the state's value and this Batcher's.
+
+    Example:
+      >>> from jaxlod import Buckets
+      >>> from jaxlod.data import Batcher
+      >>> examples = [([1] * n,) for n in (3, 1, 4, 1, 5)]
+      >>> buckets = Buckets.fixed(tokens=8, sequences=4, time=6)
+      >>> state = Batcher(examples, buckets, seed=0).get_state()
+      >>> Batcher(examples, buckets, seed=1).set_state(state)
+      Traceback (most recent call last):
+      ...
+      ValueError: Batcher state key 'seed' is 0, but this Batcher's is 1: ...
+    """
+    step = _state.check_state(state, self._plan())
+    self._position, self._serving, self._restored = step, None, True

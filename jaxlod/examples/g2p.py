@@ -11,7 +11,8 @@ and example predictions.
 
 Run with ``python -m jaxlod.examples.g2p`` (about 4 minutes on 2 CPU
 cores); ``--preset full`` trains longer for the best quality, ``--workdir
-DIR --resume`` continues a run from its latest checkpoint, ``--members N``
+DIR --resume`` continues a run from its latest checkpoint (parameters,
+optimizer state and the batcher's position), ``--members N``
 trains N models (seeds ``seed`` to ``seed + N - 1``) and scores their
 ensemble, and ``--ema-decay D`` scores a moving average of the parameters
 (`_g2p_model.Config` documents every setting). The data ships
@@ -172,21 +173,36 @@ def _manager(workdir: pathlib.Path):
   options = ocp.CheckpointManagerOptions(
     max_to_keep=2, enable_async_checkpointing=False
   )
-  return ocp.CheckpointManager(workdir.absolute(), options=options)
+  # Every item of a checkpoint, so that `item_metadata` lists those a
+  # checkpoint holds (older ones have no "batcher").
+  handlers = {
+    "state": ocp.StandardCheckpointHandler(),
+    "config": ocp.JsonCheckpointHandler(),
+    "batcher": ocp.JsonCheckpointHandler(),
+  }
+  return ocp.CheckpointManager(
+    workdir.absolute(), options=options, item_handlers=handlers
+  )
 
 
 def save_checkpoint(
-  workdir: pathlib.Path, step: int, params: Any, opt_state: Any, config: m.Config
+  workdir: pathlib.Path,
+  step: int,
+  params: Any,
+  opt_state: Any,
+  config: m.Config,
+  batcher_state: dict[str, Any] | None = None,
 ) -> None:
-  """Saves the parameters, optimizer state and config as step `step`."""
+  """Saves the parameters, optimizer state, config and (given one) the
+  training `Batcher`'s state (`Batcher.get_state`) as step `step`."""
+  items = {
+    "state": ocp.args.StandardSave((params, opt_state)),
+    "config": ocp.args.JsonSave(dataclasses.asdict(config)),
+  }
+  if batcher_state is not None:
+    items["batcher"] = ocp.args.JsonSave(batcher_state)
   with _manager(workdir) as manager:
-    manager.save(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave((params, opt_state)),
-        config=ocp.args.JsonSave(dataclasses.asdict(config)),
-      ),
-    )
+    manager.save(step, args=ocp.args.Composite(**items))
 
 
 def latest_step(workdir: pathlib.Path) -> int | None:
@@ -251,6 +267,17 @@ def restore_checkpoint(
   return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored))
 
 
+def restore_batcher_state(workdir: pathlib.Path, step: int) -> dict[str, Any] | None:
+  """The training `Batcher`'s state saved with checkpoint `step` of
+  `workdir`, or `None` for a checkpoint saved without one (before the
+  example saved it)."""
+  with _manager(workdir) as manager:
+    if "batcher" not in manager.item_metadata(step):
+      return None
+    args = ocp.args.Composite(batcher=ocp.args.JsonRestore())
+    return manager.restore(step, args=args).batcher
+
+
 # -- training ------------------------------------------------------------------
 
 
@@ -273,6 +300,7 @@ def train(
   mesh: Mesh | None = None,
   step_fn: Callable | None = None,
   decode: Callable | None = None,
+  batcher_state: dict[str, Any] | None = None,
 ) -> tuple[Any, Any, list[tuple[int, float, float]]]:
   """Trains from step `start` to `stop` (default `config.steps`).
 
@@ -286,13 +314,23 @@ def train(
   `None`: new ones.
 
   Every `eval_every` steps and at `stop`, scores `dev_words` dev words (with
-  `m.eval_params`) and saves a checkpoint. The batches, dropout masks and
-  learning rates are those of the step count, so a run stopped early and
-  resumed computes what an uninterrupted one does.
+  `m.eval_params`) and saves a checkpoint, with the training `Batcher`'s
+  state (`Batcher.get_state`: the step of the next batch, and what fixes
+  the batches' plan). `batcher_state` is the state saved with the
+  checkpoint of step `start`: the batches go on from it, and one of another
+  plan (other data or batch settings) raises. Without it (a new run, or a
+  checkpoint saved before the example saved the state), they go on from
+  step `start` (``Batcher.iterate(start_step=start)``), the same batches.
+  The dropout masks and learning rates are those of the step count, so a
+  run stopped and resumed computes what an uninterrupted one does.
 
   Returns:
     ``(params, opt_state, history)``, history a list of ``(step, dev PER,
     dev WER)``.
+
+  Raises:
+    ValueError: for a `batcher_state` of another plan, or of a step other
+      than `start`.
   """
   if step_fn is None:
     step_fn = m.train_step(config, len(corpus.phones), mesh)
@@ -308,6 +346,11 @@ def train(
     tables=(HOST_TABLES, HOST_TABLES, False),
     shards=None if mesh is None else mesh.size,
   )
+  if batcher_state is None:
+    batches = batcher.iterate(start_step=start)
+  else:
+    _resume_batcher(batcher, batcher_state, start, workdir)
+    batches = batcher.iterate()
   if mesh is not None:
     params, opt_state = replicate((params, opt_state), mesh)
   # Tokens of an example: its letters and its phonemes with `</s>`.
@@ -321,7 +364,7 @@ def train(
   # The bar shows the mean loss of the last 10 steps and the tokens per
   # second since the last evaluation (or since the first step, which compiles).
   tokens, clock, loss_sum, losses = 0, time.perf_counter(), 0.0, 0
-  with contextlib.closing(batcher.iterate(start_step=start)) as batches, bar:
+  with contextlib.closing(batches), bar:
     for step, batch in zip(range(start, stop), batches, strict=False):  # endless
       if mesh is not None:
         batch = shard_batch(batch, mesh, m.AXIS)
@@ -351,9 +394,28 @@ def train(
         )
         _print_eval(done, per, wer, len(rows), time.perf_counter() - began)
         history.append((done, per, wer))
-        save_checkpoint(workdir, done, params, opt_state, config)
+        state = batcher.get_state()
+        save_checkpoint(workdir, done, params, opt_state, config, state)
         tokens, clock = 0, time.perf_counter()
   return params, opt_state, history
+
+
+def _resume_batcher(
+  batcher: Batcher, state: dict[str, Any], start: int, workdir: pathlib.Path
+) -> None:
+  """`batcher.set_state(state)`, for the checkpoint of step `start`."""
+  try:
+    batcher.set_state(state)
+  except ValueError as error:
+    raise ValueError(
+      f"Cannot resume from {workdir}: the batches of its checkpoint are not "
+      f"this run's. {error}"
+    ) from error
+  if state["step"] != start:
+    raise ValueError(
+      f"Cannot resume from {workdir}: its checkpoint of step {start} holds a "
+      f"Batcher state at step {state['step']}."
+    )
 
 
 # -- the program ---------------------------------------------------------------
@@ -487,9 +549,11 @@ def member_dir(workdir: pathlib.Path, config: m.Config, k: int) -> pathlib.Path:
 
 def _start(
   args: argparse.Namespace, config: m.Config, num_phones: int, mesh: Mesh | None
-) -> tuple[pathlib.Path, list[tuple[int, Any, Any]]]:
-  """The workdir, and each member's step, parameters and optimizer state to
-  start from (a member without a checkpoint starts at step 0).
+) -> tuple[pathlib.Path, list[tuple[int, Any, Any, dict[str, Any] | None]]]:
+  """The workdir, and each member's step, parameters, optimizer state and
+  training `Batcher` state to start from (a member without a checkpoint
+  starts at step 0; the Batcher state is `None` without a checkpoint or
+  for one saved without it).
 
   Raises:
     ValueError: for `--resume` without a checkpoint (or a workdir), a
@@ -517,9 +581,10 @@ def _start(
   for k, (d, step) in enumerate(zip(dirs, steps, strict=True)):
     member = m.member_config(config, k)
     if step is None:
-      states.append((0, *m.init_state(member, num_phones)))
+      states.append((0, *m.init_state(member, num_phones), None))
     else:
-      states.append((step, *restore_checkpoint(d, step, member, num_phones, mesh)))
+      state = restore_checkpoint(d, step, member, num_phones, mesh)
+      states.append((step, *state, restore_batcher_state(d, step)))
   return workdir, states
 
 
@@ -576,11 +641,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   step_fn = m.train_step(members[0], num_phones, mesh)
   decode = decoder(members[0], num_phones, config.beam, mesh)
   finals, histories = [], []
-  for k, (member, (start, params, opt_state)) in enumerate(
+  for k, (member, (start, params, opt_state, batcher_state)) in enumerate(
     zip(members, states, strict=True)
   ):
     member_workdir = member_dir(workdir, config, k)
     resuming = f" (resuming at step {start})" if start else ""
+    if start and batcher_state is None:
+      # A checkpoint of an older version of the example: the same batches.
+      resuming = resuming[:-1] + "; no Batcher state saved: batches by step)"
     if config.members > 1:
       print(f"member {k} (seed {member.seed})")
     print(f"checkpoints: {member_workdir}{resuming}")
@@ -595,6 +663,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       mesh=mesh,
       step_fn=step_fn,
       decode=decode,
+      batcher_state=batcher_state,
     )
     finals.append(m.eval_params(member, params, opt_state))
     histories.append(history)
@@ -624,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       )
   if config.members == 1:
     table = [row[1:] for row in table]
-  step = max(max(start for start, _, _ in states), config.steps)
+  step = max(max(state[0] for state in states), config.steps)
   print(f"\nbeam search (beam {config.beam}) after {step} steps:")
   print(_table(table))
   if args.examples > 0:
@@ -644,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return {**out, "start_step": states[0][0], "history": histories[0]}
   return {
     **out,
-    "start_step": [start for start, _, _ in states],
+    "start_step": [state[0] for state in states],
     "history": histories,
     "members": [results[f"member {k}"] for k in range(config.members)],
   }
