@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import check_int, check_shards, check_tables
+from jaxlod._checks import check_bool, check_int, check_shards, check_tables
 from jaxlod._lod import LoDTensor
 from jaxlod.data._prefetch import prefetch as _prefetch
 from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
@@ -124,7 +124,11 @@ def _field_buckets(buckets: Any, num_fields: int) -> list[Buckets]:
 
 def _as_arrays(examples: Sequence[Any]) -> list[list[np.ndarray]]:
   """The examples as F lists of arrays (one list per field), checked."""
-  if not hasattr(examples, "__len__") or not hasattr(examples, "__getitem__"):
+  if (
+    isinstance(examples, str | bytes)
+    or not hasattr(examples, "__len__")
+    or not hasattr(examples, "__getitem__")
+  ):
     raise TypeError(
       f"Expected `examples` to be a sequence of examples, got "
       f"{type(examples).__name__}."
@@ -136,7 +140,8 @@ def _as_arrays(examples: Sequence[Any]) -> list[list[np.ndarray]]:
     example = examples[i]
     if not isinstance(example, tuple | list):
       raise TypeError(
-        f"Expected example {i} to be a tuple of fields, got {type(example).__name__}."
+        f"Expected example {i} to be a tuple of fields, got "
+        f"{type(example).__name__} (`examples[{i}]`)."
       )
     if columns is None:
       if not example:
@@ -158,7 +163,7 @@ def _pack_field(f: int, arrays: list[np.ndarray], buckets: Buckets) -> _Field:
     if a.ndim == 0:
       raise ValueError(
         f"Expected field {f} of example {i} to have rank >= 1 ([length, "
-        "*features]), got a scalar."
+        f"*features]), got a scalar (`examples[{i}][{f}]`)."
       )
   nonempty = [i for i, a in enumerate(arrays) if a.shape[0] > 0]
   first = nonempty[0] if nonempty else 0
@@ -173,7 +178,8 @@ def _pack_field(f: int, arrays: list[np.ndarray], buckets: Buckets) -> _Field:
   dtype = np.result_type(*dtypes)
   if dtype.kind not in "biufc":
     raise TypeError(
-      f"Expected field {f} to hold numbers, got dtype {dtype} (example {first})."
+      f"Expected field {f} to hold numbers, got dtype {dtype} (example {first}, "
+      f"`examples[{first}][{f}]`)."
     )
   lengths = np.array([a.shape[0] for a in arrays], np.int64)
   values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)
@@ -533,7 +539,9 @@ class Batcher:
     self._seed = check_int("seed", seed, 0)
     if token_budget is not None:
       token_budget = check_int("token_budget", token_budget, 1)
-    self._shuffle = bool(shuffle)
+    self._shuffle = check_bool(shuffle, "shuffle")
+    if device_put is not None:
+      check_bool(device_put, "device_put")
     self._shards, self._local = check_shards(shards, process_index, process_count)
     if device_put and shards is not None:
       raise ValueError(
