@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
 
 KINDS = ("tokens", "sequences", "time")
+POLICIES = ("exact", "pow2", "geometric", "explicit", "fixed")
 
 
 def _check_kind(kind: str) -> None:
@@ -29,9 +32,24 @@ def _check_kind(kind: str) -> None:
 
 
 def _as_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, int):
+  if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
     raise TypeError(f"Expected `{name}` to be an int, got {value!r}.")
-  return value
+  return int(value)
+
+
+def _per_level(name: str, value) -> tuple[int, ...]:
+  """One int for every level, or one per level, as a tuple."""
+  if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+    return (int(value),)
+  if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+    raise TypeError(
+      f"Expected `{name}` to be an int or a sequence of ints (one per level), "
+      f"got {value!r}."
+    )
+  values = tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(value))
+  if not values:
+    raise ValueError(f"Expected `{name}` to name at least one level.")
+  return values
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -61,6 +79,17 @@ class Buckets:
   policy: str
   params: tuple = ()
 
+  def __post_init__(self):
+    """Checks the policy's name and that its parameters are a tuple; the
+    named constructors check the parameters themselves."""
+    if self.policy not in POLICIES:
+      raise ValueError(
+        f"Expected `policy` to be one of {POLICIES} (prefer the named "
+        f"constructors, e.g. Buckets.pow2()), got {self.policy!r}."
+      )
+    if not isinstance(self.params, tuple):
+      raise TypeError(f"Expected `params` to be a tuple, got {self.params!r}.")
+
   # -- constructors -------------------------------------------------------
 
   @classmethod
@@ -87,6 +116,10 @@ class Buckets:
     multiple = _as_int("multiple", multiple)
     if multiple < 1:
       raise ValueError(f"Expected `multiple` >= 1, got {multiple}.")
+    if isinstance(ratio, bool | np.bool_) or not isinstance(
+      ratio, int | float | np.integer | np.floating
+    ):
+      raise TypeError(f"Expected `ratio` to be a float, got {ratio!r}.")
     if not 1.0 < float(ratio) < float("inf"):
       raise ValueError(f"Expected a finite `ratio` > 1, got {ratio}.")
     return cls("geometric", (float(ratio), multiple))
@@ -106,6 +139,11 @@ class Buckets:
         _check_kind(kind)
         table[kind] = cls._check_boundaries(f"boundaries[{kind!r}]", values)
       return cls("explicit", tuple(sorted(table.items())))
+    if isinstance(boundaries, str | bytes) or not isinstance(boundaries, Iterable):
+      raise TypeError(
+        "Expected `boundaries` to be a sequence of ints or a mapping from kind "
+        f"to one, got {boundaries!r}."
+      )
     values = cls._check_boundaries("boundaries", boundaries)
     return cls("explicit", tuple((kind, values) for kind in KINDS))
 
@@ -129,14 +167,10 @@ class Buckets:
     truncated.
     """
     tokens = _as_int("tokens", tokens)
-    per_level = {}
-    for name, value in (("sequences", sequences), ("time", time)):
-      if isinstance(value, int) and not isinstance(value, bool):
-        per_level[name] = (value,)
-      else:
-        per_level[name] = tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(value))
-        if not per_level[name]:
-          raise ValueError(f"Expected `{name}` to name at least one level.")
+    per_level = {
+      name: _per_level(name, value)
+      for name, value in (("sequences", sequences), ("time", time))
+    }
     for name, values in (("tokens", (tokens,)), *per_level.items()):
       for v in values:
         if v < 0:
@@ -176,9 +210,14 @@ class Buckets:
       ValueError: if no capacity of the policy holds `size`.
     """
     _check_kind(kind)
-    size = int(size)
+    size = _as_int("size", size)
     if size < 0:
-      raise ValueError(f"Expected a size >= 0, got {size}.")
+      raise ValueError(
+        f"Expected a size >= 0, got {size}. `size` counts rows, sequences or steps."
+      )
+    level = _as_int("level", level)
+    if level < 0:
+      raise ValueError(f"Expected `level` >= 0, got {level}.")
     fn = getattr(self, f"_capacity_{self.policy}")
     return fn(size, kind, level)
 

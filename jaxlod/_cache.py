@@ -46,8 +46,16 @@ def enable_compilation_cache(
     >>> directory == jax.config.jax_compilation_cache_dir
     True
   """
-  if min_compile_time_s < 0:
+  # `_checks` imports `_lod`, which this package imports after this module.
+  from jaxlod._checks import static_float
+
+  min_compile_time_s = static_float(min_compile_time_s, "min_compile_time_s")
+  if not min_compile_time_s >= 0:
     raise ValueError(f"Expected `min_compile_time_s` >= 0, got {min_compile_time_s}.")
+  if directory is not None and not isinstance(directory, str | os.PathLike):
+    raise TypeError(
+      f"Expected `directory` to be a str, a path or None, got {directory!r}."
+    )
   current = jax.config.jax_compilation_cache_dir
   if current:
     return current

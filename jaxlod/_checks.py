@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -177,6 +177,7 @@ def unchecked(fn: Callable[..., Any]) -> Callable[..., Any]:
     >>> bool(np.isnan(call.call(x, rank_table(other))).all())
     True
   """
+  check_callable(fn, "fn")
 
   @functools.wraps(fn)
   def run(*args: Any, **kwargs: Any) -> Any:
@@ -238,12 +239,28 @@ def check_fits(real: Capacity, capacity: Capacity, where: str) -> None:
 # -- host-side LoD validation (Paddle's CheckLoD) ---------------------------------
 
 
-def check_integer_level(name: str, level: int, values: Any) -> np.ndarray:
-  """One LoD level as a 1-D int64 array; rejects non-integer input."""
+def check_integer_level(
+  name: str, level: int, values: Any, argument: str | None = None
+) -> np.ndarray:
+  """One LoD level as a 1-D int64 array; rejects non-integer input.
+
+  Args:
+    name: what the level holds (``"offsets"`` or ``"lengths"``).
+    level: its index, for messages.
+    values: the level.
+    argument: the caller's argument holding it, named at the end of the
+      message (default: `name`).
+  """
+  where = f" Check `{argument or name}`."
+  if isinstance(values, str | bytes) or values is None or is_lod(values):
+    raise TypeError(
+      f"Expected LoD level {level} ({name}) to be a sequence of ints, got "
+      f"{_got(values)}.{where}"
+    )
   array = np.asarray(values)
   if array.ndim != 1:
     raise ValueError(
-      f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}."
+      f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}.{where}"
     )
   if array.size and (
     array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)
@@ -254,7 +271,7 @@ def check_integer_level(name: str, level: int, values: Any) -> np.ndarray:
       bad = int(fractional[0]) if fractional.size else 0
     raise ValueError(
       f"Expected integer {name} at LoD level {level}, got dtype {array.dtype} "
-      f"(index {bad}: {array[bad]!r})."
+      f"(index {bad}: {array[bad]!r}).{where}"
     )
   return array.astype(np.int64)
 
@@ -301,6 +318,7 @@ def check_offsets(
       at 0 or decrease, or a level whose last offset is not the number of
       items of the next level (rows, for the last level).
   """
+  offsets = check_sequence(offsets, name, "one sequence of offsets per level")
   if len(offsets) == 0:
     raise ValueError("Expected at least one LoD level, got none.")
   checked = [check_integer_level(name, level, o) for level, o in enumerate(offsets)]
@@ -734,9 +752,12 @@ def is_integer_dtype(dtype: Any) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.integer))
 
 
-def host_numbers(value: Any, name: str) -> np.ndarray:
+def host_numbers(value: Any, name: str, where: str = "") -> np.ndarray:
   """`value` as a NumPy array of numbers (or bools); strings, objects and
-  Python ints too large for NumPy raise naming `name`."""
+  Python ints too large for NumPy raise naming `name` (`where`, e.g.
+  ``" in `seqs`, sequence 0"``, ends the type error's message)."""
+  if is_lod(value):
+    raise TypeError(f"Expected `{name}` to be an array, got LoDTensor.")
   try:
     array = np.asarray(value)
   except OverflowError as error:
@@ -747,8 +768,37 @@ def host_numbers(value: Any, name: str) -> np.ndarray:
     raise ValueError(f"Expected `{name}` to fit int64, got {value}.")
   # JAX's test: NumPy files bfloat16, int4 and the other ml_dtypes as void.
   if not (array.dtype == np.bool_ or jnp.issubdtype(array.dtype, jnp.number)):
-    raise TypeError(f"Expected `{name}` to hold numbers, got dtype {array.dtype}.")
+    got = f"dtype {array.dtype}"
+    if array.dtype == object and array.ndim == 0:
+      got = type(value).__name__
+    raise TypeError(f"Expected `{name}` to hold numbers, got {got}{where}.")
   return array
+
+
+def as_array(value: Any, name: str, expected: str = "an array") -> jax.Array:
+  """An array argument as a `jax.Array`, checked at the boundary.
+
+  Device arrays and tracers pass unchanged. A LoDTensor, a string, `None`
+  or another object, and arrays of strings or objects raise `TypeError`
+  naming `name` (`expected` describes what it should be); Python ints too
+  large for int64 raise `ValueError`.
+  """
+  if isinstance(value, jax.Array):
+    return value
+  if _holds_tracers(value):
+    return jnp.asarray(value)  # a list of traced scalars: JAX checks them
+  array_like = hasattr(value, "__array__") or isinstance(
+    value, list | tuple | np.ndarray | np.generic | int | float | complex
+  )
+  if not array_like:
+    raise TypeError(f"Expected `{name}` to be {expected}, got {type(value).__name__}.")
+  host_numbers(value, name)
+  return jnp.asarray(value)  # of the value: Python scalars stay weakly typed
+
+
+def _holds_tracers(value: Any) -> bool:
+  """A list or tuple with traced leaves (they have no host values)."""
+  return isinstance(value, list | tuple) and not is_concrete(*jax.tree.leaves(value))
 
 
 def check_fits_device(value: Any, name: str) -> None:
@@ -757,7 +807,7 @@ def check_fits_device(value: Any, name: str) -> None:
 
   Device arrays and tracers are already stored; they are not checked.
   """
-  if isinstance(value, jax.Array):
+  if isinstance(value, jax.Array) or _holds_tracers(value):
     return
   array = host_numbers(value, name)
   if not is_integer_dtype(array.dtype) or array.size == 0:
@@ -791,6 +841,67 @@ def check_float(dtype: Any, name: str) -> None:
     raise TypeError(f"Expected `{name}` to have a float dtype, got {np.dtype(dtype)}.")
 
 
+def check_bool(value: Any, name: str) -> bool:
+  """A static flag: a Python or NumPy bool (not a truthy object)."""
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(f"Expected `{name}` to be a bool, got {_got(value)}.")
+  return bool(value)
+
+
+def check_bools(**flags: Any) -> None:
+  """Every keyword argument is a bool (`check_bool`), named by its keyword."""
+  for name, value in flags.items():
+    check_bool(value, name)
+
+
+def check_callable(value: Any, name: str) -> Any:
+  """A function argument (a step, a cell, a projection) must be callable."""
+  if not callable(value):
+    raise TypeError(f"Expected `{name}` to be callable, got {type(value).__name__}.")
+  return value
+
+
+def check_dtype(dtype: Any, name: str) -> None:
+  """A dtype argument: anything `jnp.dtype` understands, or `None` (the
+  default of the argument)."""
+  if dtype is None:
+    return
+  try:
+    jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"Expected `{name}` to be a dtype, got {_got(dtype)}.") from None
+
+
+def static_float(value: Any, name: str) -> float:
+  """A static real number (Python or NumPy, or a concrete 0-d array)."""
+  if isinstance(value, np.ndarray | jax.Array) and value.ndim == 0:
+    if is_concrete(value) and (
+      is_float_dtype(value.dtype) or is_integer_dtype(value.dtype)
+    ):
+      return float(value)
+  elif not isinstance(value, bool | np.bool_) and isinstance(
+    value, int | float | np.integer | np.floating
+  ):
+    return float(value)
+  raise TypeError(f"Expected `{name}` to be a static float, got {_got(value)}.")
+
+
+def check_sequence(value: Any, name: str, expected: str) -> list[Any]:
+  """A list-like argument (any iterable but a string), read once into a
+  list; `expected` describes it in the message."""
+  if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+    raise TypeError(f"Expected `{name}` to be {expected}, got {_got(value)}.")
+  if isinstance(value, np.ndarray | jax.Array) and value.ndim == 0:
+    raise TypeError(f"Expected `{name}` to be {expected}, got a scalar array.")
+  return list(value)
+
+
+def _got(value: Any) -> str:
+  """`value` for a message: its repr when short, else its type's name."""
+  text = repr(value)
+  return text if len(text) <= 60 else type(value).__name__
+
+
 def check_rank(shape: Sequence[int], name: str, allowed: Sequence[int], doc: str):
   """`shape` must have one of the `allowed` ranks; `doc` describes the shape."""
   if len(shape) not in allowed:
@@ -821,6 +932,22 @@ def static_int(value: Any, name: str, minimum: int | None = None) -> int:
   return int(value)
 
 
+def index_scalar(value: Any, name: str) -> Any:
+  """An integer scalar: a static int, or an integer 0-d array (concrete or
+  traced), returned as it is."""
+  if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+    return value
+  if (
+    isinstance(value, np.ndarray | jax.Array)
+    and value.ndim == 0
+    and is_integer_dtype(value.dtype)
+  ):
+    return value
+  raise TypeError(
+    f"Expected `{name}` to be an int or an integer scalar array, got {_got(value)}."
+  )
+
+
 def per_sequence(
   value: Any, name: str, count_capacity: int, num_sequences: Any, fill: Any = 0
 ) -> jax.Array:
@@ -829,7 +956,7 @@ def per_sequence(
   Accepts ``[count_capacity, ...]``, or in eager calls ``[num_sequences,
   ...]`` (the real count), which is padded with `fill` up to the capacity.
   """
-  array = jnp.asarray(value)
+  array = as_array(value, name)
   if array.ndim == 0:
     raise ValueError(
       f"Expected `{name}` to have leading dimension {count_capacity} (count "
@@ -850,7 +977,7 @@ def per_sequence(
 
 def check_pad_value(pad_value: jax.typing.ArrayLike, x: LoDTensor) -> jax.Array:
   """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype."""
-  pad = jnp.asarray(pad_value, x.values.dtype)
+  pad = as_array(pad_value, "pad_value", "a scalar or an array").astype(x.values.dtype)
   try:
     return jnp.broadcast_to(pad, x.feature_shape)
   except ValueError:
@@ -890,19 +1017,27 @@ def check_pool_dtype(dtype: Any, pool: str) -> None:
 # -- rank tables -------------------------------------------------------------------
 
 
+def check_table(table: Any, name: str = "table", *, optional: bool = False) -> Any:
+  """`table` must be a `jaxlod.ops.RankTable` (or `None` when `optional`)."""
+  # `jaxlod.ops` imports this module: import its RankTable at call time.
+  from jaxlod.ops._rank import RankTable
+
+  if optional and table is None:
+    return None
+  if not isinstance(table, RankTable):
+    raise TypeError(f"Expected `{name}` to be a RankTable, got {type(table).__name__}.")
+  return table
+
+
 def check_pair(x: Any, table: Any, name: str) -> Any:
   """`x` is a LoDTensor whose last level `table` ranks.
 
   Checks the types and capacities, and the lengths (`check_ranked`, whose
   result it returns).
   """
-  # `jaxlod.ops` imports this module: import its RankTable at call time.
-  from jaxlod.ops._rank import RankTable
-
   if not is_lod(x):
     raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
-  if not isinstance(table, RankTable):
-    raise TypeError(f"Expected `table` to be a RankTable, got {type(table).__name__}.")
+  check_table(table)
   count = x.capacity.sequences[-1]
   if count != table.count_capacity:
     raise ValueError(
@@ -959,8 +1094,17 @@ def _shape_str(x: Any) -> str:
   return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
 
+def check_leaves(tree: Any, name: str) -> None:
+  """Every leaf of `tree` is an array or a number (`host_numbers`)."""
+  for leaf in jax.tree.leaves(tree):
+    if not hasattr(leaf, "shape"):
+      host_numbers(leaf, name)
+
+
 def check_rows(tree: Any, count: int, name: str) -> None:
-  """Every leaf of `tree` has leading dimension `count` (the count capacity)."""
+  """Every leaf of `tree` is an array with leading dimension `count` (the
+  count capacity)."""
+  check_leaves(tree, name)
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != count:
       raise ValueError(
@@ -1007,6 +1151,19 @@ def check_step_out(out: Any, carry: Any, b: int) -> tuple[Any, Any]:
 # -- attention decoders ----------------------------------------------------------
 
 
+def check_memory(memory: Any, name: str = "memory") -> Memory:
+  """`memory` must be a `jaxlod.ops.Memory` (see `jaxlod.ops.lod_memory`)."""
+  # `jaxlod.ops` imports this module: import its Memory at call time.
+  from jaxlod.ops._attention import Memory
+
+  if not isinstance(memory, Memory):
+    raise TypeError(
+      f"Expected `{name}` to be a jaxlod.ops.Memory (see `lod_memory` and "
+      f"`as_memory`), got {type(memory).__name__}."
+    )
+  return memory
+
+
 def check_memory_lod(memory: Any, name: str = "memory") -> LoDTensor:
   """`memory` must be a LoDTensor of one level with vector rows.
 
@@ -1036,7 +1193,8 @@ def without_keys(memory: Memory, name: str) -> Memory:
 
 def check_query(query: jax.typing.ArrayLike, memory: Memory) -> jax.Array:
   """`query` must be ``[b, hidden]`` with one memory row per query row."""
-  query = jnp.asarray(query)
+  memory = check_memory(memory)
+  query = as_array(query, "query")
   if query.ndim != 2:
     raise ValueError(f"Expected `query` to have shape [b, hidden], got {query.shape}.")
   if query.shape[0] != memory.values.shape[0]:
@@ -1166,8 +1324,17 @@ def check_shards(
 # -- layers (jaxlod.nn and jaxlod.nn.nnx) -------------------------------------------
 
 
+def check_eps(eps: Any) -> float:
+  """The cosine attention's ``eps``: a static float >= 0."""
+  eps = static_float(eps, "eps")
+  if not eps >= 0:
+    raise ValueError(f"Expected `eps` >= 0, got {eps}.")
+  return eps
+
+
 def check_rate(rate: float, name: str, *, closed: bool = True) -> float:
   """A dropout rate in ``[0, 1]`` (``[0, 1)`` unless `closed`)."""
+  rate = static_float(rate, name)
   ok = 0.0 <= rate <= 1.0 if closed else 0.0 <= rate < 1.0
   if not ok:
     interval = "[0, 1]" if closed else "[0, 1)"
@@ -1187,15 +1354,72 @@ def split_pair(initial_carry: Any) -> tuple[Any, Any]:
   return tuple(initial_carry)
 
 
+def check_sizes(**sizes: Any) -> None:
+  """Every keyword argument is a static int >= 1 (a width, a vocabulary)."""
+  for name, value in sizes.items():
+    static_int(value, name, minimum=1)
+
+
+def check_cell(cell: Any, carry_signature: str | None = None) -> Any:
+  """A recurrent cell is callable; to give the default carry it must also
+  have `initialize_carry`, whose signature `carry_signature` spells (the
+  twins' differ)."""
+  check_callable(cell, "cell")
+  if carry_signature is not None and not hasattr(cell, "initialize_carry"):
+    raise TypeError(
+      f"Expected `cell` ({type(cell).__name__}) to have `{carry_signature}`; "
+      "otherwise pass `initial_carry`."
+    )
+  return cell
+
+
+def ladder_sizes(ladder: Any, count_capacity: int | None = None) -> list[int]:
+  """The static batch sizes of a ladder: ints in ``[1, count_capacity]``
+  (``>= 1`` before the count capacity is known)."""
+  sizes = check_sequence(ladder, "ladder", "a sequence of ints or None")
+  for i, size in enumerate(sizes):
+    if isinstance(size, bool | np.bool_) or not isinstance(size, int | np.integer):
+      raise ValueError(f"Expected `ladder[{i}]` to be an int, got {size!r}.")
+    if count_capacity is None and size < 1:
+      raise ValueError(f"Expected `ladder[{i}]` >= 1, got {size}.")
+    if count_capacity is not None and not 1 <= size <= count_capacity:
+      raise ValueError(
+        f"Expected `ladder[{i}]` in [1, {count_capacity}] (the count capacity), "
+        f"got {size}."
+      )
+  return [int(size) for size in sizes]
+
+
+def check_ladder(ladder: Any) -> tuple[int, ...] | None:
+  """A layer's ladder as a tuple of sizes >= 1 (checked against the count
+  capacity by `jaxlod.ops.normalize_ladder` at the call), or `None`."""
+  return None if ladder is None else tuple(ladder_sizes(ladder))
+
+
 def check_layers(layers: Sequence[Any]) -> None:
-  """A `StackedRNN` has at least one layer."""
+  """A `StackedRNN` has at least one layer, each callable."""
+  layers = check_sequence(layers, "layers", "a sequence of layers")
   if len(layers) == 0:
     raise ValueError("Expected `layers` to hold at least one layer, got none.")
+  for i, layer in enumerate(layers):
+    check_callable(layer, f"layers[{i}]")
+
+
+def check_settings(settings: Any) -> Any:
+  """Decoding takes a `jaxlod.ops.DecodeSettings`."""
+  # `jaxlod.ops` imports this module: import its DecodeSettings at call time.
+  from jaxlod.ops._decode import DecodeSettings
+
+  if not isinstance(settings, DecodeSettings):
+    raise TypeError(
+      f"Expected `settings` to be a DecodeSettings, got {type(settings).__name__}."
+    )
+  return settings
 
 
 def check_tokens(tokens: jax.typing.ArrayLike) -> jax.Array:
   """A decoding step's previous tokens: int ``[b]``."""
-  tokens = jnp.asarray(tokens)
+  tokens = as_array(tokens, "tokens")
   if tokens.ndim != 1:
     raise ValueError(f"Expected `tokens` to have shape [b], got {tokens.shape}.")
   check_integer(tokens.dtype, "tokens")
@@ -1214,7 +1438,7 @@ def check_encoded(memory: Any) -> LoDTensor:
 def check_vocabs(vocabs: Sequence[int]) -> None:
   """An ensemble's members share the target vocabulary."""
   if not vocabs:
-    raise ValueError("Expected at least one member, got none.")
+    raise ValueError("Expected at least one member, got none. `members` is empty.")
   if len(set(vocabs)) != 1:
     raise ValueError(
       f"Expected the members to share `tgt_vocab`, got {list(vocabs)} (member order)."

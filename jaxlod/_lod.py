@@ -15,16 +15,21 @@ import numpy as np
 from jaxlod import _buckets, _checks
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
+  as_array,
+  check_dtype,
   check_fits_device,
   check_integer_level,
   check_lengths_fit,
   check_offsets,
+  check_pad_value,
   check_padded_lengths,
   check_segment_ids,
+  check_sequence,
   host_numbers,
   is_concrete,
   is_float_dtype,
   is_integer_dtype,
+  static_int,
 )
 
 
@@ -124,15 +129,22 @@ def nan_unless(ok: Any, tree: Any) -> Any:
 # -- host-side building ----------------------------------------------------------
 
 
-def lengths_to_offsets(recursive_lengths: Sequence[Any]) -> list[np.ndarray]:
+def lengths_to_offsets(
+  recursive_lengths: Sequence[Any], argument: str = "recursive_lengths"
+) -> list[np.ndarray]:
   """Paddle's length-based LoD as offsets: one int64 array per level (host).
 
+  Args:
+    recursive_lengths: one sequence of lengths per level.
+    argument: the caller's name for it, in messages.
+
   Raises:
-    ValueError: for a level that is not 1-D integer, or a negative length.
+    TypeError, ValueError: for a level that is not 1-D integer, or a
+      negative length.
   """
   offsets = []
   for level, lengths in enumerate(recursive_lengths):
-    lengths = check_integer_level("lengths", level, lengths)
+    lengths = check_integer_level("lengths", level, lengths, argument)
     negative = np.flatnonzero(lengths < 0)
     if negative.size:
       i = int(negative[0])
@@ -363,6 +375,9 @@ class LoDTensor:
         disagree with the next level, or a batch over a fixed capacity.
     """
     values = _as_values(values)
+    recursive_lengths = check_sequence(
+      recursive_lengths, "recursive_lengths", "one sequence of lengths per level"
+    )
     if len(recursive_lengths) == 0:
       raise ValueError("Expected at least one LoD level, got none.")
     offsets = lengths_to_offsets(recursive_lengths)
@@ -394,6 +409,7 @@ class LoDTensor:
       raise TypeError(
         f"Expected `seqs` to be a list of sequences, got {type(seqs).__name__}."
       )
+    check_dtype(dtype, "dtype")
     seqs = list(seqs)  # read once: a generator would be empty on a second pass
     two_levels = any(_is_nested(s) for s in seqs)
     if two_levels:
@@ -406,6 +422,7 @@ class LoDTensor:
     inner = [list(s) for s in seqs] if two_levels else [list(seqs)]
     flat = [np.asarray(x) for group in inner for x in group]
     for i, x in enumerate(flat):
+      host_numbers(x, "values", where=f" in `seqs`, sequence {i}")
       if x.ndim == 0:
         raise ValueError(
           f"Expected sequence {i} to have rank >= 1 ([length, *features]), got a "
@@ -484,13 +501,13 @@ class LoDTensor:
       >>> y.recursive_lengths(), y.capacity == x.capacity
       ([[2, 0, 3]], True)
     """
-    padded = np.asarray(padded)
+    padded = host_numbers(padded, "padded")
     if padded.ndim < 2:
       raise ValueError(
         f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "
         f"shape {padded.shape}."
       )
-    lengths = check_integer_level("lengths", 0, lengths)
+    lengths = check_integer_level("lengths", 0, lengths, "lengths")
     if lengths.shape[0] != padded.shape[0]:
       raise ValueError(
         f"Expected `lengths` to have shape ({padded.shape[0]},) (one per "
@@ -635,6 +652,7 @@ class LoDTensor:
     return tuple(jnp.shape(self.values)[1:])
 
   def _level(self, level: int) -> int:
+    level = static_int(level, "level")
     if not -self.num_levels <= level < self.num_levels:
       raise ValueError(
         f"Expected `level` in [{-self.num_levels}, {self.num_levels}), got {level}."
@@ -727,10 +745,13 @@ class LoDTensor:
       >>> y.values.dtype, y.offsets[0].dtype
       (dtype(bfloat16), dtype('int32'))
     """
+    check_dtype(dtype, "dtype")
     return self.with_values(jnp.asarray(self.values).astype(dtype))
 
   def with_values(self, values: jax.Array) -> LoDTensor:
     """The same LoD over new rows ``[token_capacity, *new_features]``."""
+    if not _is_array(values):
+      values = as_array(values, "values")
     if jnp.ndim(values) == 0 or jnp.shape(values)[0] != self.capacity.tokens:
       raise ValueError(
         f"Expected `values` to have leading dimension {self.capacity.tokens} "
@@ -761,7 +782,9 @@ class LoDTensor:
     Returns:
       ``(padded [count_capacity, time, *features], lengths [count_capacity])``.
     """
-    time = self.time_capacity[-1] if time_capacity is None else int(time_capacity)
+    time = self.time_capacity[-1]
+    if time_capacity is not None:
+      time = static_int(time_capacity, "time_capacity", minimum=0)
     lengths = self.lengths()
     if time < self.time_capacity[-1]:
       check_lengths_fit(lengths, time, "to_padded(time_capacity=...)")
@@ -770,7 +793,7 @@ class LoDTensor:
     index = starts[:, None] + steps[None, :]
     mask = steps[None, :] < lengths[:, None]
     tokens = self.capacity.tokens
-    pad = jnp.asarray(pad_value, self.values.dtype)
+    pad = check_pad_value(pad_value, self)
     if tokens == 0:
       shape = (lengths.shape[0], time, *self.feature_shape)
       return jnp.full(shape, pad), lengths

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import check_int, check_shards, check_tables
+from jaxlod._checks import check_bool, check_int, check_shards, check_tables
 from jaxlod.data import _state
 from jaxlod.data._packing import (
   Batch,
@@ -170,7 +170,9 @@ class Batcher:
     self._seed = check_int("seed", seed, 0)
     if token_budget is not None:
       token_budget = check_int("token_budget", token_budget, 1)
-    self._shuffle = bool(shuffle)
+    self._shuffle = check_bool(shuffle, "shuffle")
+    if device_put is not None:
+      check_bool(device_put, "device_put")
     self._shards, self._local = check_shards(shards, process_index, process_count)
     if device_put and shards is not None:
       raise ValueError(

@@ -133,7 +133,11 @@ def as_arrays(
 
   Errors name example ``i`` as ``names[i]`` (by default ``i``).
   """
-  if not hasattr(examples, "__len__") or not hasattr(examples, "__getitem__"):
+  if (
+    isinstance(examples, str | bytes)
+    or not hasattr(examples, "__len__")
+    or not hasattr(examples, "__getitem__")
+  ):
     raise TypeError(
       f"Expected `examples` to be a sequence of examples, got "
       f"{type(examples).__name__}."
@@ -147,7 +151,7 @@ def as_arrays(
     if not isinstance(example, tuple | list):
       raise TypeError(
         f"Expected example {name(i)} to be a tuple of fields, got "
-        f"{type(example).__name__}."
+        f"{type(example).__name__} (`examples[{i}]`)."
       )
     if columns is None:
       if not example:
@@ -184,7 +188,7 @@ def pack_field(
     if a.ndim == 0:
       raise ValueError(
         f"Expected field {f} of example {name(i)} to have rank >= 1 ([length, "
-        "*features]), got a scalar."
+        f"*features]), got a scalar (`examples[{i}][{f}]`)."
       )
   nonempty = [i for i, a in enumerate(arrays) if a.shape[0] > 0]
   first = nonempty[0] if nonempty else 0
@@ -199,7 +203,8 @@ def pack_field(
   dtype = np.result_type(*dtypes)
   if dtype.kind not in "biufc":
     raise TypeError(
-      f"Expected field {f} to hold numbers, got dtype {dtype} (example {name(first)})."
+      f"Expected field {f} to hold numbers, got dtype {dtype} (example "
+      f"{name(first)}, `examples[{first}][{f}]`)."
     )
   lengths = np.array([a.shape[0] for a in arrays], np.int64)
   values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)

@@ -8,7 +8,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import check_int, check_rate, host_numbers, is_integer_dtype
+from jaxlod._checks import (
+  check_int,
+  check_rate,
+  check_sequence,
+  host_numbers,
+  is_integer_dtype,
+  static_float,
+)
 from jaxlod.data._batcher import Batcher
 
 
@@ -237,7 +244,10 @@ def plan_capacities(
     chosen: fixed, token_budget=128; field 0: tokens=128, sequences=16, time=29
   """
   array = _as_lengths(lengths)
-  budgets = (token_budget,) if isinstance(token_budget, int) else tuple(token_budget)
+  if isinstance(token_budget, int | np.integer):
+    budgets = (token_budget,)
+  else:
+    budgets = tuple(check_sequence(token_budget, "token_budget", "an int or ints"))
   if not budgets:
     raise ValueError("Expected at least one `token_budget`, got none.")
   longest = int(array.max(initial=0))
@@ -252,6 +262,10 @@ def plan_capacities(
   max_padding = check_rate(max_padding, "max_padding")
   check_int("window", window, 1)
   check_int("seed", seed, 0)
+  ratios = [
+    static_float(r, f"ratios[{i}]")
+    for i, r in enumerate(check_sequence(ratios, "ratios", "a sequence of floats"))
+  ]
   policies = [("fixed", None), ("pow2", Buckets.pow2())] + [
     (f"geometric({r:g})", Buckets.geometric(r)) for r in ratios
   ]

@@ -87,6 +87,8 @@ class GeneralAttention(Attention):
   @nn.compact
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
+    _checks.check_dtype(self.dtype, "dtype")
+    _checks.check_dtype(self.param_dtype, "param_dtype")
     memory = _checks.without_keys(memory, "GeneralAttention")
     features = memory.values.shape[-1]
     project = nn.Dense(
@@ -134,6 +136,10 @@ class AdditiveAttention(Attention):
   param_dtype: Any = jnp.float32
 
   def setup(self):
+    _checks.check_sizes(units=self.units)
+    _checks.check_dtype(self.dtype, "dtype")
+    _checks.check_dtype(self.param_dtype, "param_dtype")
+
     def dense(features, use_bias):
       return nn.Dense(
         features, use_bias=use_bias, dtype=self.dtype, param_dtype=self.param_dtype

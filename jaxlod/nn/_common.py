@@ -90,6 +90,24 @@ def stack_rates(
   return [input_dropout] + [dropout_rate] * (layers - 1) + [output_dropout]
 
 
+def check_seq2seq(
+  src_vocab: Any,
+  tgt_vocab: Any,
+  embed_dim: Any,
+  encoder: Any,
+  decoder: Any,
+  bridge: Any,
+  dropout: Any,
+  deterministic: Any,
+) -> None:
+  """The arguments `Seq2Seq`'s twins check before building their layers."""
+  _checks.check_sizes(src_vocab=src_vocab, tgt_vocab=tgt_vocab, embed_dim=embed_dim)
+  _checks.check_callable(encoder, "encoder")
+  _checks.check_callable(decoder, "decoder")
+  _checks.check_bools(bridge=bridge, deterministic=deterministic)
+  _checks.check_rate(dropout, "dropout", closed=False)
+
+
 def override(layer: Any, **values: Any) -> list[Any]:
   """Call arguments that default to the layer's attribute of the same name."""
   return [getattr(layer, k) if v is None else v for k, v in values.items()]
@@ -107,6 +125,7 @@ def run_cell(
   """`DynamicRNN`'s loop: `step` over the last level of `x` with the layer's
   `ladder` and `remat`; the outputs, or ``(carry, outputs)``."""
   reverse, return_carry = override(layer, reverse=reverse, return_carry=return_carry)
+  _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=layer.remat)
   outputs, carry = dynamic_rnn(
     lambda c, x_t, _: step(c, x_t),
     x,
@@ -132,6 +151,11 @@ def run_directions(
   holds each direction's extra keyword arguments (its carry's RNGs)."""
   x = check_lod(x, "x")
   (return_carry,) = override(layer, return_carry=return_carry)
+  _checks.check_bool(return_carry, "return_carry")
+  _checks.check_callable(layer.forward_rnn, "forward_rnn")
+  _checks.check_callable(layer.backward_rnn, "backward_rnn")
+  if layer.merge_fn is not None:
+    _checks.check_callable(layer.merge_fn, "merge_fn")
   # Only a given table is passed on: an RNN of the documented call signature
   # need not take one.
   extra = {} if table is None else {"table": table}
@@ -155,6 +179,7 @@ def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
   sequences, each pooled to one row by ``layer.pool_type``, then
   ``layer.outer`` over each level-0 sequence of those rows."""
   (return_carry,) = override(layer, return_carry=return_carry)
+  _checks.check_bool(return_carry, "return_carry")
   x = check_lod(x, "x")
   if x.num_levels != 2:
     raise ValueError(
@@ -162,6 +187,8 @@ def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
       f"sequences; level 1: sequences of rows), got {x.num_levels}."
     )
   check_pool_type(layer.pool_type)
+  _checks.check_callable(layer.inner, "inner")
+  _checks.check_callable(layer.outer, "outer")
   inner = check_lod(layer.inner(x, return_carry=False), "the inner output")
   return layer.outer(sequence_pool(inner, layer.pool_type), return_carry=return_carry)
 
@@ -224,6 +251,9 @@ def generate(
   Each member encodes `src` once and keeps its own decoder carry over the
   same hypotheses; one member decodes with its own log-probabilities.
   """
+  check_lod(src, "src")
+  _checks.check_settings(settings)
+  _checks.check_table(src_table, "src_table", optional=True)
   steps, carries, memories, encoded = [], [], [], []
   for member in members:
     memory = member.encode(src, src_table)
@@ -279,6 +309,7 @@ class StackCalls:
     deterministic, return_carry = override(
       self, deterministic=deterministic, return_carry=return_carry
     )
+    _checks.check_bools(deterministic=deterministic, return_carry=return_carry)
     extra = {} if table is None else {"table": table}
     carries = []
     for i, rnn in enumerate(self.layers):
@@ -331,8 +362,9 @@ class AttentionCalls:
     Raises:
       ValueError: for mismatched shapes or widths (naming both).
     """
+    query = _checks.as_array(query, "query")
     memory = core.as_memory(memory, lengths, keys)
-    return core.attend(self.scores(jnp.asarray(query), memory), memory)
+    return core.attend(self.scores(query, memory), memory)
 
 
 class DecoderCalls:
@@ -448,6 +480,15 @@ class DecoderCalls:
     """
     tgt = _checks.check_targets(tgt)
     memory = _checks.check_memory_lod(memory)
+    _checks.check_callable(self.cell, "cell")
+    _checks.check_callable(self.attention, "attention")
+    _checks.check_bools(
+      input_feeding=self.input_feeding,
+      remat=self.remat,
+      return_weights=return_weights,
+    )
+    # `dynamic_rnn` checks the carry's leading dimensions (naming `init_carry`).
+    _checks.check_leaves(initial_carry, "initial_carry")
     _checks.check_counts(tgt, memory)
     self.check_input_width(tgt, memory)
     carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry)
@@ -489,6 +530,7 @@ class Seq2SeqCalls:
       features]``.
     """
     # Only a given table is passed on: an encoder need not take one.
+    table = _checks.check_table(table, optional=True)
     extra = {} if table is None else {"table": table}
     src = embed_ids(self.src_embed, src, "src", self.src_vocab)
     return _checks.check_encoded(self.encoder(src, **extra))
@@ -609,6 +651,9 @@ class Seq2SeqCalls:
         that does not describe its ids (other lengths or capacities) or
         whose ladder is not its loop's.
     """
+    _checks.check_table(src_table, "src_table", optional=True)
+    _checks.check_table(tgt_table, "tgt_table", optional=True)
+    _checks.check_bool(return_weights, "return_weights")
     memory = self.encode(src, src_table)
     tgt = embed_ids(self.tgt_embed, tgt_in, "tgt_in", self.tgt_vocab)
     # Dropout keeps zero padding rows at zero.

@@ -124,13 +124,13 @@ class DynamicRNN(nn.Module):
     x = check_lod(x, "x")
     count = x.capacity.sequences[-1]
     if initial_carry is None:
-      if not hasattr(self.cell, "initialize_carry"):
-        raise TypeError(
-          f"Expected `cell` ({type(self.cell).__name__}) to have "
-          "`initialize_carry(rng, input_shape)`; otherwise pass `initial_carry`."
-        )
+      _checks.check_cell(self.cell, "initialize_carry(rng, input_shape)")
       key = jax.random.key(0) if init_key is None else init_key
       initial_carry = self.cell.initialize_carry(key, (count, *x.feature_shape))
+    else:
+      # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
+      _checks.check_cell(self.cell)
+      _checks.check_leaves(initial_carry, "initial_carry")
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
     first = _common.example_row(initial_carry)
     step = pure_method(self.cell, "__call__", first, x_row)

@@ -100,7 +100,16 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
   deterministic: bool = True
 
   def setup(self):
-    _checks.check_rate(self.dropout, "dropout", closed=False)
+    _common.check_seq2seq(
+      self.src_vocab,
+      self.tgt_vocab,
+      self.embed_dim,
+      self.encoder,
+      self.decoder,
+      self.bridge,
+      self.dropout,
+      self.deterministic,
+    )
     self.drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
     self.src_embed = nn.Embed(self.src_vocab, self.embed_dim)
     self.tgt_embed = nn.Embed(self.tgt_vocab, self.embed_dim)
@@ -201,7 +210,9 @@ def ensemble_generate(
     >>> [len(h) for h in hyps.ids.to_list()]
     [2, 2]
   """
-  members = list(members)
+  members = _checks.check_sequence(
+    members, "members", "a sequence of (Seq2Seq, variables) pairs"
+  )
   for k, pair in enumerate(members):
     if not (
       isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], Seq2Seq)

@@ -14,9 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import (
+  as_array,
+  check_bool,
   check_pair,
   check_ranked,
   check_rows,
+  check_table,
+  index_scalar,
   is_concrete,
   is_float_dtype,
   require,
@@ -189,7 +193,7 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
     zeros in padding rows.
   """
   ranked = check_pair(like, table, "like")
-  array = jnp.asarray(array)
+  array = as_array(array, "array")
   expected = (table.time_capacity, table.count_capacity)
   if array.ndim < 2 or array.shape[:2] != expected:
     raise ValueError(
@@ -282,8 +286,8 @@ def reorder_by_rank(x: Any, table: RankTable, *, check_lengths: bool = False) ->
     >>> moved.recursive_lengths(), moved.values.tolist()
     ([[1, 3, 2]], [3.0, 0.0, 1.0, 2.0, 4.0, 5.0])
   """
-  if not isinstance(table, RankTable):
-    raise TypeError(f"Expected `table` to be a RankTable, got {type(table).__name__}.")
+  check_table(table)
+  check_lengths = check_bool(check_lengths, "check_lengths")
   if isinstance(x, LoDTensor):
     if x.capacity.sequences[0] != table.count_capacity:
       raise ValueError(
@@ -362,6 +366,8 @@ def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
     The same structure with leaves ``[size, ...]``. Differentiable; the
     backward pass pads with zeros.
   """
+  check_table(table)
+  step = index_scalar(step, "step")
   size = static_int(size, "size")
   if not 0 <= size <= table.count_capacity:
     raise ValueError(

@@ -19,11 +19,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import (
+  as_array,
+  check_bool,
+  check_callable,
+  check_eps,
   check_fits_device,
   check_keys,
   check_lod,
+  check_memory,
   check_memory_lod,
   check_query,
+  check_rank,
   check_width,
   is_integer_dtype,
 )
@@ -106,7 +112,7 @@ def as_memory(
   if isinstance(keys, LoDTensor):
     keys = keys.to_padded()[0]
   elif keys is not None:
-    keys = jnp.asarray(keys)
+    keys = as_array(keys, "keys", "an array, a LoDTensor or None")
   if isinstance(memory, LoDTensor):
     if lengths is not None:
       raise ValueError(
@@ -114,20 +120,45 @@ def as_memory(
         "pass `lengths=None`."
       )
     values, lengths = check_memory_lod(memory).to_padded()
-    return Memory(values, lengths, keys)
+    return Memory(values, lengths, _check_padded_keys(keys, values))
+  values = as_array(
+    memory,
+    "memory",
+    "a Memory, a one-level LoDTensor or an array [b, source_capacity, features]",
+  )
   if lengths is None:
     raise ValueError(
       "Expected `lengths` [b] (real slots of each memory row) with an array "
       "`memory`; only a LoDTensor `memory` takes `lengths=None`."
     )
-  values = jnp.asarray(memory)
   if values.ndim != 3:
     raise ValueError(
       "Expected `memory` to have shape [b, source_capacity, features], got "
       f"{values.shape}."
     )
   check_fits_device(lengths, "lengths")
-  return Memory(values, jnp.asarray(lengths), keys)
+  lengths = as_array(lengths, "lengths")
+  if lengths.shape != values.shape[:1]:
+    raise ValueError(
+      f"Expected `lengths` to have shape ({values.shape[0]},) (one per memory "
+      f"row), got {lengths.shape}."
+    )
+  if not is_integer_dtype(lengths.dtype):
+    raise TypeError(
+      f"Expected `lengths` to have an integer dtype, got {lengths.dtype}."
+    )
+  return Memory(values, lengths, _check_padded_keys(keys, values))
+
+
+def _check_padded_keys(keys: jax.Array | None, values: jax.Array) -> jax.Array | None:
+  """Padded keys are ``[b, source_capacity, units]``, like the memory's rows."""
+  if keys is not None and (keys.ndim != 3 or keys.shape[:2] != values.shape[:2]):
+    raise ValueError(
+      f"Expected `keys` to have shape [b, source_capacity, units] = "
+      f"[{values.shape[0]}, {values.shape[1]}, units] (from `memory`), got "
+      f"{keys.shape}."
+    )
+  return keys
 
 
 def map_rows(
@@ -137,7 +168,9 @@ def map_rows(
   its LoD) or an array's last axis."""
   if isinstance(memory, LoDTensor):
     return memory.with_values(fn(memory.values))
-  return fn(jnp.asarray(memory))
+  memory = as_array(memory, "memory", "a LoDTensor or an array")
+  check_rank(memory.shape, "memory", (3,), "[b, source_capacity, features]")
+  return fn(memory)
 
 
 def dot_scores(query: jax.typing.ArrayLike, memory: Memory) -> jax.Array:
@@ -162,6 +195,7 @@ def general_scores(
     project: ``W``, ``[b, hidden] -> [b, features]`` (a bias-free dense
       layer): the query is projected, never the memory.
   """
+  check_callable(project, "project")
   return dot_scores(project(check_query(query, memory)), memory)
 
 
@@ -183,6 +217,8 @@ def additive_scores(
   Raises:
     ValueError: for keys of the wrong shape (naming both).
   """
+  check_callable(project, "project")
+  check_callable(energy, "energy")
   projected = project(check_query(query, memory))
   check_keys(memory, projected.shape[-1])
   return energy(jnp.tanh(memory.keys + projected[:, None, :]))[..., 0]
@@ -197,6 +233,7 @@ def cosine_scores(
   query) give finite scores and gradients.
   """
   query = check_query(query, memory)
+  eps = check_eps(eps)
   dots = dot_scores(query, memory)
   query_norm = jnp.sqrt(jnp.sum(query * query, axis=-1) + eps)
   memory_norm = jnp.sqrt(jnp.sum(memory.values * memory.values, axis=-1) + eps)
@@ -236,7 +273,9 @@ def masked_attention(
     ([[2.0], [0.0]], [[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
   """
   check_fits_device(lengths, "lengths")
-  scores, memory, lengths = (jnp.asarray(a) for a in (scores, memory, lengths))
+  scores = as_array(scores, "scores")
+  memory = as_array(memory, "memory")
+  lengths = as_array(lengths, "lengths")
   if scores.ndim != 2:
     raise ValueError(
       f"Expected `scores` to have shape [b, source_capacity], got {scores.shape}."
@@ -270,6 +309,7 @@ def masked_attention(
 def attend(scores: jax.typing.ArrayLike, memory: Memory) -> tuple[jax.Array, jax.Array]:
   """`masked_attention` of `scores` over a `Memory`: ``(context [b,
   features], weights [b, source_capacity])``."""
+  memory = check_memory(memory)
   return masked_attention(scores, memory.values, memory.lengths)
 
 
@@ -307,8 +347,12 @@ def decoder_step(
   Returns:
     ``(carry, y [b, hidden + features], weights [b, source_capacity])``.
   """
-  x_t = jnp.asarray(x_t)
-  if input_feeding:
+  check_callable(cell, "cell")
+  check_callable(attention, "attention")
+  x_t = as_array(x_t, "x_t")
+  check_rank(x_t.shape, "x_t", (2,), "[b, input_features]")
+  memory = check_memory(memory)
+  if check_bool(input_feeding, "input_feeding"):
     carry, fed = carry
     x_t = jnp.concatenate([x_t, fed.astype(x_t.dtype)], axis=-1)
   carry, h = cell(carry, x_t)

@@ -19,12 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._checks import (
+  check_callable,
   check_fits_device,
   check_integer,
   check_rows,
+  check_sequence,
+  check_settings,
   check_step_out,
+  host_numbers,
   is_float_dtype,
   is_lod,
+  ladder_sizes,
   require,
   require_each,
   static_int,
@@ -129,7 +134,7 @@ class DecodeSettings:
         raise TypeError(
           f"Expected `ladder` to be a sequence of ints or None, got {self.ladder!r}."
         )
-      set_("ladder", tuple(self.ladder))
+      set_("ladder", tuple(ladder_sizes(self.ladder)))
 
   @property
   def results(self) -> int:
@@ -138,12 +143,14 @@ class DecodeSettings:
 
 
 def _count(init_carry: Any, statics: Any) -> int:
-  for tree in (init_carry, statics):
+  for name, tree in (("init_carry", init_carry), ("static_inputs", statics)):
     leaves = jax.tree.leaves(tree, is_leaf=is_lod)
     if leaves:
       first = leaves[0]
       if is_lod(first):
         return first.capacity.sequences[-1]
+      if not hasattr(first, "shape"):
+        host_numbers(first, name)  # numbers are scalars; anything else raises
       if jnp.ndim(first) == 0:
         raise ValueError(
           "Expected `init_carry` leaves of shape [count_capacity, ...], got a scalar."
@@ -373,10 +380,8 @@ def beam_search(
     >>> [round(float(s), 3) for s in scores.to_list()[0]]
     [-1.204, -1.609]
   """
-  if not isinstance(settings, DecodeSettings):
-    raise TypeError(
-      f"Expected `settings` to be a DecodeSettings, got {type(settings).__name__}."
-    )
+  check_settings(settings)
+  check_callable(step_fn, "step_fn")
   count = _count(init_carry, static_inputs)
   check_rows(init_carry, count, "init_carry")
   statics = prepare_statics(static_inputs, count, per="source")
@@ -461,9 +466,11 @@ def ensemble_step(
     >>> [round(float(p), 3) for p in jnp.exp(log_probs)[0]]  # geometric means
     [0.671, 0.224]
   """
-  steps = tuple(steps)
+  steps = tuple(check_sequence(steps, "steps", "a sequence of step functions"))
   if not steps:
-    raise ValueError("Expected at least one member step, got none.")
+    raise ValueError("Expected `steps` to hold at least one member step, got none.")
+  for k, step in enumerate(steps):
+    check_callable(step, f"steps[{k}]")
 
   def step_fn(carries, tokens, statics):
     new, log_probs = [], []

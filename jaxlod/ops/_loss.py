@@ -8,7 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlod._checks import check_float, check_integer, check_lod, require
+from jaxlod._checks import (
+  check_float,
+  check_integer,
+  check_lod,
+  require,
+  static_float,
+)
 from jaxlod._lod import LoDTensor
 
 
@@ -54,6 +60,7 @@ def sequence_cross_entropy(
   """
   logits, labels = check_lod(logits, "logits"), check_lod(labels, "labels")
   values = _check_rows(logits, labels)
+  label_smoothing = static_float(label_smoothing, "label_smoothing")
   if not 0.0 <= label_smoothing <= 1.0:
     raise ValueError(f"Expected `label_smoothing` in [0, 1], got {label_smoothing!r}.")
   scores = logits.values.astype(jnp.promote_types(logits.values.dtype, jnp.float32))

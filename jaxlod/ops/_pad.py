@@ -16,6 +16,8 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
+  as_array,
+  check_dtype,
   check_fits_device,
   check_integer,
   check_lengths_fit,
@@ -216,7 +218,7 @@ def sequence_unpad(
     >>> x.recursive_lengths(), x.values.tolist()
     ([[1, 2]], [1.0, 3.0, 4.0, 0.0])
   """
-  padded = jnp.asarray(padded)
+  padded = as_array(padded, "padded")
   if padded.ndim < 2:
     raise ValueError(
       "Expected `padded` to have shape [count, time, *features] (rank >= 2), got "
@@ -272,6 +274,7 @@ def sequence_mask(
   check_fits_device(lengths, "lengths")
   lengths = jnp.asarray(lengths)
   check_integer(lengths.dtype, "lengths")
+  check_dtype(dtype, "dtype")
   if maxlen is None:
     if not is_concrete(lengths):
       raise ValueError(

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlod._checks import check_lod, ladder_sizes, static_float, static_int
 from jaxlod._lod import LoDTensor, is_concrete
 
 
@@ -34,6 +35,8 @@ def default_ladder(
     >>> default_ladder(64)
     (64, 52, 44, 36, 32, 28, 24, 20, 16, 12, 8, 4)
   """
+  count_capacity = static_int(count_capacity, "count_capacity", minimum=0)
+  ratio = static_float(ratio, "ratio")
   if not ratio > 1:
     raise ValueError(f"Expected `ratio` > 1, got {ratio}.")
   for name, value in (("minimum", minimum), ("multiple", multiple)):
@@ -60,19 +63,10 @@ def normalize_ladder(
     ValueError: for a size that is not a positive int or exceeds the count
       capacity.
   """
+  count_capacity = static_int(count_capacity, "count_capacity", minimum=0)
   if ladder is None:
     return default_ladder(count_capacity)
-  sizes = set()
-  for i, size in enumerate(ladder):
-    if isinstance(size, bool) or not isinstance(size, int | np.integer):
-      raise ValueError(f"Expected `ladder[{i}]` to be an int, got {size!r}.")
-    if not 1 <= size <= count_capacity:
-      raise ValueError(
-        f"Expected `ladder[{i}]` in [1, {count_capacity}] (the count capacity), "
-        f"got {size}."
-      )
-    sizes.add(int(size))
-  sizes.add(int(count_capacity))
+  sizes = {*ladder_sizes(ladder, count_capacity), count_capacity}
   return tuple(sorted(sizes, reverse=True))
 
 
@@ -215,9 +209,7 @@ def rank_table(
     >>> rank_table(x, level=0).items()  # outer sequences by sub-sequences
     [(1, 2), (0, 1)]
   """
-  if not isinstance(x, LoDTensor):
-    raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
-  level = x._level(level)
+  level = check_lod(x, "x")._level(level)
   offsets = x.offsets[level]
   count_capacity = x.capacity.sequences[level]
   ladder = normalize_ladder(count_capacity, ladder)

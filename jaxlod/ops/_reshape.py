@@ -17,15 +17,6 @@ from jaxlod.ops import _segment
 # -- private helpers ------------------------------------------------------------
 
 
-def _as_array(value: Any, name: str, expected: str) -> jax.Array:
-  try:
-    return jnp.asarray(value)
-  except TypeError:
-    raise TypeError(
-      f"Expected `{name}` to be {expected}, got {type(value).__name__}."
-    ) from None
-
-
 def _require_equal(got: Any, expected: Any, message: str) -> Any:
   """Scalars `got == expected`; the message formats ``{got}`` and ``{expected}``.
   Returns whether they are (see `_checks.require`)."""
@@ -194,7 +185,7 @@ def sequence_scatter(
     >>> sequence_scatter(np.zeros((2, 3)), index, updates).tolist()
     [[1.0, 0.0, 2.0], [0.0, 7.0, 0.0]]
   """
-  x = _as_array(x, "x", "an array")
+  x = _checks.as_array(x, "x")
   ids, rows = _check_scatter_args(x, index, updates)
   _check_count(x, index)
   _checks.require_each(
@@ -253,7 +244,7 @@ def _from_lengths(lengths: Any) -> tuple[list[jax.Array], int, list[int], int]:
   levels = _as_levels(lengths)
   if not levels:
     raise ValueError("Expected `lengths` to name at least one LoD level, got none.")
-  offsets = _lod.lengths_to_offsets(levels)
+  offsets = _lod.lengths_to_offsets(levels, "lengths")
   # The last level's total is checked against `x` below, not here.
   offsets = _checks.check_offsets(offsets, int(offsets[-1][-1]))
   time = [int(np.max(np.diff(o), initial=0)) for o in offsets]
@@ -345,7 +336,7 @@ def _rows_of(x: Any) -> tuple[jax.Array, Any]:
   """The values of `x` and its real number of rows."""
   if isinstance(x, LoDTensor):
     return x.values, x.num_rows
-  values = _as_array(x, "x", "a LoDTensor or an array")
+  values = _checks.as_array(x, "x", "a LoDTensor or an array")
   if values.ndim == 0:
     raise ValueError(
       "Expected `x` to be a LoDTensor or an array [rows, *features] (rank >= 1), "

@@ -9,6 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import (
+  as_array,
+  check_bools,
+  check_callable,
   check_pair,
   check_rows,
   check_step_out,
@@ -90,7 +93,7 @@ def prepare_statics(static_inputs: Any, count: int, per: str = "input sequence")
 
   def convert(x):
     if not is_lod(x):
-      return jnp.asarray(x)
+      return as_array(x, "static_inputs")
     if x.capacity.sequences[-1] != count:
       raise ValueError(
         f"Expected a LoDTensor in `static_inputs` to hold one sequence per {per}: "
@@ -238,8 +241,10 @@ def dynamic_rnn(
     >>> h.tolist(), ys.to_list()[0].tolist()
     ([6.0, 2.0], [2.0, 4.0, 6.0])
   """
+  check_callable(step_fn, "step_fn")
   lods, x_tree, same_lod = _flatten_inputs(inputs)
   x0 = lods[0]
+  check_bools(reverse=reverse, return_sequences=return_sequences, remat=remat)
   table, ranked = _resolve_table(x0, table, ladder)
   count = table.count_capacity
   check_rows(init_carry, count, "init_carry")

@@ -61,7 +61,7 @@ def _check_conv_params(x: LoDTensor, filter: jax.Array, bias: Any, length: int):
   _checks.check_float(filter.dtype, "filter")
   if bias is None:
     return None
-  bias = jnp.asarray(bias)
+  bias = _checks.as_array(bias, "bias", "an array or None")
   if bias.shape != (filter.shape[1],):
     raise ValueError(
       f"Expected `bias` to have shape ({filter.shape[1]},) ([out], from `filter` "
@@ -132,7 +132,7 @@ def sequence_conv(
     if context_start is None
     else _checks.static_int(context_start, "context_start")
   )
-  filter = jnp.asarray(filter)
+  filter = _checks.as_array(filter, "filter")
   bias = _check_conv_params(x, filter, bias, length)
   windows, inside = _windows(x, [start + k * stride for k in range(length)])
   windows = jnp.where(inside[..., None], windows, jnp.zeros((), windows.dtype))
@@ -189,7 +189,7 @@ def sequence_enumerate(
   x = _checks.check_lod(x, "x")
   _check_ids(x.values, "x.values")
   win_size = _checks.static_int(win_size, "win_size", minimum=1)
-  pad = jnp.asarray(pad_value)
+  pad = _checks.as_array(pad_value, "pad_value", "a scalar")
   if pad.ndim != 0:
     raise ValueError(f"Expected `pad_value` to be a scalar, got shape {pad.shape}.")
   _checks.check_integer(pad.dtype, "pad_value")

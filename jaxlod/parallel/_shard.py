@@ -13,6 +13,18 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlod._checks import (
+  as_array,
+  check_bool,
+  check_callable,
+  check_integer,
+  check_leaves,
+  check_lod,
+  check_rank,
+  check_sequence,
+  check_settings,
+  check_table,
+)
 from jaxlod._lod import LoDTensor
 from jaxlod._vma import vary, varying_axes
 from jaxlod.data import Batch
@@ -46,23 +58,24 @@ def local_shards(mesh: Mesh, axis: str = "data") -> int:
   return int(np.any(local, axis=others).sum()) if others else int(local.sum())
 
 
-def _leading(batch: Any) -> int:
+def _leading(batch: Any, name: str = "batch") -> int:
   """The common leading (shard) dimension of every leaf of `batch`."""
+  check_leaves(batch, name)
   paths = jax.tree_util.tree_leaves_with_path(batch)
   if not paths:
-    raise ValueError("Expected `batch` to hold at least one array, got none.")
+    raise ValueError(f"Expected `{name}` to hold at least one array, got none.")
   sizes = {}
   for path, leaf in paths:
     if np.ndim(leaf) == 0:
       raise ValueError(
-        f"Expected every leaf of `batch` to be stacked on a leading shard axis, "
+        f"Expected every leaf of `{name}` to be stacked on a leading shard axis, "
         f"got a scalar at {jax.tree_util.keystr(path) or '(root)'}."
       )
     sizes.setdefault(int(np.shape(leaf)[0]), jax.tree_util.keystr(path))
   if len(sizes) > 1:
     described = ", ".join(f"{n} at {p or '(root)'}" for n, p in sizes.items())
     raise ValueError(
-      f"Expected every leaf of `batch` to have the same number of shards, got "
+      f"Expected every leaf of `{name}` to have the same number of shards, got "
       f"{described}."
     )
   return next(iter(sizes))
@@ -173,6 +186,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
   """
   if not isinstance(mesh, Mesh):
     raise TypeError(f"Expected `mesh` to be a jax.sharding.Mesh, got {mesh!r}.")
+  check_leaves(tree, "tree")
   sharding = NamedSharding(mesh, P())
   if jax.process_count() == 1:
     tree = jax.device_put(tree, sharding)
@@ -273,6 +287,8 @@ def data_parallel(
     (Array(20., dtype=float32), Array(10, dtype=int32))
   """
   _check_axis(mesh, axis)
+  check_callable(fn, "fn")
+  check_bool(check_vma, "check_vma")
 
   def psum(out):
     if check_vma:  # a leaf that does not vary (a constant) counts once a device
@@ -300,6 +316,8 @@ def map_shards(
     ValueError: if `mesh` has no axis `axis`.
   """
   _check_axis(mesh, axis)
+  check_callable(fn, "fn")
+  check_bool(check_vma, "check_vma")
   return _per_device(fn, mesh, axis, check_vma, _stack, P(axis))
 
 
@@ -316,8 +334,8 @@ def unstack(tree: Any) -> list[Any]:
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return []
+  shards = _leading(tree, "tree")
   arrays = [np.asarray(a) for a in leaves]
-  shards = _leading(tree)
   return [jax.tree.unflatten(treedef, [a[s] for a in arrays]) for s in range(shards)]
 
 
@@ -374,10 +392,19 @@ def generate(
     ValueError: as `ensemble_generate` does, and for a mesh without `axis`.
   """
   _check_axis(mesh, axis)
+  check_lod(src, "src")
+  check_settings(settings)
+  check_table(src_table, "src_table", optional=True)
+  if max_lengths is not None:
+    max_lengths = as_array(max_lengths, "max_lengths", "an array or None")
+    check_integer(max_lengths.dtype, "max_lengths")
+    check_rank(max_lengths.shape, "max_lengths", (2,), "[N, count_capacity]")
   one_pair = isinstance(members, tuple) and len(members) == 2
   if one_pair and not isinstance(members[0], tuple | list):
     members = [members]
-  members = list(members)
+  members = check_sequence(
+    members, "members", "a (Seq2Seq, variables) pair or a list of them"
+  )
   for k, pair in enumerate(members):
     if not (isinstance(pair, tuple) and len(pair) == 2):
       raise TypeError(

@@ -81,6 +81,9 @@ class GeneralAttention(Attention):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
+    _checks.check_sizes(hidden=hidden, features=features)
+    _checks.check_dtype(dtype, "dtype")
+    _checks.check_dtype(param_dtype, "param_dtype")
     self.query = nnx.Linear(
       hidden, features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
@@ -134,6 +137,9 @@ class AdditiveAttention(Attention):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
+    _checks.check_sizes(hidden=hidden, features=features, units=units)
+    _checks.check_dtype(dtype, "dtype")
+    _checks.check_dtype(param_dtype, "param_dtype")
     common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
     self.key = _linear(features, units, False, **common)
     self.query = _linear(hidden, units, True, **common)
@@ -175,7 +181,7 @@ class CosineAttention(Attention):
   """
 
   def __init__(self, eps: float = core.COSINE_EPS):
-    self.eps = eps
+    self.eps = _checks.check_eps(eps)
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.cosine_scores``."""

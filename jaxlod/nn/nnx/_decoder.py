@@ -60,9 +60,12 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     remat: bool = True,
     ladder: Sequence[int] | None = None,
   ):
+    _checks.check_cell(cell)
+    _checks.check_callable(attention, "attention")
+    _checks.check_bools(input_feeding=input_feeding, remat=remat)
     self.cell, self.attention = cell, attention
     self.input_feeding, self.remat = input_feeding, remat
-    self.ladder = None if ladder is None else tuple(ladder)
+    self.ladder = _checks.check_ladder(ladder)
 
   def initialize_carry(self, shape: tuple[int, int]) -> Any:
     """``cell.initialize_carry(shape, nnx.Rngs(0))``."""

@@ -63,6 +63,7 @@ def initialize_carry(
   Flax's cells draw their default (zero) carry from an RNG stream; a fixed
   one keeps the default carry deterministic and the module stateless.
   """
+  _checks.check_cell(cell, "initialize_carry(input_shape, rngs)")
   return cell.initialize_carry(input_shape, nnx.Rngs(0) if rngs is None else rngs)
 
 
@@ -107,11 +108,13 @@ class DynamicRNN(nnx.Module):
     remat: bool = False,
     ladder: Sequence[int] | None = None,
   ):
+    _checks.check_cell(cell)
+    _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=remat)
     self.cell = cell
     self.reverse = reverse
     self.return_carry = return_carry
     self.remat = remat
-    self.ladder = None if ladder is None else tuple(ladder)
+    self.ladder = _checks.check_ladder(ladder)
 
   def __call__(
     self,
@@ -131,6 +134,10 @@ class DynamicRNN(nnx.Module):
     if initial_carry is None:
       shape = (x.capacity.sequences[-1], *x.feature_shape)
       initial_carry = initialize_carry(self.cell, shape, rngs)
+    else:
+      # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
+      _checks.check_cell(self.cell)
+      _checks.check_leaves(initial_carry, "initial_carry")
     cell = functional_call(self.cell)
     return _common.run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
 
@@ -178,6 +185,11 @@ class Bidirectional(nnx.Module):
     merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     return_carry: bool = False,
   ):
+    _checks.check_callable(forward_rnn, "forward_rnn")
+    _checks.check_callable(backward_rnn, "backward_rnn")
+    if merge_fn is not None:
+      _checks.check_callable(merge_fn, "merge_fn")
+    _checks.check_bool(return_carry, "return_carry")
     self.forward_rnn = forward_rnn
     self.backward_rnn = backward_rnn
     self.merge_fn = merge_fn
@@ -248,6 +260,7 @@ class StackedRNN(_common.StackCalls, nnx.Module):
     )
     self.layers = nnx.List(layers)
     self.dropouts = nnx.List([nnx.Dropout(rate, rngs=rngs) for rate in rates])
+    _checks.check_bools(deterministic=deterministic, return_carry=return_carry)
     self.deterministic = deterministic
     self.return_carry = return_carry
 
@@ -287,6 +300,10 @@ class HierarchicalEncoder(nnx.Module):
     pool_type: str = "last",
     return_carry: bool = False,
   ):
+    _checks.check_callable(inner, "inner")
+    _checks.check_callable(outer, "outer")
+    _checks.check_pool_type(pool_type)
+    _checks.check_bool(return_carry, "return_carry")
     self.inner = inner
     self.outer = outer
     self.pool_type = pool_type

@@ -94,7 +94,10 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
     deterministic: bool = True,
     rngs: nnx.Rngs,
   ):
-    _checks.check_rate(dropout, "dropout", closed=False)
+    _common.check_seq2seq(
+      src_vocab, tgt_vocab, embed_dim, encoder, decoder, bridge, dropout, deterministic
+    )
+    _checks.check_sizes(features=features)
     self.src_vocab, self.tgt_vocab, self.embed_dim = src_vocab, tgt_vocab, embed_dim
     self.encoder, self.decoder = encoder, decoder
     self.bridge, self.deterministic = bridge, deterministic
@@ -137,7 +140,7 @@ def ensemble_generate(
     ValueError: for no members, members with different ``tgt_vocab``, and
       as `Seq2Seq.generate` does.
   """
-  members = list(members)
+  members = _checks.check_sequence(members, "members", "a sequence of Seq2Seq")
   for k, model in enumerate(members):
     if not isinstance(model, Seq2Seq):
       raise TypeError(

@@ -1,0 +1,299 @@
+"""The catalogue of wrong inputs and the table machinery of
+tests/test_api_inputs.py.
+
+Each public callable is a `Target`: its arguments, each with a valid value
+and the wrong values of its kind (`BAD`), and how to call it. The targets
+live in tests/api_targets.py (jaxlod, ops, data, parallel) and
+tests/api_layer_targets.py (nn, nn.nnx).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxlod.nn as linen
+import jaxlod.nn.nnx as nnx_layers
+from jaxlod import Buckets, LoDTensor, data, ops
+
+# -- valid inputs --------------------------------------------------------------------
+
+
+def lod() -> LoDTensor:
+  """One level, float rows [3, 2], lengths [2, 1]."""
+  values = np.arange(6.0, dtype=np.float32).reshape(3, 2)
+  return LoDTensor.from_lengths(values, [[2, 1]])
+
+
+def ids() -> LoDTensor:
+  """One level of int ids [3], lengths [2, 1]."""
+  return LoDTensor.from_lengths(np.array([1, 2, 3], np.int32), [[2, 1]])
+
+
+def nested() -> LoDTensor:
+  """Two levels, float rows [4, 2]: [[2, 1], [1, 2, 1]]."""
+  return LoDTensor.from_lengths(np.ones((4, 2), np.float32), [[2, 1], [1, 2, 1]])
+
+
+def scalars() -> LoDTensor:
+  """One level, float rows [3], lengths [2, 1]."""
+  return LoDTensor.from_lengths(np.ones(3, np.float32), [[2, 1]])
+
+
+def table() -> ops.RankTable:
+  return ops.rank_table(lod())
+
+
+def memory() -> ops.Memory:
+  """A Memory of 2 rows over 2 slots of 2 features."""
+  return ops.lod_memory(lod())
+
+
+def step_log_probs(carry, tokens, static):
+  """A decoding step over 5 tokens."""
+  del static
+  return carry, jax.nn.log_softmax(jnp.zeros((tokens.shape[0], 5)))
+
+
+def rnn_step(carry, x_t, static):
+  del static
+  return carry, x_t
+
+
+SETTINGS = ops.DecodeSettings(bos_id=0, eos_id=4, max_length=3, beam_size=2)
+# The models' settings: `eos_id` in their target vocabulary of 9.
+MODEL_SETTINGS = ops.DecodeSettings(bos_id=0, eos_id=1, max_length=3, beam_size=2)
+
+
+def mesh() -> jax.sharding.Mesh:
+  return jax.make_mesh((1,), ("data",))
+
+
+def stacked(x: Any) -> Any:
+  """One shard: every leaf with a leading axis of 1."""
+  return jax.tree.map(lambda a: a[None], x)
+
+
+def batcher(**kwargs: Any) -> data.Batcher:
+  examples = [(np.ones(n, np.float32),) for n in (3, 1, 2)]
+  buckets = Buckets.fixed(tokens=8, sequences=4, time=4)
+  return data.Batcher(examples, buckets, shuffle=False, prefetch=0, **kwargs)
+
+
+def linen_model() -> linen.Seq2Seq:
+  return linen.Seq2Seq(
+    src_vocab=8,
+    tgt_vocab=9,
+    embed_dim=3,
+    encoder=linen.DynamicRNN(nn.GRUCell(2)),
+    decoder=linen.AttentionDecoder(nn.GRUCell(2), linen.DotAttention()),
+  )
+
+
+@functools.cache
+def linen_params() -> Any:
+  return linen_model().init(jax.random.key(0), ids(), ids())
+
+
+def nnx_model() -> nnx_layers.Seq2Seq:
+  rngs = nnx.Rngs(0)
+  decoder = nnx_layers.AttentionDecoder(
+    nnx.GRUCell(3, 2, rngs=rngs), nnx_layers.DotAttention()
+  )
+  encoder = nnx_layers.DynamicRNN(nnx.GRUCell(3, 2, rngs=rngs))
+  return nnx_layers.Seq2Seq(8, 9, 3, encoder, decoder, features=2, rngs=rngs)
+
+
+# -- the catalogue of wrong inputs, per kind of argument -----------------------------
+
+STR = ("str", lambda: "a")
+NONE = ("None", lambda: None)
+OBJECT = ("object", object)
+FLOAT = ("float", lambda: 1.5)
+NEGATIVE = ("negative", lambda: -1)
+ZERO = ("zero", lambda: 0)
+INT = ("int", lambda: 5)
+NAN = ("nan", lambda: float("nan"))
+BOOLS = ("bool_array", lambda: np.array([True, False]))
+STRINGS = ("strings", lambda: ["a", "b"])
+FLOATS = ("floats", lambda: np.array([1.5, 2.5]))
+INTS_RANK3 = ("rank3", lambda: np.zeros((2, 2, 2), np.int32))
+ARRAY = ("array", lambda: np.zeros((3, 2), np.float32))
+VECTOR = ("vector", lambda: np.zeros(2, np.int32))
+A_LOD = ("LoDTensor", lod)
+SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
+UNKNOWN = ("unknown", lambda: "nope")
+EMPTY = ("empty", list)
+
+Bad = tuple[str, Callable[[], Any]]
+
+BAD: dict[str, list[Bad]] = {
+  # A LoDTensor.
+  "lod": [STR, NONE, OBJECT, ARRAY, STRINGS],
+  # A list of LoDTensors.
+  "lods": [STR, NONE, OBJECT, INT, EMPTY, ("arrays", lambda: [np.zeros(3)])],
+  # A numeric array.
+  "array": [STR, NONE, OBJECT, STRINGS, A_LOD],
+  # An array or a LoDTensor.
+  "array_or_lod": [STR, NONE, OBJECT, STRINGS],
+  # A 2-D array, e.g. scores [b, source_capacity] or a query [b, hidden].
+  "matrix": [STR, NONE, OBJECT, STRINGS, A_LOD, VECTOR],
+  # Integers of any shape.
+  "int_values": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD],
+  # A 1-D integer array (lengths, ids, offsets, limits).
+  "ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3],
+  # A static int of any sign.
+  "int": [STR, NONE, OBJECT, FLOAT, VECTOR],
+  "mapping": [STR, NONE, OBJECT, INT],
+  "floats": [STR, NONE, OBJECT, STRINGS],
+  # A static int >= 0 or >= 1.
+  "int>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR],
+  "int>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR],
+  # One int for every LoD level, or one per level.
+  "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE],
+  # A LoD level index (the valid ones of one level: -1 and 0).
+  "level": [STR, NONE, OBJECT, FLOAT, ("out_of_range", lambda: 7)],
+  # Static floats with a domain.
+  "float>=0": [STR, NONE, OBJECT, VECTOR, NEGATIVE, NAN],
+  "rate": [STR, NONE, OBJECT, VECTOR, NEGATIVE, ("above_one", lambda: 1.5), NAN],
+  "ratio>1": [STR, NONE, OBJECT, VECTOR, ("one", lambda: 1.0), NAN],
+  "bool": [STR, NONE, OBJECT, BOOLS],
+  # One of a few names (a pool type, a policy, a kind of size).
+  "choice": [UNKNOWN, NONE, INT],
+  "dtype": [("unknown", lambda: "not_a_dtype"), OBJECT],
+  "tuple": [STR, NONE, OBJECT, INT, ("list", lambda: [8])],
+  "path": [OBJECT, INT],
+  # Functions, and sequences of them (steps, layers).
+  "callable": [STR, NONE, OBJECT, INT],
+  "callables": [STR, NONE, OBJECT, INT, EMPTY, ("strings", lambda: ["a"])],
+  "module": [STR, NONE, OBJECT, INT],
+  # Ladders of batch sizes, and bucket boundaries.
+  "ladder": [STR, OBJECT, INT, ("floats", lambda: [1.5]), ("zero", lambda: [0])],
+  "boundaries": [STR, NONE, OBJECT, INT, ("floats", lambda: [1.5])],
+  # One sequence of ints per LoD level.
+  "levels": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("floats", lambda: [[1.5, 1.5]]),
+    ("strings", lambda: [["a", "b"]]),
+    ("flat_strings", lambda: ["a", "b"]),
+  ],
+  # Sequences of rows (`LoDTensor.from_sequences`).
+  "seqs": [STR, NONE, OBJECT, INT, ("strings", lambda: [["a", "b"]])],
+  # A pad value: a scalar or an array that broadcasts to the features.
+  "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
+  "buckets": [STR, OBJECT, INT],
+  # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.
+  "capacity": [STR, OBJECT, FLOAT, NEGATIVE],
+  "table": [STR, NONE, OBJECT, A_LOD],
+  "settings": [STR, NONE, OBJECT, ("dict", lambda: {"bos_id": 0})],
+  # A `jaxlod.ops.Memory`.
+  "memory": [STR, NONE, OBJECT, A_LOD, ARRAY],
+  # A Memory, a one-level LoDTensor or a padded array [b, source, features].
+  "memory_like": [STR, NONE, OBJECT, STRINGS, VECTOR],
+  # Precomputed attention keys: an array or a LoDTensor.
+  "keys": [STR, OBJECT, STRINGS, VECTOR],
+  # Pytrees: of arrays [count_capacity, ...] (carries, per-sequence inputs);
+  # of arrays (`beam_search`'s carry, whose first leaf sets the count; the
+  # layers' `initial_carry`, whose leading dimensions `dynamic_rnn` checks as
+  # its `init_carry`); of any arrays; of stacked shards (a sharded batch).
+  "rows": [STR, OBJECT, SHORT],
+  "carry": [STR, OBJECT],
+  "tree": [STR, OBJECT],
+  "stacked": [STR, OBJECT, ("scalar", lambda: np.float32(1.0))],
+  "examples": [STR, NONE, OBJECT, INT, ("strings", lambda: [("a",), ("b",)])],
+  "members": [STR, NONE, OBJECT, INT, EMPTY],
+  "mesh": [STR, NONE, OBJECT],
+  "axis": [UNKNOWN, NONE, INT],
+}
+
+
+# -- the table ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+  """A valid value (a thunk) and the catalogue of wrong ones."""
+
+  valid: Callable[[], Any]
+  bad: tuple[Bad, ...]
+
+
+def arg(valid: Any, kind: str, *, none_ok: bool = False) -> Arg:
+  """An argument of `kind`; `valid` is a value or a thunk making one (types,
+  such as dtypes, are values). `none_ok`: `None` is valid too."""
+  thunk = valid if callable(valid) and not isinstance(valid, type) else lambda: valid
+  bad = [b for b in BAD[kind] if not (none_ok and b is NONE)]
+  return Arg(thunk, tuple(bad))
+
+
+def keep(valid: Any) -> Arg:
+  """An argument the table passes valid only (see `Target.unchecked`)."""
+  return Arg(lambda: valid() if callable(valid) else valid, ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A public callable, its arguments and how to call it.
+
+  Attributes:
+    name: the public name, e.g. ``ops.sequence_pool``, ``LoDTensor.lengths``
+      or ``nn.DynamicRNN`` (a layer: constructor and call).
+    signatures: the functions whose parameters are the arguments (a
+      layer's constructor and call).
+    args: per argument, its valid value and its wrong ones. A call's
+      argument named as a constructor's is keyed ``"name (call)"``.
+    call: ``call(**arguments)``.
+    unchecked: arguments with no wrong values, each with the reason.
+  """
+
+  name: str
+  signatures: tuple[Callable, ...]
+  args: dict[str, Arg]
+  call: Callable[..., Any]
+  unchecked: dict[str, str]
+
+  def parameters(self) -> list[str]:
+    """The arguments of `signatures`, keyed as `args` keys them."""
+    names = []
+    for fn in self.signatures:
+      for p in inspect.signature(fn).parameters.values():
+        if p.name in ("self", "cls", "parent", "name") or p.kind in (
+          p.VAR_POSITIONAL,
+          p.VAR_KEYWORD,
+        ):
+          continue
+        names.append(f"{p.name} (call)" if p.name in names else p.name)
+    return names
+
+
+def add_target(
+  targets: list[Target],
+  name: str,
+  fn: Callable | None,
+  args: dict[str, Arg],
+  *,
+  call: Callable[..., Any] | None = None,
+  signatures: tuple[Callable, ...] | None = None,
+  unchecked: dict[str, str] | None = None,
+) -> None:
+  """Adds ``Target(name, ...)``; `fn` gives the signature and, by default,
+  the call."""
+  signatures = signatures or (fn,)
+  targets.append(Target(name, signatures, args, call or fn, dict(unchecked or {})))
+
+
+def method(factory: Callable[[], Any], name: str) -> Callable[..., Any]:
+  """Calls ``factory().name(**kwargs)``."""
+  return lambda **kwargs: getattr(factory(), name)(**kwargs)

@@ -1,0 +1,370 @@
+"""The targets of tests/test_api_inputs.py in jaxlod.nn and jaxlod.nn.nnx: each
+layer built with valid constructor arguments and called on valid inputs (one
+wrong argument at a time, in either), and the public methods that take
+arguments from users (see tests/api_catalogue.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxlod.nn as linen
+import jaxlod.nn.nnx as nnx_layers
+from tests.api_catalogue import (
+  MODEL_SETTINGS,
+  Arg,
+  Target,
+  add_target,
+  arg,
+  ids,
+  linen_model,
+  linen_params,
+  lod,
+  nested,
+  nnx_model,
+)
+
+TARGETS: list[Target] = []
+target = functools.partial(add_target, TARGETS)
+
+
+def linen_fields(cls: type) -> Callable:
+  """A function whose signature is a Linen module's constructor (its
+  dataclass fields but `parent` and `name`)."""
+
+  def fields(**kwargs):
+    del kwargs
+
+  names = [f.name for f in dataclasses.fields(cls) if f.init]
+  fields.__signature__ = inspect.Signature(
+    [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in names]
+  )
+  return fields
+
+
+def layer(
+  name: str,
+  signatures: tuple[Callable, Callable],
+  build: Callable[..., Any],
+  run: Callable[..., Any],
+  ctor: dict[str, Arg],
+  args: dict[str, Arg],
+  unchecked: dict[str, str] | None = None,
+) -> None:
+  """A layer built by ``build(**ctor)`` and run by ``run(layer, **args)``;
+  `signatures` are its constructor's and its call's."""
+
+  def invoke(**kwargs):
+    built = build(**{k: kwargs[k] for k in ctor})
+    return run(built, **{k.split()[0]: kwargs[k] for k in args})
+
+  target(
+    name,
+    None,
+    {**ctor, **args},
+    call=invoke,
+    signatures=signatures,
+    unchecked=unchecked,
+  )
+
+
+def linen_init(module: nn.Module, **kwargs: Any) -> Any:
+  return module.init(jax.random.key(0), **kwargs)
+
+
+def nnx_call(module: nnx.Module, **kwargs: Any) -> Any:
+  return module(**kwargs)
+
+
+TWINS = {
+  # twin: (module, a cell, the constructor's signature, how to run a layer)
+  "nn": (linen, lambda: nn.GRUCell(2), linen_fields, linen_init),
+  "nnx": (
+    nnx_layers,
+    lambda: nnx.GRUCell(2, 2, rngs=nnx.Rngs(0)),
+    lambda cls: cls.__init__,
+    nnx_call,
+  ),
+}
+KEYS = {
+  "nn": {"init_key": "handed to the cell's `initialize_carry` (a JAX key)"},
+  "nnx": {"rngs": "handed to Flax (`nnx.Rngs` checks its own arguments)"},
+}
+
+# -- recurrent layers ------------------------------------------------------------
+
+RNN_CALL = {
+  "x": arg(lod, "lod"),
+  "initial_carry": arg(None, "carry", none_ok=True),
+  "return_carry (call)": arg(None, "bool", none_ok=True),
+  "table": arg(None, "table", none_ok=True),
+}
+
+for twin, (module, cell, init_of, run) in TWINS.items():
+
+  def rnn(module=module, cell=cell):
+    return module.DynamicRNN(cell())
+
+  def signatures(cls, init_of=init_of):
+    return init_of(cls), cls.__call__
+
+  layer(
+    f"{twin}.DynamicRNN",
+    signatures(module.DynamicRNN),
+    module.DynamicRNN,
+    run,
+    {
+      "cell": arg(cell, "module"),
+      "reverse": arg(False, "bool"),
+      "return_carry": arg(False, "bool"),
+      "remat": arg(False, "bool"),
+      "ladder": arg(None, "ladder", none_ok=True),
+    },
+    {**RNN_CALL, "reverse (call)": arg(None, "bool", none_ok=True)},
+    KEYS[twin],
+  )
+  layer(
+    f"{twin}.Bidirectional",
+    signatures(module.Bidirectional),
+    lambda forward_rnn, backward_rnn, module=module, **kw: module.Bidirectional(
+      forward_rnn, backward_rnn, **kw
+    ),
+    run,
+    {
+      "forward_rnn": arg(rnn, "module"),
+      "backward_rnn": arg(rnn, "module"),
+      "merge_fn": arg(None, "callable", none_ok=True),
+      "return_carry": arg(False, "bool"),
+    },
+    RNN_CALL,
+    KEYS[twin],
+  )
+  layer(
+    f"{twin}.StackedRNN",
+    signatures(module.StackedRNN),
+    module.StackedRNN,
+    run,
+    {
+      "layers": arg(lambda rnn=rnn: [rnn()], "callables"),
+      "dropout_rate": arg(0.0, "rate"),
+      "input_dropout": arg(0.0, "rate"),
+      "output_dropout": arg(0.0, "rate"),
+      "deterministic": arg(True, "bool"),
+      "return_carry": arg(False, "bool"),
+    },
+    {
+      "x": arg(lod, "lod"),
+      "deterministic (call)": arg(None, "bool", none_ok=True),
+      "return_carry (call)": arg(None, "bool", none_ok=True),
+      "table": arg(None, "table", none_ok=True),
+    },
+    {"rngs": KEYS["nnx"]["rngs"]} if twin == "nnx" else {},
+  )
+  layer(
+    f"{twin}.HierarchicalEncoder",
+    signatures(module.HierarchicalEncoder),
+    lambda inner, outer, module=module, **kw: module.HierarchicalEncoder(
+      inner, outer, **kw
+    ),
+    run,
+    {
+      "inner": arg(rnn, "module"),
+      "outer": arg(rnn, "module"),
+      "pool_type": arg("last", "choice"),
+      "return_carry": arg(False, "bool"),
+    },
+    {"x": arg(nested, "lod"), "return_carry (call)": arg(None, "bool", none_ok=True)},
+  )
+
+# -- attention -------------------------------------------------------------------
+
+ATTENTION_CALL = {
+  "query": arg(lambda: np.ones((2, 2), np.float32), "matrix"),
+  "memory": arg(lambda: np.ones((2, 3, 2), np.float32), "memory_like"),
+  "lengths": arg(lambda: np.array([3, 1]), "ints"),
+  "keys": arg(None, "keys", none_ok=True),
+}
+DTYPES = {
+  "dtype": arg(None, "dtype", none_ok=True),
+  "param_dtype": arg(jnp.float32, "dtype"),
+}
+NNX_SIZES = {"hidden": arg(2, "int>=1"), "features": arg(2, "int>=1")}
+for name, linen_ctor, nnx_ctor in (
+  ("DotAttention", {}, {}),
+  ("CosineAttention", {"eps": arg(1e-8, "float>=0")}, {"eps": arg(1e-8, "float>=0")}),
+  ("GeneralAttention", DTYPES, {**NNX_SIZES, **DTYPES}),
+  (
+    "AdditiveAttention",
+    {"units": arg(3, "int>=1"), **DTYPES},
+    {**NNX_SIZES, "units": arg(3, "int>=1"), **DTYPES},
+  ),
+):
+  cls = getattr(linen, name)
+  layer(
+    f"nn.{name}",
+    (linen_fields(cls), cls.__call__),
+    cls,
+    linen_init,
+    linen_ctor,
+    ATTENTION_CALL,
+  )
+  cls = getattr(nnx_layers, name)
+  takes_rngs = "rngs" in inspect.signature(cls.__init__).parameters
+  build = functools.partial(cls, rngs=nnx.Rngs(0)) if takes_rngs else cls
+  layer(
+    f"nnx.{name}",
+    (cls.__init__, cls.__call__),
+    build,
+    nnx_call,
+    nnx_ctor,
+    ATTENTION_CALL,
+    {"rngs": KEYS["nnx"]["rngs"]} if takes_rngs else {},
+  )
+
+target(
+  "nn.AdditiveAttention.keys",
+  linen.AdditiveAttention.keys,
+  {"memory": arg(lod, "memory_like")},
+  call=lambda **kw: linen.AdditiveAttention(3).init(
+    jax.random.key(0), method="keys", **kw
+  ),
+)
+target(
+  "nnx.AdditiveAttention.keys",
+  nnx_layers.AdditiveAttention.keys,
+  {"memory": arg(lod, "memory_like")},
+  call=lambda **kw: nnx_layers.AdditiveAttention(2, 2, 3, rngs=nnx.Rngs(0)).keys(**kw),
+)
+
+# -- decoders and encoder-decoders ---------------------------------------------------
+
+DECODER_CALL = {
+  "tgt": arg(lod, "lod"),
+  "memory": arg(lod, "lod"),
+  "initial_carry": arg(None, "carry", none_ok=True),
+  "return_weights": arg(False, "bool"),
+  "table": arg(None, "table", none_ok=True),
+}
+for twin, (module, cell, init_of, run) in TWINS.items():
+  cls = module.AttentionDecoder
+  layer(
+    f"{twin}.AttentionDecoder",
+    (init_of(cls), cls.__call__),
+    cls,
+    run,
+    {
+      "cell": arg(cell, "module"),
+      "attention": arg(lambda module=module: module.DotAttention(), "module"),
+      "input_feeding": arg(False, "bool"),
+      "remat": arg(True, "bool"),
+      "ladder": arg(None, "ladder", none_ok=True),
+    },
+    DECODER_CALL,
+  )
+
+SEQ2SEQ_CTOR = {
+  "src_vocab": arg(8, "int>=1"),
+  "tgt_vocab": arg(9, "int>=1"),
+  "embed_dim": arg(3, "int>=1"),
+  "bridge": arg(True, "bool"),
+  "dropout": arg(0.0, "rate"),
+  "deterministic": arg(True, "bool"),
+}
+SEQ2SEQ_CALL = {
+  "src": arg(ids, "lod"),
+  "tgt_in": arg(ids, "lod"),
+  "return_weights": arg(False, "bool"),
+  "src_table": arg(None, "table", none_ok=True),
+  "tgt_table": arg(None, "table", none_ok=True),
+}
+layer(
+  "nn.Seq2Seq",
+  (linen_fields(linen.Seq2Seq), linen.Seq2Seq.__call__),
+  linen.Seq2Seq,
+  linen_init,
+  {
+    **SEQ2SEQ_CTOR,
+    "encoder": arg(lambda: linen.DynamicRNN(nn.GRUCell(2)), "module"),
+    "decoder": arg(
+      lambda: linen.AttentionDecoder(nn.GRUCell(2), linen.DotAttention()), "module"
+    ),
+  },
+  SEQ2SEQ_CALL,
+)
+
+
+def nnx_seq2seq(**kw: Any) -> nnx_layers.Seq2Seq:
+  """An NNX Seq2Seq over cells as wide as the embedding (3 when wrong)."""
+  width = kw["embed_dim"] if isinstance(kw["embed_dim"], int) else 3
+  rngs = nnx.Rngs(0)
+  encoder = nnx_layers.DynamicRNN(nnx.GRUCell(max(width, 1), 2, rngs=rngs))
+  decoder = nnx_layers.AttentionDecoder(
+    nnx.GRUCell(max(width, 1), 2, rngs=rngs), nnx_layers.DotAttention()
+  )
+  return nnx_layers.Seq2Seq(**{"encoder": encoder, "decoder": decoder, **kw}, rngs=rngs)
+
+
+layer(
+  "nnx.Seq2Seq",
+  (nnx_layers.Seq2Seq.__init__, nnx_layers.Seq2Seq.__call__),
+  nnx_seq2seq,
+  nnx_call,
+  {
+    **SEQ2SEQ_CTOR,
+    "encoder": arg(lambda: nnx_model().encoder, "module"),
+    "decoder": arg(lambda: nnx_model().decoder, "module"),
+    "features": arg(2, "int>=1"),
+  },
+  SEQ2SEQ_CALL,
+  {"rngs": KEYS["nnx"]["rngs"]},
+)
+
+GENERATE = {
+  "src": arg(ids, "lod"),
+  "settings": arg(MODEL_SETTINGS, "settings"),
+  "max_lengths": arg(None, "ints", none_ok=True),
+  "src_table": arg(None, "table", none_ok=True),
+}
+target(
+  "nn.Seq2Seq.generate",
+  linen.Seq2Seq.generate,
+  GENERATE,
+  call=lambda **kw: linen_model().apply(linen_params(), method="generate", **kw),
+)
+target(
+  "nnx.Seq2Seq.generate",
+  nnx_layers.Seq2Seq.generate,
+  GENERATE,
+  call=lambda **kw: nnx_model().generate(**kw),
+)
+target(
+  "nn.Seq2Seq.encode",
+  linen.Seq2Seq.encode,
+  {"src": arg(ids, "lod"), "table": arg(None, "table", none_ok=True)},
+  call=lambda **kw: linen_model().apply(linen_params(), method="encode", **kw),
+)
+target(
+  "nnx.Seq2Seq.encode",
+  nnx_layers.Seq2Seq.encode,
+  {"src": arg(ids, "lod"), "table": arg(None, "table", none_ok=True)},
+  call=lambda **kw: nnx_model().encode(**kw),
+)
+target(
+  "nn.ensemble_generate",
+  linen.ensemble_generate,
+  {"members": arg(lambda: [(linen_model(), linen_params())], "members"), **GENERATE},
+)
+target(
+  "nnx.ensemble_generate",
+  nnx_layers.ensemble_generate,
+  {"members": arg(lambda: [nnx_model()], "members"), **GENERATE},
+)
