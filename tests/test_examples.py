@@ -1,5 +1,8 @@
 """The example programs behind ``python -m jaxlod``."""
 
+import subprocess
+import sys
+
 import numpy as np
 
 from jaxlod.examples import tour, w1
@@ -23,3 +26,16 @@ def test_w1_running_mean_target():
     [np.cumsum(s, 0) / n for s, n in zip(x.to_list(), steps, strict=True)]
   )
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_python_m_jaxlod_help_prints_help_only():
+  done = subprocess.run(
+    [sys.executable, "-m", "jaxlod", "--help"],
+    capture_output=True,
+    text=True,
+    timeout=60,
+    check=True,
+  )
+  assert done.stdout.startswith("usage: python -m jaxlod [-h]")
+  assert "python -m jaxlod.examples.g2p" in done.stdout
+  assert "recursive lengths" not in done.stdout

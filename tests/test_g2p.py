@@ -1,6 +1,7 @@
 """The G2P example: CMUdict split, vocabularies, error rates, and a tiny run."""
 
 import dataclasses
+import io
 import os
 import pathlib
 import subprocess
@@ -403,6 +404,7 @@ def test_tiny_run_saves_and_resumes(
   assert "CMUdict words: train 357, dev 16, test 27; stress stripped" in out
   assert "| split | words | PER | WER |" in out
   assert "| word | reference | prediction |" in out
+  assert f"predict --workdir {tmp_path / 'a'} WORD ..." in out.splitlines()[-1]
   assert out.count("step 6: dev PER") == 1 and out.count("step 12: dev PER") == 1
   assert first["start_step"] == 0 and first["step"] == 12
   assert [h[0] for h in first["history"]] == [6, 12]
@@ -662,3 +664,141 @@ def test_docstring_examples():
 
   result = doctest.testmod(data, verbose=False)
   assert result.attempted >= 2 and result.failed == 0
+
+
+# -- predict ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_tiny(tmp_path_factory, tiny_state, tiny_step, tiny_decoder):
+  """A workdir trained by the example's training loop (the tiny preset's 12
+  steps, checkpoints with config and vocabularies), and its corpus."""
+  workdir = tmp_path_factory.mktemp("trained")
+  corpus = g2p.load_corpus(TINY)
+  g2p.train(
+    TINY, corpus, *tiny_state, 0, workdir, True, step_fn=tiny_step, decode=tiny_decoder
+  )
+  return workdir, corpus
+
+
+def test_check_words_normalizes_case_and_names_what_is_left_out():
+  letters = data.letter_vocab()
+  words = ["Kubernetes", " cat ", "O'Neil", "naïve", "", "a" * 33, "b" * 32]
+  kept, messages = g2p.check_words(words, letters)
+  assert kept == [(0, "kubernetes"), (1, "cat"), (6, "b" * 32)]
+  assert messages == [
+    '"O\'Neil": characters "\'" are not in the model\'s alphabet '
+    "(abcdefghijklmnopqrstuvwxyz)",
+    "'naïve': characters 'ï' are not in the model's alphabet "
+    "(abcdefghijklmnopqrstuvwxyz)",
+    "'': an empty word",
+    f"'{'a' * 33}': 33 letters, more than the model's 32",
+  ]
+
+
+def _generate_best(trained, words):
+  """The best hypothesis of each word from `Seq2Seq.generate` on one batch
+  of `words` built here, without the Batcher or the example's decoders."""
+  config = trained.config
+  src = LoDTensor.from_sequences([trained.letters.encode(w) for w in words])
+  model = m.build_model(config, len(trained.phones))
+  settings = m.search_settings(config.beam, src.capacity.time[0])
+  hyps = jax.jit(
+    lambda p, s: model.apply(
+      p, s, settings, method="generate", max_lengths=m.max_lengths(s)
+    )
+  )(trained.params, src)
+  return [trained.phones.decode(h[0]) for h in hyps.ids.to_list()]
+
+
+def test_predict_prints_the_beam_search_best_of_each_word(
+  trained_tiny, capsys, monkeypatch
+):
+  workdir, corpus = trained_tiny
+  trained = g2p.load_trained(workdir)
+  assert trained.steps == [TINY.steps] and trained.config == TINY
+  assert trained.phones.tokens == corpus.phones.tokens
+  words = [w for w, _ in corpus.splits["dev"][:6]]
+  best = _generate_best(trained, words)
+  # Known words, an upper-case one, and two left out: the others are still
+  # transcribed, in their order, and the exit status is 1.
+  argv = ["--workdir", str(workdir), words[0].upper(), "o'neil", *words[1:], "naïve"]
+  assert g2p.predict_main(argv) == 1
+  out, err = capsys.readouterr()
+  expected = [f"{words[0].upper()}\t{' '.join(best[0])}"]
+  expected += [f"{w}\t{' '.join(b)}" for w, b in zip(words[1:], best[1:], strict=True)]
+  assert out.splitlines() == expected
+  assert err.splitlines() == [
+    'python -m jaxlod.examples.g2p predict: left out "o\'neil": characters "\'" '
+    "are not in the model's alphabet (abcdefghijklmnopqrstuvwxyz)",
+    "python -m jaxlod.examples.g2p predict: left out 'naïve': characters 'ï' are "
+    "not in the model's alphabet (abcdefghijklmnopqrstuvwxyz)",
+  ]
+  # The same as the training run's own evaluation decoder.
+  assert g2p.predict(trained.params, TINY, corpus, words, TINY.beam) == best
+
+  # --nbest: K lines a word, best first, with their scores.
+  assert g2p.predict_main(["--workdir", str(workdir), "--nbest", "2", *words[:3]]) == 0
+  lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+  assert [line[0] for line in lines] == [w for w in words[:3] for _ in range(2)]
+  assert [line[1] for line in lines[::2]] == [" ".join(b) for b in best[:3]]
+  scores = [float(line[2]) for line in lines]
+  assert all(a >= b for a, b in zip(scores[::2], scores[1::2], strict=True))
+
+  # Standard input, one word a line (blank lines skipped); empty input.
+  monkeypatch.setattr(sys, "stdin", io.StringIO(f"{words[1]}\n\n  {words[0]}\n"))
+  assert g2p.predict_main(["--workdir", str(workdir)]) == 0
+  out = capsys.readouterr().out
+  assert out == f"{words[1]}\t{' '.join(best[1])}\n{words[0]}\t{' '.join(best[0])}\n"
+  monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+  assert g2p.predict_main(["--workdir", str(workdir)]) == 0
+  assert capsys.readouterr() == ("", "")
+
+
+def test_predict_flags_and_workdir_errors(tmp_path, capsys):
+  for argv, message in [
+    (["--workdir", str(tmp_path), "--nbest", "0"], "--nbest must be >= 1, got 0"),
+    (["--workdir", str(tmp_path), "--beam", "0"], "--beam must be >= 1, got 0"),
+    (
+      ["--workdir", str(tmp_path), "--beam", "2", "--nbest", "3"],
+      "--beam must be >= --nbest, got --beam 2 --nbest 3",
+    ),
+    (["cat"], "the following arguments are required: --workdir"),
+  ]:
+    with pytest.raises(SystemExit):
+      g2p.predict_main(argv)
+    assert message in capsys.readouterr().err
+  assert g2p.predict_main(["--workdir", str(tmp_path), "cat"]) == 2
+  assert capsys.readouterr().err == (
+    f"python -m jaxlod.examples.g2p predict: {tmp_path} holds no checkpoint of "
+    f"this example: train a model with `python -m jaxlod.examples.g2p --workdir "
+    f"{tmp_path}`.\n"
+  )
+
+
+@pytest.mark.slow
+def test_predict_command_line(trained_tiny):
+  """``python -m jaxlod.examples.g2p predict`` in a process of its own."""
+  workdir, corpus = trained_tiny
+  word = corpus.splits["test"][0][0]
+  command = [sys.executable, "-m", "jaxlod.examples.g2p", "predict"]
+  done = subprocess.run(
+    [*command, "--workdir", str(workdir), word, "x-ray"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert done.returncode == 1, done.stderr
+  (line,) = done.stdout.splitlines()
+  assert line.startswith(f"{word}\t") and len(line.split("\t")) == 2
+  assert "left out 'x-ray': characters '-' are not" in done.stderr
+  empty = subprocess.run(
+    [*command, "--workdir", str(workdir)],
+    input="",
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert (empty.returncode, empty.stdout) == (0, ""), empty.stderr

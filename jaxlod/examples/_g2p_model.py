@@ -508,25 +508,28 @@ def parallel_decoder(
   return decode
 
 
-def decoder(config: Config, num_phones: int, beam: int) -> Callable:
-  """A new jitted beam search ``(params, src, src_table=None) -> ids``: the
-  best hypothesis of each source word, a 2-level LoDTensor (word -> 1
-  hypothesis -> phoneme ids, `</s>` excluded); `src_table` is `src`'s rank
-  table, or `None`. A hypothesis holds at most the word's letters plus
-  `LENGTH_MARGIN` tokens. Build it once a run (it compiles on its first
-  call).
+def searcher(
+  config: Config, num_phones: int, beam: int, num_results: int = 1
+) -> Callable:
+  """A new jitted beam search ``(params, src, src_table=None) ->
+  Hypotheses``: the `num_results` best hypotheses of each source word, best
+  first, with their scores (`jaxlod.ops.Hypotheses`: ids a 2-level
+  LoDTensor word -> hypotheses -> phoneme ids, `</s>` excluded);
+  `src_table` is `src`'s rank table, or `None`. A hypothesis holds at most
+  the word's letters plus `LENGTH_MARGIN` tokens. Build it once a run (it
+  compiles on its first call).
 
   With ``config.members > 1``, `params` is a tuple of the members' parameter
   trees, decoded together (`ensemble_search`)."""
   if config.members > 1:
-    search = ensemble_search(config, num_phones, beam)
-    return lambda params, src, src_table=None: search(tuple(params), src, src_table).ids
+    search = ensemble_search(config, num_phones, beam, num_results)
+    return lambda params, src, src_table=None: search(tuple(params), src, src_table)
   model = build_model(config, num_phones)
 
   @jax.jit
-  def decode(params, src, src_table=None):
-    settings = search_settings(beam, src.capacity.time[0])
-    hyps = model.apply(
+  def search(params, src, src_table=None):
+    settings = search_settings(beam, src.capacity.time[0], num_results)
+    return model.apply(
       params,
       src,
       settings,
@@ -534,6 +537,14 @@ def decoder(config: Config, num_phones: int, beam: int) -> Callable:
       max_lengths=max_lengths(src),
       src_table=src_table,
     )
-    return hyps.ids
 
-  return decode
+  return search
+
+
+def decoder(config: Config, num_phones: int, beam: int) -> Callable:
+  """A new jitted beam search ``(params, src, src_table=None) -> ids``: the
+  best hypothesis of each source word, the ids of `searcher`'s
+  `Hypotheses` (word -> 1 hypothesis -> phoneme ids). Build it once a run
+  (it compiles on its first call)."""
+  search = searcher(config, num_phones, beam)
+  return lambda params, src, src_table=None: search(params, src, src_table).ids

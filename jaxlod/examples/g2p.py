@@ -10,7 +10,9 @@ over reference length) and word error rate (exact match) under beam search,
 and example predictions.
 
 Run with ``python -m jaxlod.examples.g2p`` (about 4 minutes on 2 CPU
-cores); ``--preset full`` trains longer for the best quality, ``--workdir
+cores), then ``python -m jaxlod.examples.g2p predict --workdir DIR WORD ...``
+transcribes new words with the trained model of ``DIR`` (`predict_main`);
+``--preset full`` trains longer for the best quality, ``--workdir
 DIR --resume`` continues a run from its latest checkpoint (parameters,
 optimizer state and the batcher's position), ``--members N``
 trains N models (seeds ``seed`` to ``seed + N - 1``) and scores their
@@ -118,15 +120,8 @@ def predict(
   `None`: a new one."""
   if decode is None:
     decode = decoder(config, len(corpus.phones), beam, mesh)
-  examples = [(corpus.letters.encode(w),) for w in words]
-  batcher = Batcher(
-    examples,
-    m.batch_buckets(config.decode_words),
-    shuffle=False,
-    window=len(examples),
-    tables=HOST_TABLES,
-    shards=None if mesh is None else mesh.size,
-  )
+  shards = None if mesh is None else mesh.size
+  batcher = _word_batcher(corpus.letters, config, words, shards)
   out: list[tuple[str, ...]] = [()] * len(words)
   if mesh is None:
     for batch in batcher.epoch(0):
@@ -179,6 +174,7 @@ def _manager(workdir: pathlib.Path):
     "state": ocp.StandardCheckpointHandler(),
     "config": ocp.JsonCheckpointHandler(),
     "batcher": ocp.JsonCheckpointHandler(),
+    "vocab": ocp.JsonCheckpointHandler(),
   }
   return ocp.CheckpointManager(
     workdir.absolute(), options=options, item_handlers=handlers
@@ -192,13 +188,19 @@ def save_checkpoint(
   opt_state: Any,
   config: m.Config,
   batcher_state: dict[str, Any] | None = None,
+  vocabs: tuple[data.Vocab, data.Vocab] | None = None,
 ) -> None:
-  """Saves the parameters, optimizer state, config and (given one) the
-  training `Batcher`'s state (`Batcher.get_state`) as step `step`."""
+  """Saves the parameters, optimizer state, config and (given them) the
+  training `Batcher`'s state (`Batcher.get_state`) and the ``(letters,
+  phones)`` vocabularies as step `step`."""
   items = {
     "state": ocp.args.StandardSave((params, opt_state)),
     "config": ocp.args.JsonSave(dataclasses.asdict(config)),
   }
+  if vocabs is not None:
+    letters, phones = vocabs
+    tokens = {"letters": list(letters.tokens), "phones": list(phones.tokens)}
+    items["vocab"] = ocp.args.JsonSave(tokens)
   if batcher_state is not None:
     items["batcher"] = ocp.args.JsonSave(batcher_state)
   with _manager(workdir) as manager:
@@ -267,15 +269,227 @@ def restore_checkpoint(
   return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored))
 
 
+def _restore_json(workdir: pathlib.Path, step: int, item: str) -> Any:
+  """The JSON `item` of checkpoint `step` of `workdir`, or `None` for a
+  checkpoint saved without it."""
+  with _manager(workdir) as manager:
+    if item not in manager.item_metadata(step):
+      return None
+    return manager.restore(
+      step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()})
+    )[item]
+
+
 def restore_batcher_state(workdir: pathlib.Path, step: int) -> dict[str, Any] | None:
   """The training `Batcher`'s state saved with checkpoint `step` of
   `workdir`, or `None` for a checkpoint saved without one (before the
   example saved it)."""
-  with _manager(workdir) as manager:
-    if "batcher" not in manager.item_metadata(step):
-      return None
-    args = ocp.args.Composite(batcher=ocp.args.JsonRestore())
-    return manager.restore(step, args=args).batcher
+  return _restore_json(workdir, step, "batcher")
+
+
+# -- prediction ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Trained:
+  """A trained model, as `load_trained` reads it from a workdir.
+
+  Attributes:
+    config: its config; ``members`` is the number of models.
+    letters: its source vocabulary.
+    phones: its target vocabulary.
+    params: the parameters to decode with (`m.eval_params`); with several
+      members, a tuple of theirs.
+    steps: the training step of each member's checkpoint.
+  """
+
+  config: m.Config
+  letters: data.Vocab
+  phones: data.Vocab
+  params: Any
+  steps: list[int]
+
+
+def load_trained(workdir: pathlib.Path) -> Trained:
+  """The model of `workdir`'s latest checkpoint: one model's (a run with
+  ``--members 1``), or the ensemble of its ``member_K`` directories.
+
+  The checkpoint holds the config and the vocabularies (one saved before the
+  example saved them has the vocabularies of its config).
+
+  Raises:
+    ValueError: when `workdir` holds no checkpoint of this example.
+  """
+  dirs = [workdir]
+  if latest_step(workdir) is None:
+    dirs = []
+    while latest_step(workdir / f"member_{len(dirs)}") is not None:
+      dirs.append(workdir / f"member_{len(dirs)}")
+  if not dirs:
+    raise ValueError(
+      f"{workdir} holds no checkpoint of this example: train a model with "
+      f"`python -m jaxlod.examples.g2p --workdir {workdir}`."
+    )
+  steps = [latest_step(d) for d in dirs]
+  saved = _restore_json(dirs[0], steps[0], "config")
+  fields = {f.name for f in dataclasses.fields(m.Config)}
+  config = m.Config(**{k: v for k, v in saved.items() if k in fields})
+  config = dataclasses.replace(config, members=1)
+  vocab = _restore_json(dirs[0], steps[0], "vocab")
+  if vocab is None:
+    letters, phones = data.letter_vocab(), data.phone_vocab(config.stress)
+  else:
+    letters, phones = data.Vocab(vocab["letters"]), data.Vocab(vocab["phones"])
+  params = []
+  for k, (d, step) in enumerate(zip(dirs, steps, strict=True)):
+    member = dataclasses.replace(config, seed=config.seed + k)
+    state = restore_checkpoint(d, step, member, len(phones))
+    params.append(m.eval_params(member, *state))
+  config = dataclasses.replace(config, members=len(dirs))
+  return Trained(
+    config, letters, phones, params[0] if len(dirs) == 1 else tuple(params), steps
+  )
+
+
+def check_words(
+  words: Sequence[str], letters: data.Vocab
+) -> tuple[list[tuple[int, str]], list[str]]:
+  """The words a model with the alphabet `letters` can transcribe, and a
+  message for each of the others.
+
+  A word is lower-cased and stripped of surrounding white space first.
+
+  Returns:
+    ``(kept, messages)``: ``kept`` holds ``(index in words, normalized
+    word)``; ``messages`` names each word left out, with the characters
+    outside the alphabet, or its length when it is longer than
+    `m.TIME_CAPACITY` letters, or that it is empty.
+  """
+  kept, messages = [], []
+  for i, word in enumerate(words):
+    norm = word.strip().lower()
+    outside = sorted(set(norm) - set(letters.tokens))
+    if outside:
+      chars = ", ".join(repr(c) for c in outside)
+      alphabet = "".join(letters.tokens)
+      messages.append(
+        f"{word!r}: characters {chars} are not in the model's alphabet ({alphabet})"
+      )
+    elif not norm:
+      messages.append(f"{word!r}: an empty word")
+    elif len(norm) > m.TIME_CAPACITY:
+      messages.append(
+        f"{word!r}: {len(norm)} letters, more than the model's {m.TIME_CAPACITY}"
+      )
+    else:
+      kept.append((i, norm))
+  return kept, messages
+
+
+def _word_batcher(
+  letters: data.Vocab, config: m.Config, words: Sequence[str], shards: int | None
+) -> Batcher:
+  """Batches of `words` (their letter ids, one field) in their order, on
+  the decoding capacities of `config`, with rank tables (`HOST_TABLES`)."""
+  return Batcher(
+    [(letters.encode(w),) for w in words],
+    m.batch_buckets(config.decode_words),
+    shuffle=False,
+    window=max(len(words), 1),
+    tables=HOST_TABLES,
+    shards=shards,
+  )
+
+
+def transcribe(
+  trained: Trained, words: Sequence[str], search: Callable
+) -> list[list[tuple[tuple[str, ...], float]]]:
+  """Each word's hypotheses, best first, as ``(phonemes, score)``.
+
+  Args:
+    trained: the model (`load_trained`).
+    words: lower-case words of ``trained.letters`` (`check_words`).
+    search: ``m.searcher(trained.config, len(trained.phones), beam, nbest)``.
+
+  Returns:
+    One list per word, in `words`' order, of the search's `nbest`
+    hypotheses.
+  """
+  out: list[list[tuple[tuple[str, ...], float]]] = [[] for _ in words]
+  if not words:
+    return out
+  batcher = _word_batcher(trained.letters, trained.config, words, None)
+  for batch in batcher.epoch(0):
+    hyps = search(trained.params, batch.fields[0], batch.tables[0])
+    ids, scores = hyps.ids.to_list(), hyps.scores.to_list()
+    for i, word_ids, word_scores in zip(batch.indices, ids, scores, strict=True):
+      out[i] = [
+        (trained.phones.decode(h), float(s))
+        for h, s in zip(word_ids, word_scores, strict=True)
+      ]
+  return out
+
+
+def predict_main(argv: Sequence[str] | None = None) -> int:
+  """``python -m jaxlod.examples.g2p predict``: prints ``word<TAB>phonemes``
+  for each word (with ``--nbest K``, K lines a word, each with its score).
+
+  Returns:
+    The exit status: 0, or 1 when some word was left out (each named on
+    standard error; the others are still transcribed).
+  """
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxlod.examples.g2p predict",
+    description="Transcribes words with the trained model of --workdir, by "
+    "beam search: one 'word<TAB>phonemes' line a word, in their order. Words "
+    "are lower-cased; a word with characters outside the model's alphabet is "
+    "named on standard error and left out (exit status 1).",
+  )
+  parser.add_argument(
+    "words",
+    nargs="*",
+    metavar="WORD",
+    help="words to transcribe (default: one a line from standard input)",
+  )
+  parser.add_argument(
+    "--workdir",
+    type=pathlib.Path,
+    required=True,
+    help="the --workdir of a training run (its latest checkpoint)",
+  )
+  parser.add_argument(
+    "--nbest",
+    type=int,
+    help="print the K best pronunciations of each word, each with its score "
+    "(log-probability over length penalty)",
+  )
+  parser.add_argument("--beam", type=int, help="beam size (default: the run's)")
+  args = parser.parse_args(argv)
+  for flag in ("nbest", "beam"):
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:
+      parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+  nbest = 1 if args.nbest is None else args.nbest
+  if args.beam is not None and args.beam < nbest:
+    parser.error(f"--beam must be >= --nbest, got --beam {args.beam} --nbest {nbest}")
+  enable_compilation_cache()
+  try:
+    trained = load_trained(args.workdir)
+  except ValueError as error:
+    print(f"{parser.prog}: {error}", file=sys.stderr)
+    return 2
+  words = args.words or [line.strip() for line in sys.stdin if line.strip()]
+  kept, messages = check_words(words, trained.letters)
+  for message in messages:
+    print(f"{parser.prog}: left out {message}", file=sys.stderr)
+  beam = max(trained.config.beam, nbest) if args.beam is None else args.beam
+  search = m.searcher(trained.config, len(trained.phones), beam, nbest)
+  results = transcribe(trained, [w for _, w in kept], search)
+  for (i, _), hyps in zip(kept, results, strict=True):
+    for phones, score in hyps[:nbest]:
+      line = f"{words[i].strip()}\t{' '.join(phones)}"
+      print(line if args.nbest is None else f"{line}\t{score:.4f}")
+  sys.stdout.flush()
+  return 1 if messages else 0
 
 
 # -- training ------------------------------------------------------------------
@@ -358,9 +572,14 @@ def train(
   dropout_key = jax.random.key(config.seed + 1)
   stop = config.steps if stop is None else stop
   history = []
+  # A progress bar on a terminal; elsewhere (a log file), a plain line at
+  # every tenth of the run.
+  live = not quiet and sys.stderr.isatty()
+  plain_every = 0 if quiet or live else max(1, config.steps // 10)
   bar = tqdm(
-    total=config.steps, initial=start, unit="step", desc="training", disable=quiet
+    total=config.steps, initial=start, unit="step", desc="training", disable=not live
   )
+  postfix = ""
   # The bar shows the mean loss of the last 10 steps and the tokens per
   # second since the last evaluation (or since the first step, which compiles).
   tokens, clock, loss_sum, losses = 0, time.perf_counter(), 0.0, 0
@@ -384,8 +603,11 @@ def train(
         tokens, clock = 0, time.perf_counter()
       elif done % 10 == 0 or done == stop:
         rate = tokens / max(time.perf_counter() - clock, 1e-9)
+        postfix = f"loss {loss_sum / losses:.3f}, {rate:,.0f} tokens/s"
         bar.set_postfix(loss=f"{loss_sum / losses:.3f}", tokens_per_s=f"{rate:,.0f}")
         loss_sum, losses = 0.0, 0
+      if plain_every and (done % plain_every == 0 or done == stop):
+        print(f"step {done}/{config.steps}" + (postfix and f": {postfix}"), flush=True)
       if done % config.eval_every == 0 or done == stop:
         began = time.perf_counter()
         decode_params = m.eval_params(config, params, opt_state)
@@ -395,7 +617,8 @@ def train(
         _print_eval(done, per, wer, len(rows), time.perf_counter() - began)
         history.append((done, per, wer))
         state = batcher.get_state()
-        save_checkpoint(workdir, done, params, opt_state, config, state)
+        vocabs = (corpus.letters, corpus.phones)
+        save_checkpoint(workdir, done, params, opt_state, config, state, vocabs)
         tokens, clock = 0, time.perf_counter()
   return params, opt_state, history
 
@@ -424,7 +647,10 @@ def _resume_batcher(
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config]:
   """The command line and the run's config (the preset, then the flags)."""
   parser = argparse.ArgumentParser(
-    prog="python -m jaxlod.examples.g2p", description=__doc__.split("\n")[0]
+    prog="python -m jaxlod.examples.g2p",
+    description=__doc__.split("\n")[0],
+    epilog="Transcribe words with a trained model: python -m "
+    "jaxlod.examples.g2p predict --workdir DIR WORD ... (predict --help).",
   )
   parser.add_argument(
     "--preset",
@@ -706,6 +932,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       )
     )
   print(f"\ntotal time: {time.perf_counter() - began:.0f} s")
+  print(f"the model: {workdir}; transcribe words with it:")
+  print(f"  python -m jaxlod.examples.g2p predict --workdir {workdir} WORD ...")
   sys.stdout.flush()
   final = results[scored[-1][0]]
   out = {"workdir": workdir, "step": step, **final}
@@ -720,4 +948,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+  if sys.argv[1:2] == ["predict"]:
+    sys.exit(predict_main(sys.argv[2:]))
   main()
