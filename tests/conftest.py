@@ -2,9 +2,18 @@
 
 import os
 
-from hypothesis import settings
+# Tests check results, not speed, and compiling is most of their time: XLA's
+# CPU backend compiles them without LLVM's optimization passes (a fifth less
+# compilation on the slowest tests). It must be set before JAX starts its
+# backend; child processes inherit it. The notebooks run with the default,
+# since they show timings (tests/test_notebooks.py).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
-import jaxlod
+# isort: split
+from hypothesis import settings  # noqa: E402
+
+import jaxlod  # noqa: E402
 
 # Compiled programs persist across test sessions (and xdist workers share
 # them); `JAXLOD_COMPILATION_CACHE=off` runs without the cache.

@@ -8,6 +8,7 @@ test with that cell's traceback; so does a notebook that runs past
 """
 
 import math
+import os
 import pathlib
 import re
 import time
@@ -23,7 +24,10 @@ EXPECTED = (
   "03_seq2seq_attention.ipynb",
   "04_performance.ipynb",
 )
-TIME_LIMIT_S = 180.0
+# A notebook's bound on a cold compilation cache, on 2 cores shared with the
+# other test worker: 03 (the slowest) runs in about 120 s alone and took
+# 183 s beside the rest of the suite.
+TIME_LIMIT_S = 300.0
 FOUND = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 WARNING = re.compile(r"\b\w*Warning: ")
@@ -105,9 +109,14 @@ def test_notebook_is_stored_clean(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(EXPECTED) | set(FOUND)))
-def test_notebook_runs(name):
+def test_notebook_runs(name, monkeypatch):
   path = NOTEBOOKS / name
   assert path.exists(), f"notebooks/{name} is missing"
+  # The kernel compiles as a user's would (tests/conftest.py sets a faster
+  # compilation for the tests), since the notebooks print timings.
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  flags = [f for f in flags if not f.startswith("--xla_backend_optimization_level")]
+  monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
   execute(path, TIME_LIMIT_S)
 
 

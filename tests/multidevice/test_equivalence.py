@@ -160,13 +160,12 @@ def _init(model, kind, fields, dtype):
 @pytest.mark.parametrize(
   ("name", "dtype", "check_vma"),
   [
-    ("lstm", "float32", True),
+    # float64 tells a wrong reduction from rounding; float32 with the vma
+    # check is what the G2P example trains with (test_g2p_devices.py).
     ("lstm", "float32", False),
     ("lstm", "float64", True),
     ("lstm", "float64", False),
-    ("bidirectional", "float32", True),
     ("bidirectional", "float64", True),
-    ("seq2seq", "float32", True),
     ("seq2seq", "float64", True),
   ],
 )
