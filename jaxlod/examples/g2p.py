@@ -436,7 +436,8 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
 
   Returns:
     The exit status: 0, or 1 when some word was left out (each named on
-    standard error; the others are still transcribed).
+    standard error; the others are still transcribed), or 2 when
+    ``--workdir`` holds no checkpoint of this example.
   """
   parser = argparse.ArgumentParser(
     prog="python -m jaxlod.examples.g2p predict",
