@@ -8,6 +8,17 @@ import numpy as np
 
 from jaxlod import Buckets, LoDTensor, _checks
 
+# The modules whose `__all__` is jaxlod's public API.
+PUBLIC_MODULES = [
+  "jaxlod",
+  "jaxlod.ops",
+  "jaxlod.nn",
+  "jaxlod.nn.nnx",
+  "jaxlod.data",
+  "jaxlod.parallel",
+  "jaxlod.interop",
+]
+
 # float32 tolerances of the house style; the one place to loosen them.
 RTOL = 1e-5
 ATOL = 1e-6

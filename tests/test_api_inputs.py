@@ -24,17 +24,10 @@ import pytest
 
 from tests import api_layer_targets, api_targets
 from tests.api_catalogue import Target
+from tests.helpers import PUBLIC_MODULES
 
 TARGETS = api_targets.TARGETS + api_layer_targets.TARGETS
 
-PUBLIC_MODULES = [
-  "jaxlod",
-  "jaxlod.ops",
-  "jaxlod.nn",
-  "jaxlod.nn.nnx",
-  "jaxlod.data",
-  "jaxlod.parallel",
-]
 
 # Public names with no target, and why.
 EXEMPT = {
@@ -55,6 +48,12 @@ EXEMPT = {
   "jaxlod.data.LoDBatchDataset": "a grain.IterDataset (the grain extra); "
   "its arguments are the Batcher's, checked by the same helpers "
   "(tests/test_grain.py)",
+  # The interop extra: their arguments are torch objects (torch imported
+  # when called); their wrong inputs are tested in tests/test_interop.py.
+  "jaxlod.interop.from_packed_sequence": "takes a torch PackedSequence "
+  "(tests/test_interop.py)",
+  "jaxlod.interop.to_packed_sequence": "returns a torch PackedSequence "
+  "(tests/test_interop.py)",
   # Abstract: subclasses define `scores`.
   "jaxlod.nn.Attention": "the attentions' abstract base",
   "jaxlod.nn.nnx.Attention": "the attentions' abstract base",

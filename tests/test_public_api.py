@@ -8,16 +8,7 @@ import pkgutil
 import pytest
 
 import jaxlod
-
-PUBLIC_MODULES = [
-  "jaxlod",
-  "jaxlod.ops",
-  "jaxlod.nn",
-  "jaxlod.nn.nnx",
-  "jaxlod.data",
-  "jaxlod.parallel",
-  "jaxlod.interop",
-]
+from tests.helpers import PUBLIC_MODULES
 
 # The foundation's names; later layers may add more to `__all__`.
 FOUNDATION = {
