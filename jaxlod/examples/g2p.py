@@ -320,17 +320,17 @@ def load_trained(workdir: pathlib.Path) -> Trained:
   Raises:
     ValueError: when `workdir` holds no checkpoint of this example.
   """
-  dirs = [workdir]
-  if latest_step(workdir) is None:
-    dirs = []
-    while latest_step(workdir / f"member_{len(dirs)}") is not None:
+  dirs, steps = [workdir], [latest_step(workdir)]
+  if steps[0] is None:
+    dirs, steps = [], []
+    while (step := latest_step(workdir / f"member_{len(dirs)}")) is not None:
       dirs.append(workdir / f"member_{len(dirs)}")
+      steps.append(step)
   if not dirs:
     raise ValueError(
       f"{workdir} holds no checkpoint of this example: train a model with "
       f"`python -m jaxlod.examples.g2p --workdir {workdir}`."
     )
-  steps = [latest_step(d) for d in dirs]
   saved = _restore_json(dirs[0], steps[0], "config")
   fields = {f.name for f in dataclasses.fields(m.Config)}
   config = m.Config(**{k: v for k, v in saved.items() if k in fields})
