@@ -639,7 +639,7 @@ class LoDTensor:
 
   @property
   def capacity(self) -> Capacity:
-    """The static capacities: tokens, sequences per level, time per level."""
+    """The static capacities (tokens, sequences per level, time per level)."""
     return Capacity(
       tokens=int(jnp.shape(self.values)[0]),
       sequences=tuple(int(jnp.shape(o)[0]) - 1 for o in self.offsets),

@@ -54,6 +54,7 @@ def teacher_forced_logps(members, src, hyps):
   ``hyps[i][r]`` with `eos` appended when it ended before the max length,
   and those target ids."""
   out = [[] for _ in hyps]
+  applies = [(jax.jit(m.apply), p) for m, p in members]
   for rank in range(len(hyps[0])):
     tgt_in, tgt_out = [], []
     for source in hyps:
@@ -64,7 +65,7 @@ def teacher_forced_logps(members, src, hyps):
     batch = LoDTensor.from_sequences(tgt_in, buckets=TGT_BUCKETS, dtype=np.int32)
     logps = [
       [np.asarray(jax.nn.log_softmax(x, axis=-1)) for x in logits.to_list()]
-      for logits in (jax.jit(m.apply)(p, src, batch) for m, p in members)
+      for logits in (apply(p, src, batch) for apply, p in applies)
     ]
     for i, target in enumerate(tgt_out):
       out[i].append((np.mean([lp[i] for lp in logps], axis=0), target))
@@ -115,18 +116,26 @@ def test_generate_is_beam_search_over_the_decode_step():
   params = _seq2seq_params()
   src, _, _ = _seq2seq_batch()
   model = _seq2seq()
-  memory = model.apply(params, src, method="encode")
-  padded = model.apply(params, memory, method="precompute")
-  assert padded.keys is not None  # additive attention: keys computed once
-  carry = model.apply(params, memory, method="initial_state")
+  num_sources = src.num_sequences(-1)
 
-  def step(carry, tokens, memory):
-    carry, logits, _ = model.apply(params, carry, tokens, memory, method="decode_step")
-    return carry, jax.nn.log_softmax(logits, axis=-1)
+  @jax.jit
+  def reference(params, src):
+    memory = model.apply(params, src, method="encode")
+    padded = model.apply(params, memory, method="precompute")
+    assert padded.keys is not None  # additive attention: keys computed once
+    carry = model.apply(params, memory, method="initial_state")
 
-  expected = beam_search(
-    step, carry, settings(), static_inputs=padded, num_sources=src.num_sequences(-1)
-  )
+    def step(carry, tokens, memory):
+      carry, logits, _ = model.apply(
+        params, carry, tokens, memory, method="decode_step"
+      )
+      return carry, jax.nn.log_softmax(logits, axis=-1)
+
+    return beam_search(
+      step, carry, settings(), static_inputs=padded, num_sources=num_sources
+    )
+
+  expected = reference(params, src)
   out = generate(params, src)
   assert out.ids.recursive_lengths() == expected.ids.recursive_lengths()
   np.testing.assert_array_equal(out.ids.values, expected.ids.values)
@@ -244,7 +253,9 @@ def test_ensemble_beam_scores_are_the_mean_teacher_forced_scores():
   )
   # Not either member's own search.
   for model, params in members:
-    alone = model.apply(params, src, settings(), method="generate")
+    alone = jax.jit(
+      lambda p, s, model=model: model.apply(p, s, settings(), method="generate")
+    )(params, src)
     assert not np.allclose(alone.scores.values, out.scores.values)
 
 

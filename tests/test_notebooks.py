@@ -17,7 +17,11 @@ import nbformat
 import pytest
 from nbformat import v4
 
-NOTEBOOKS = pathlib.Path(__file__).parent.parent / "notebooks"
+ROOT = pathlib.Path(__file__).parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+# The executed notebooks, which the documentation site renders (docs/conf.py
+# reads them there, so that no notebook runs twice in a CI run).
+EXECUTED = ROOT / "build" / "executed_notebooks"
 EXPECTED = (
   "01_lod_tour.ipynb",
   "02_dynamic_rnn.ipynb",
@@ -46,8 +50,11 @@ def _stderr_text(nb: nbformat.NotebookNode) -> str:
   )
 
 
-def execute(path: pathlib.Path, limit_s: float) -> float:
+def execute(
+  path: pathlib.Path, limit_s: float, save_to: pathlib.Path | None = None
+) -> float:
   """Runs the notebook at `path` in its folder; fails the test on any problem.
+  `save_to`: where the executed notebook is written, once it passed.
 
   Returns:
     The seconds it took, kernel start included.
@@ -83,6 +90,9 @@ def execute(path: pathlib.Path, limit_s: float) -> float:
   stderr = _stderr_text(nb)
   if WARNING.search(stderr):
     pytest.fail(f"{name} printed warnings:\n{stderr}")
+  if save_to is not None:
+    save_to.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, save_to)
   return elapsed
 
 
@@ -117,7 +127,7 @@ def test_notebook_runs(name, monkeypatch):
   flags = os.environ.get("XLA_FLAGS", "").split()
   flags = [f for f in flags if not f.startswith("--xla_backend_optimization_level")]
   monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
-  execute(path, TIME_LIMIT_S)
+  execute(path, TIME_LIMIT_S, save_to=EXECUTED / name)
 
 
 # -- the harness itself ------------------------------------------------------------
@@ -152,6 +162,14 @@ def test_execute_runs_in_the_notebook_folder(tmp_path):
   (tmp_path / "data.txt").write_text("here")
   path = _write(tmp_path, "assert open('data.txt').read() == 'here'")
   assert execute(path, 60.0) < 60.0
+
+
+def test_execute_saves_the_executed_notebook(tmp_path):
+  path = _write(tmp_path, "print('ran')")
+  execute(path, 60.0, save_to=tmp_path / "out" / "scratch.ipynb")
+  (cell,) = nbformat.read(tmp_path / "out" / "scratch.ipynb", as_version=4).cells
+  assert cell.outputs[0].text == "ran\n"
+  assert not nbformat.read(path, as_version=4).cells[0].outputs  # source untouched
 
 
 def test_execute_fails_on_warnings(tmp_path):

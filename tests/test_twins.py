@@ -109,16 +109,25 @@ def _loss(out) -> jax.Array:
 
 def _check_parity(module, ours, *args, **kwargs) -> None:
   """Equal outputs and gradients of a Linen `module` and its NNX twin `ours`
-  on the same parameters."""
-  variables = _perturbed(module.init(jax.random.key(0), *args, **kwargs))
+  on the same parameters (each side one compiled program: its outputs come
+  with its gradients)."""
+  init = jax.jit(lambda key: _perturbed(module.init(key, *args, **kwargs)))
+  variables = init(jax.random.key(0))
   _copy(variables.get("params", {}), ours)
-  want = jax.jit(lambda v: module.apply(v, *args, **kwargs))(variables)
-  got = nnx.jit(lambda m: m(*args, **kwargs))(ours)
-  assert_close(jax.tree.leaves(got), jax.tree.leaves(want), **TOL)
-  linen_grads = jax.jit(jax.grad(lambda v: _loss(module.apply(v, *args, **kwargs))))(
+
+  def linen_loss(v):
+    out = module.apply(v, *args, **kwargs)
+    return _loss(out), out
+
+  def nnx_loss(m):
+    out = m(*args, **kwargs)
+    return _loss(out), out
+
+  (_, want), linen_grads = jax.jit(jax.value_and_grad(linen_loss, has_aux=True))(
     variables
   )
-  nnx_grads = nnx.jit(nnx.grad(lambda m: _loss(m(*args, **kwargs))))(ours)
+  (_, got), nnx_grads = nnx.jit(nnx.value_and_grad(nnx_loss, has_aux=True))(ours)
+  assert_close(jax.tree.leaves(got), jax.tree.leaves(want), **TOL)
   _same_grads(linen_grads.get("params", {}), nnx_grads)
 
 
@@ -232,11 +241,17 @@ def _same_hypotheses(got, want) -> None:
   assert_close(got.scores.values, want.scores.values, **TOL)
 
 
+def _init(module, seed):
+  return jax.jit(lambda key: _perturbed(module.init(key, SRC, TGT_IN)))(
+    jax.random.key(seed)
+  )
+
+
 @pytest.mark.parametrize("beam_size", [3, 1])
 def test_generate_twins_give_the_same_hypotheses(beam_size):
   settings = DecodeSettings(bos_id=0, eos_id=1, max_length=5, beam_size=beam_size)
   module, ours = _seq2seq()
-  variables = _perturbed(module.init(jax.random.key(0), SRC, TGT_IN))
+  variables = _init(module, 0)
   _copy(variables["params"], ours)
   want = jax.jit(lambda v: module.apply(v, SRC, settings, method="generate"))(variables)
   got = nnx.jit(lambda m: m.generate(SRC, settings))(ours)
@@ -244,11 +259,16 @@ def test_generate_twins_give_the_same_hypotheses(beam_size):
   _same_hypotheses(got, want)
   # Two members, of different widths.
   module_2, ours_2 = _seq2seq(hidden=HIDDEN + 2, seed=1)
-  variables_2 = _perturbed(module_2.init(jax.random.key(1), SRC, TGT_IN))
+  variables_2 = _init(module_2, 1)
   _copy(variables_2["params"], ours_2)
-  pairs = [(module, variables), (module_2, variables_2)]
-  want = linen.ensemble_generate(pairs, SRC, settings)
-  got = twin.ensemble_generate([ours, ours_2], SRC, settings)
+  want = jax.jit(
+    lambda v, v_2: linen.ensemble_generate(
+      [(module, v), (module_2, v_2)], SRC, settings
+    )
+  )(variables, variables_2)
+  got = nnx.jit(lambda m, m_2: twin.ensemble_generate([m, m_2], SRC, settings))(
+    ours, ours_2
+  )
   _same_hypotheses(got, want)
 
 

@@ -146,7 +146,7 @@ class _Examples(grain.MapDataset):
 
 
 class LoDBatchDataset(grain.IterDataset):
-  """A Grain dataset of `Batch`es: jaxlod's batching policy over a Grain dataset.
+  """A Grain dataset of `Batch` elements: jaxlod's batching policy over a Grain dataset.
 
   The same policy as the `Batcher`: examples of similar length, packed
   greedily under the token budget on fixed capacities, their LoDTensors

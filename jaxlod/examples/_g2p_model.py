@@ -508,16 +508,18 @@ def parallel_decoder(
   return decode
 
 
+@functools.cache
 def searcher(
   config: Config, num_phones: int, beam: int, num_results: int = 1
 ) -> Callable:
-  """A new jitted beam search ``(params, src, src_table=None) ->
+  """The jitted beam search ``(params, src, src_table=None) ->
   Hypotheses``: the `num_results` best hypotheses of each source word, best
   first, with their scores (`jaxlod.ops.Hypotheses`: ids a 2-level
   LoDTensor word -> hypotheses -> phoneme ids, `</s>` excluded);
   `src_table` is `src`'s rank table, or `None`. A hypothesis holds at most
-  the word's letters plus `LENGTH_MARGIN` tokens. Build it once a run (it
-  compiles on its first call).
+  the word's letters plus `LENGTH_MARGIN` tokens. One search per set of
+  arguments in a process (cached): repeated predictions, in a notebook say,
+  compile once per capacity.
 
   With ``config.members > 1``, `params` is a tuple of the members' parameter
   trees, decoded together (`ensemble_search`)."""
@@ -542,9 +544,9 @@ def searcher(
 
 
 def decoder(config: Config, num_phones: int, beam: int) -> Callable:
-  """A new jitted beam search ``(params, src, src_table=None) -> ids``: the
+  """A jitted beam search ``(params, src, src_table=None) -> ids``: the
   best hypothesis of each source word, the ids of `searcher`'s
-  `Hypotheses` (word -> 1 hypothesis -> phoneme ids). Build it once a run
-  (it compiles on its first call)."""
+  `Hypotheses` (word -> 1 hypothesis -> phoneme ids), whose compiled
+  programs it shares."""
   search = searcher(config, num_phones, beam)
   return lambda params, src, src_table=None: search(params, src, src_table).ids

@@ -102,7 +102,7 @@ class GeneralAttention(Attention):
 
 
 class AdditiveAttention(Attention):
-  """Bahdanau's additive attention: ``score_j = v . tanh(K m_j + Q q)``.
+  """Bahdanau's additive attention: ``score_j = v · tanh(K m_j + Q q)``.
 
   ``K`` is a bias-free dense layer ``features -> units`` named ``key``,
   ``Q`` a dense layer ``hidden -> units`` with bias named ``query`` and

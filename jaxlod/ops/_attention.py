@@ -205,7 +205,7 @@ def additive_scores(
   project: Callable[[jax.Array], jax.Array],
   energy: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-  """Bahdanau's additive scores ``v . tanh(K m_j + Q q)``: ``[b, source_capacity]``.
+  """Bahdanau's additive scores ``v · tanh(K m_j + Q q)``: ``[b, source_capacity]``.
 
   Args:
     query: ``[b, hidden]``.

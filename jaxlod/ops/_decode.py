@@ -138,7 +138,7 @@ class DecodeSettings:
 
   @property
   def results(self) -> int:
-    """Hypotheses kept per source: `num_results`, or `beam_size`."""
+    """Hypotheses kept per source (`num_results`, or `beam_size`)."""
     return self.beam_size if self.num_results is None else self.num_results
 
 

@@ -98,7 +98,7 @@ class GeneralAttention(Attention):
 
 
 class AdditiveAttention(Attention):
-  """Bahdanau's additive attention: ``score_j = v . tanh(K m_j + Q q)``.
+  """Bahdanau's additive attention: ``score_j = v · tanh(K m_j + Q q)``.
 
   ``K`` is a bias-free ``nnx.Linear(features, units)`` named ``key``, ``Q``
   an ``nnx.Linear(hidden, units)`` with bias named ``query`` and ``v`` a

@@ -51,9 +51,9 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
   `deterministic`.
 
   Args:
-    src_vocab, tgt_vocab, embed_dim, encoder, decoder, bridge, dropout,
-      deterministic: as `jaxlod.nn.Seq2Seq`'s attributes (`encoder` and
-      `decoder` NNX layers).
+    src_vocab, tgt_vocab, embed_dim, encoder, decoder, bridge: as
+      `jaxlod.nn.Seq2Seq`'s attributes (`encoder` and `decoder` NNX layers).
+    dropout, deterministic: as `jaxlod.nn.Seq2Seq`'s attributes.
     features: width of the encoder's output rows (the memory).
     rngs: the RNGs of the initializers and of dropout.
 
