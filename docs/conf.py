@@ -29,6 +29,7 @@ import os
 import sys
 from pathlib import Path
 
+from flax import linen, nnx
 from sphinx.util import logging
 
 DOCS = Path(__file__).resolve().parent
@@ -85,7 +86,15 @@ extensions = [
   "sphinx.ext.viewcode",
 ]
 templates_path = ["_templates"]
-exclude_patterns = ["_build", "_scripts", "_generated", "**.ipynb_checkpoints"]
+# changes.md appears in the site inside api_changes.md, one heading level
+# down, under one title.
+exclude_patterns = [
+  "_build",
+  "_scripts",
+  "_generated",
+  "**.ipynb_checkpoints",
+  "changes.md",
+]
 
 # -- HTML ----------------------------------------------------------------------
 
@@ -94,6 +103,9 @@ html_title = "jaxlod"
 html_theme_options = {
   "show_toc_level": 2,
   "home_page_in_toc": True,
+  # The book theme has no top bar; unset, its base theme adds one holding a
+  # second search field.
+  "navbar_persistent": [],
 }
 
 # -- MyST and MyST-NB ----------------------------------------------------------
@@ -119,31 +131,30 @@ nb_merge_streams = True
 
 autosummary_generate = True
 autodoc_member_order = "bysource"
-autodoc_typehints = "signature"
+# Signatures show names and defaults; each docstring states its arguments'
+# types and shapes (Flax's documentation does the same).
+autodoc_typehints = "none"
 # `setup` of a Flax module is Flax's hook, with Flax's docstring.
 autodoc_default_options = {"exclude-members": "__init__, __new__, setup"}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+# "Returns: ``(a, b)``: text" keeps its type beside its text.
+napoleon_use_rtype = False
+# An attribute's docstring entry states its shape; its annotation would add
+# JAX's internal class path.
+napoleon_attr_annotations = False
+# The page's contents name a method `to_list()`, not `LoDTensor.to_list()`.
+toc_object_entries_show_parents = "hide"
 
 # Every reference to a jaxlod name must resolve. This build reaches no
 # documentation server, so there is no intersphinx inventory for Python,
-# NumPy, JAX, Flax, optax or PyTorch: their names stay plain text, unchecked.
+# NumPy, JAX, Flax, optax or PyTorch: a reference to one of their names stays
+# plain text, and is not checked.
 nitpicky = True
 nitpick_ignore_regex = [
   (r"py:.*", r"(jax|jaxlib|flax|optax|numpy|np|jnp|torch|grain|orbax)(\..*)?"),
   (r"py:.*", r"(typing|collections|collections\.abc|enum|dataclasses|os)\..*"),
-  (
-    r"py:.*",
-    r"(int|float|bool|str|bytes|object|tuple|list|dict|set|frozenset|type"
-    r"|None|NoneType|Ellipsis|Any|Callable|Sequence|Iterable|Iterator|Mapping)",
-  ),
-  # Flax's modules as jaxlod's annotations spell them, and PyTorch's class.
-  (r"py:.*", r"(nn|nnx)\..*"),
-  (r"py:class", r"PackedSequence"),
-]
-nitpick_ignore = [
-  # `Seq2Seq.member()` (Linen and NNX) returns this private NamedTuple.
-  ("py:class", "jaxlod.nn._common.Member"),
+  (r"py:.*", r"(int|float|bool|str|bytes|object|tuple|list|dict|set|None|Any)"),
 ]
 
 # Docstring text that Sphinx misreads, and text it reads right, until the
@@ -208,7 +219,27 @@ def skip_fields(app, what, name, obj, skip, options):
   return True if what == "class" and name in FIELDS and not routine else None
 
 
+def module_signature(app, what, name, obj, options, signature, return_annotation):
+  """A Flax module's constructor arguments.
+
+  Flax adds ``parent`` and ``name`` to a Linen module's fields, and an NNX
+  module's metaclass hides its ``__init__`` behind ``(*args, **kwargs)``.
+  """
+  if not inspect.isclass(obj):
+    return None
+  if issubclass(obj, linen.Module):
+    params = list(inspect.signature(obj).parameters.values())
+    params = [p for p in params if p.name not in ("parent", "name")]
+  elif issubclass(obj, nnx.Module):
+    params = list(inspect.signature(obj.__init__).parameters.values())[1:]
+  else:
+    return None
+  params = [p.replace(annotation=inspect.Parameter.empty) for p in params]
+  return str(inspect.Signature(params)), return_annotation
+
+
 def setup(app):
   # Before napoleon (priority 500) turns the Google sections into reST.
   app.connect("autodoc-process-docstring", fix_docstring, priority=100)
   app.connect("autodoc-skip-member", skip_fields)
+  app.connect("autodoc-process-signature", module_signature)
