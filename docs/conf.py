@@ -118,14 +118,16 @@ myst_heading_anchors = 3
 myst_all_links_external = False
 
 nb_execution_mode = "auto"
-# "auto" runs every notebook with a code cell without outputs, which an
-# executed copy also has (a cell of imports or definitions): the staged
-# executed copies are excluded by name.
+# "auto" runs every notebook that has a code cell without outputs, as an
+# executed copy may have (a cell of definitions): the staged executed copies
+# are excluded by name.
 nb_execution_excludepatterns = [f"notebooks/{name}" for name in EXECUTED]
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_merge_streams = True
+# Markdown that a cell displays is MyST, which has tables (CommonMark has none).
+nb_render_markdown_format = "myst"
 
 # -- API reference -------------------------------------------------------------
 
