@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 from flax import linen, nnx
-from sphinx.util import logging
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
@@ -69,7 +68,6 @@ stage_notebooks = importlib.import_module("stage_notebooks")
 EXECUTED = stage_notebooks.stage(NOTEBOOKS, EXECUTED_NOTEBOOKS, STAGED_NOTEBOOKS)
 schedule_figure.write(SCHEDULE_FIGURE)
 
-logger = logging.getLogger(__name__)
 
 # -- Project -------------------------------------------------------------------
 
@@ -159,44 +157,6 @@ nitpick_ignore_regex = [
   (r"py:.*", r"(int|float|bool|str|bytes|object|tuple|list|dict|set|None|Any)"),
 ]
 
-# Docstring text that Sphinx misreads, and text it reads right, until the
-# docstrings in jaxlod/ say the latter. An entry whose old text is gone is a
-# warning, so that it goes with the fix.
-DOCSTRING_FIXES = {
-  # A summary ends at the first ". ", here inside a literal.
-  "jaxlod.ops.additive_scores": [("``v . tanh", "``v · tanh")],
-  "jaxlod.nn.AdditiveAttention": [("v . tanh", "v · tanh")],
-  "jaxlod.nn.nnx.AdditiveAttention": [("v . tanh", "v · tanh")],
-  # Interpreted text ends at a word boundary.
-  "jaxlod.data.LoDBatchDataset": [("of `Batch`es:", "of `Batch` elements:")],
-  # A property's first line "X: y" reads as type X, description y.
-  "jaxlod.LoDTensor.capacity": [
-    ("The static capacities: ", "The static capacities, "),
-  ],
-  "jaxlod.ops.DecodeSettings.results": [
-    ("Hypotheses kept per source: ", "Hypotheses kept per source, "),
-  ],
-  # An argument's names end on the line of their colon.
-  "jaxlod.nn.nnx.Seq2Seq": [
-    (
-      "src_vocab, tgt_vocab, embed_dim, encoder, decoder, bridge, dropout,\n"
-      "    deterministic: as",
-      "src_vocab, tgt_vocab, embed_dim, encoder, decoder, bridge, dropout, "
-      "deterministic: as",
-    ),
-  ],
-}
-
-
-def fix_docstring(app, what, name, obj, options, lines):
-  """Applies the `DOCSTRING_FIXES` of `name` to its docstring's `lines`."""
-  for old, new in DOCSTRING_FIXES.get(name, ()):
-    text = "\n".join(lines)
-    if old not in text:
-      logger.warning("conf.py DOCSTRING_FIXES: %s no longer says %r", name, old)
-      continue
-    lines[:] = text.replace(old, new).split("\n")
-
 
 def field_names() -> frozenset[str]:
   """The fields of the public dataclasses, NamedTuples and Flax modules."""
@@ -241,7 +201,5 @@ def module_signature(app, what, name, obj, options, signature, return_annotation
 
 
 def setup(app):
-  # Before napoleon (priority 500) turns the Google sections into reST.
-  app.connect("autodoc-process-docstring", fix_docstring, priority=100)
   app.connect("autodoc-skip-member", skip_fields)
   app.connect("autodoc-process-signature", module_signature)

@@ -153,7 +153,7 @@ def _mean_step(loss):
 
 def _init(model, kind, fields, dtype):
   args = (fields[0],) if kind == "x" else (fields[1], fields[2])
-  params = model.init(jax.random.key(1), *args)
+  params = jax.jit(model.init)(jax.random.key(1), *args)
   return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
@@ -280,7 +280,7 @@ def test_beam_search_equals_one_device(mesh):
   batch = _global_batch(examples, "float32")
   model = _seq2seq()
   reference = _one_device(examples, batch.indices, np.float32)
-  params = model.init(jax.random.key(2), reference[1], reference[2])
+  params = jax.jit(model.init)(jax.random.key(2), reference[1], reference[2])
   settings = DecodeSettings(
     bos_id=0, eos_id=1, max_length=8, beam_size=3, num_results=2
   )
