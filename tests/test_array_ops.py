@@ -510,6 +510,11 @@ def _fluid_reorder(seqs: list, table_lengths: list) -> list:
   return [seqs[i] for i in order]
 
 
+# One capacity for every example below, so that one program serves them all.
+_SMALL = Buckets.fixed(tokens=20, sequences=5, time=4)
+_checked_reorder = jax.jit(checkify.checkify(reorder_by_rank))
+
+
 @given(
   st.lists(st.integers(0, 4), min_size=1, max_size=5).flatmap(
     lambda src: st.tuples(
@@ -521,13 +526,17 @@ def test_reorder_by_rank_follows_another_tensors_table(lengths):
   """Encoder states reordered by the target's ranks, as Fluid's DynamicRNN
   does: the counts agree, the lengths need not."""
   src_lengths, tgt_lengths = lengths
-  src = LoDTensor.from_lengths(np.arange(float(sum(src_lengths))), [src_lengths])
-  tgt = LoDTensor.from_lengths(np.zeros(sum(tgt_lengths)), [tgt_lengths])
+  src = LoDTensor.from_lengths(
+    np.arange(float(sum(src_lengths))), [src_lengths], buckets=_SMALL
+  )
+  tgt = LoDTensor.from_lengths(
+    np.zeros(sum(tgt_lengths)), [tgt_lengths], buckets=_SMALL
+  )
   moved = reorder_by_rank(src, rank_table(tgt))
   expected = _fluid_reorder([s.tolist() for s in src.to_list()], tgt_lengths)
   assert [s.tolist() for s in moved.to_list()] == expected
   # Jitted, and checked under checkify: the same.
-  err, jitted = checkify.checkify(jax.jit(reorder_by_rank))(src, rank_table(tgt))
+  err, jitted = _checked_reorder(src, rank_table(tgt))
   err.throw()
   assert [s.tolist() for s in jitted.to_list()] == expected
 

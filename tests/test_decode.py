@@ -214,6 +214,15 @@ def run_beam(init, bias, max_lengths, settings):
   return beam_search(step, init, settings, static_inputs=bias, max_lengths=max_lengths)
 
 
+@functools.partial(jax.jit, static_argnames=("step_fn", "settings"))
+def search(step_fn, init, settings, static_inputs=None, max_lengths=None):
+  """`beam_search` jitted, for the tests of other steps (one program each,
+  where eager calls would compile every op of the search on its own)."""
+  return beam_search(
+    step_fn, init, settings, static_inputs=static_inputs, max_lengths=max_lengths
+  )
+
+
 # -- DecodeSettings -------------------------------------------------------------------
 
 
@@ -373,9 +382,7 @@ def test_a_beam_of_one_is_the_argmax_loop(alpha):
   # log-probabilities (alpha 0) or those divided by the penalty (0.6, default).
   init, bias = sources(16, seed=7)
   lengths = np.random.default_rng(2).integers(1, 5, size=16)
-  out = beam_search(
-    eos_shy, init, beam(1, alpha), static_inputs=bias, max_lengths=lengths
-  )
+  out = search(eos_shy, init, beam(1, alpha), static_inputs=bias, max_lengths=lengths)
   expected = argmax_loop(eos_shy, init, bias, lengths, alpha)
   assert_same(as_lists(out), expected)
   got = [len(source[0][0]) for source in expected]
@@ -453,7 +460,6 @@ def test_an_empty_ladder_runs_one_phase_at_full_size():
   assert recorded_sizes(beam(2, ladder=(8, 2))) == [16, 4]
 
 
-@pytest.mark.slow
 def test_sources_stop_at_their_own_length():
   # A model that never emits eos: every hypothesis runs to its max length.
   def no_eos(h, tokens, static):
@@ -463,7 +469,7 @@ def test_sources_stop_at_their_own_length():
   init, bias = sources(5, seed=8)
   lengths = jnp.array([1, 4, 2, 3, 1])
   for settings in [beam(1), beam(3)]:
-    out = beam_search(no_eos, init, settings, static_inputs=bias, max_lengths=lengths)
+    out = search(no_eos, init, settings, static_inputs=bias, max_lengths=lengths)
     for hyps, n in zip(out.ids.to_list(), lengths.tolist(), strict=True):
       assert hyps and all(len(h) == n for h in hyps)
 
@@ -486,13 +492,13 @@ def test_lod_static_inputs_padding_and_empty_sources():
   )
   init = jnp.asarray(rng.normal(size=(5, HIDDEN)), jnp.float32)
   settings = beam(2, max_length=3)
-  out = beam_search(lod_step, init, settings, static_inputs=memory)
+  out = search(lod_step, init, settings, static_inputs=memory)
   lengths = out.ids.recursive_lengths()
   assert lengths[0] == [2, 2, 2]  # padding sources 3 and 4 get nothing
   assert out.ids.capacity.sequences == (5, 10)
   assert out.scores.recursive_lengths() == [[2, 2, 2]]
   # The empty source decodes from its init carry with a zero pooled memory.
-  alone = beam_search(step, init[1:2], settings, static_inputs=jnp.zeros((1, HIDDEN)))
+  alone = search(step, init[1:2], settings, static_inputs=jnp.zeros((1, HIDDEN)))
   assert_same([as_lists(out)[1]], as_lists(alone))
 
 

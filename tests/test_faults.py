@@ -3,6 +3,7 @@ returns a valid LoDTensor, clamped to its capacities, with a `Fault` set; every
 op passes faults on, and host reads of a faulted tensor raise."""
 
 import dataclasses
+import functools
 
 import flax.linen
 import hypothesis.strategies as st
@@ -135,6 +136,15 @@ def _fits(sizes, capacity: Buckets) -> bool:
   )
 
 
+@functools.cache
+def _jitted(name, which):
+  """The op `name` on output capacity `which`, jitted, and jitted under
+  checkify: built once, so that the examples of a test share its programs."""
+  op, capacity = OPS[name][1], CAPACITIES[which]
+  run = lambda *a: op(*a, capacity)  # noqa: E731
+  return jax.jit(run), jax.jit(checkify.checkify(run))
+
+
 @pytest.mark.parametrize("name", sorted(OPS))
 @settings(max_examples=12)
 @given(
@@ -149,7 +159,7 @@ def test_overflow_under_jit_is_valid_flagged_and_never_read(name, lengths, which
   inputs = make(lengths)
   want = op(*inputs, None)  # eager, on the bound: the real output
   fits = _fits(_sizes(want), capacity)
-  run = jax.jit(lambda *a: op(*a, capacity))
+  run, checked = _jitted(name, which)
   got = run(*inputs)
   assert_valid(got)
   assert int(got.faults) == (0 if fits else Fault.CAPACITY)
@@ -162,7 +172,7 @@ def test_overflow_under_jit_is_valid_flagged_and_never_read(name, lengths, which
       got.recursive_lengths()
     assert "faults=CAPACITY" in repr(got)
     # checkify reports the same overflow.
-    err, _ = checkify.checkify(run)(*inputs)
+    err, _ = checked(*inputs)
     with pytest.raises(checkify.JaxRuntimeError, match="more .* than its capacity"):
       err.throw()
 
