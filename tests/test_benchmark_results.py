@@ -88,6 +88,17 @@ def test_g2p_options_results():
   assert options["decision"]["compaction"] == (decode["paired_ratio"] <= limit)
 
 
+def test_g2p_throughput_results():
+  report = _load("g2p_throughput")
+  assert {"cpu_count", "load_average_at_start"} <= set(report["machine"])
+  arms = report["arms"]
+  assert report["reference_arm"] in arms and len(arms) >= 2
+  assert arms[report["reference_arm"]]["words_ratio"] == 1.0
+  for arm in arms.values():
+    assert {"parameters", "compile_s", "steps_per_s", "words_per_s"} <= set(arm)
+    assert arm["words_per_s"] > arm["steps_per_s"] > 0
+
+
 def test_compile_results_hold_the_frontier():
   report = _load("compile")
   assert set(report["workloads"]) == {"W1", "W3"}

@@ -4,6 +4,7 @@ import dataclasses
 import io
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -408,6 +409,7 @@ def test_tiny_run_saves_and_resumes(
   assert "| word | reference | prediction |" in out
   assert f"predict --workdir {tmp_path / 'a'} WORD ..." in out.splitlines()[-1]
   assert out.count("step 6: dev PER") == 1 and out.count("step 12: dev PER") == 1
+  assert re.search(r"trained steps 1 to 12 in \d+ s, [\d.]+ steps a second", out)
   assert first["start_step"] == 0 and first["step"] == 12
   assert [h[0] for h in first["history"]] == [6, 12]
   assert g2p.latest_step(tmp_path / "a") == 12
@@ -436,6 +438,7 @@ def test_tiny_run_saves_and_resumes(
   second = g2p.main([*flags, "--resume", "--examples", "0"])
   out = capsys.readouterr().out
   assert "(resuming at step 4; no Batcher state saved: batches by step)" in out
+  assert "trained steps 5 to 12 in " in out
   assert "step 6: dev PER" in out
   assert "| word |" not in out
   assert second["start_step"] == 4 and [h[0] for h in second["history"]] == [6, 12]
