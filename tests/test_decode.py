@@ -209,18 +209,18 @@ def beam(k=2, alpha=0.6, num_results=None, ladder=None, max_length=4):
   )
 
 
-@functools.partial(jax.jit, static_argnames=("settings",))
-def run_beam(init, bias, max_lengths, settings):
-  return beam_search(step, init, settings, static_inputs=bias, max_lengths=max_lengths)
-
-
 @functools.partial(jax.jit, static_argnames=("step_fn", "settings"))
 def search(step_fn, init, settings, static_inputs=None, max_lengths=None):
-  """`beam_search` jitted, for the tests of other steps (one program each,
-  where eager calls would compile every op of the search on its own)."""
+  """`beam_search` jitted (one program a step and settings, where eager calls
+  would compile every op of the search on its own)."""
   return beam_search(
     step_fn, init, settings, static_inputs=static_inputs, max_lengths=max_lengths
   )
+
+
+def run_beam(init, bias, max_lengths, settings):
+  """`search` with this file's model."""
+  return search(step, init, settings, static_inputs=bias, max_lengths=max_lengths)
 
 
 # -- DecodeSettings -------------------------------------------------------------------
