@@ -13,6 +13,7 @@ import pathlib
 import re
 import time
 
+import jax
 import nbformat
 import pytest
 from nbformat import v4
@@ -47,6 +48,14 @@ def _stderr_text(nb: nbformat.NotebookNode) -> str:
       for out in cell.outputs
       if out.output_type == "stream" and out.name == "stderr"
     ),
+  )
+
+
+def _output_text(cell: nbformat.NotebookNode) -> str:
+  """The text a code cell shows: its streams and its plain-text results."""
+  return "".join(
+    out.get("text", "") + out.get("data", {}).get("text/plain", "")
+    for out in cell.outputs
   )
 
 
@@ -128,6 +137,16 @@ def test_notebook_runs(name, monkeypatch):
   flags = [f for f in flags if not f.startswith("--xla_backend_optimization_level")]
   monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
   execute(path, TIME_LIMIT_S, save_to=EXECUTED / name)
+  # The site renders these outputs: nothing of this machine's may show (the
+  # kernel's compilation cache is the test session's, see conftest.py).
+  cache = jax.config.jax_compilation_cache_dir
+  executed = nbformat.read(EXECUTED / name, as_version=4)
+  shown = [
+    i
+    for i, cell in enumerate(executed.cells)
+    if cell.cell_type == "code" and cache and cache in _output_text(cell)
+  ]
+  assert not shown, f"{name}: cells {shown} show the compilation cache folder {cache!r}"
 
 
 # -- the harness itself ------------------------------------------------------------
