@@ -2,8 +2,11 @@
 
 Each arm is the G2P example's jitted training step (`m.train_step`, the
 ``full`` preset's dropout and label smoothing) for one model width, encoder
-depth and batch size (``batch_words`` words, ``batch_tokens`` tokens a
-field), stepping through the batches of its own `jaxlod.data.Batcher`
+depth, batch size (``batch_words`` words, ``batch_tokens`` tokens a field)
+and LSTM cell (flax's ``LSTMCell``, which the example uses; its fused twin
+``OptimizedLSTMCell``; or ``LSTMCell`` computing in bfloat16 from float32
+parameters, which a CPU with bfloat16 matrix units might run faster),
+stepping through the batches of its own `jaxlod.data.Batcher`
 built as `g2p.train` builds it. The arms run in one process, interleaved:
 each round, in a shuffled order, every arm takes ``--steps`` steps (each
 waits for its loss, as the example does), and the round's time gives its
@@ -20,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import random
 import statistics
 import sys
 import time
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import enable_compilation_cache
@@ -34,16 +40,24 @@ from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
 from jaxlod.examples._timing import machine_info, write_report
 
-# (hidden, encoder layers, batch words, batch tokens); the first is `fast`.
+CELLS = {
+  "LSTMCell": nn.LSTMCell,
+  "OptimizedLSTMCell": nn.OptimizedLSTMCell,
+  "LSTMCell, bfloat16 compute": functools.partial(nn.LSTMCell, dtype=jnp.bfloat16),
+}
+# (hidden, encoder layers, batch words, batch tokens, cell); the first is
+# `fast`.
 ARMS = [
-  (256, 2, 128, 1280),
-  (256, 2, 64, 640),
-  (256, 2, 256, 2560),
-  (384, 2, 128, 1280),
+  (256, 2, 128, 1280, "LSTMCell"),
+  (256, 2, 64, 640, "LSTMCell"),
+  (256, 2, 256, 2560, "LSTMCell"),
+  (384, 2, 128, 1280, "LSTMCell"),
+  (256, 2, 128, 1280, "OptimizedLSTMCell"),
+  (256, 2, 128, 1280, "LSTMCell, bfloat16 compute"),
 ]
 
 
-def _arm(corpus, hidden, layers, words, tokens):
+def _arm(corpus, hidden, layers, words, tokens, cell):
   config = dataclasses.replace(
     m.PRESETS["full"],
     hidden=hidden,
@@ -54,7 +68,7 @@ def _arm(corpus, hidden, layers, words, tokens):
     members=1,
   )
   num_phones = len(corpus.phones)
-  step_fn = m.train_step(config, num_phones)
+  step_fn = m.train_step(config, num_phones, cell=CELLS[cell])
   state = list(m.init_state(config, num_phones))
   batcher = Batcher(
     corpus.train,
@@ -102,9 +116,11 @@ def main(argv=None):
   machine = machine_info()
   corpus = g2p.load_corpus(m.PRESETS["full"])
   arms = {}
-  for hidden, layers, words, tokens in ARMS:
+  for hidden, layers, words, tokens, cell in ARMS:
     name = f"width {hidden}, {layers} encoder layers, {words} words/{tokens} tokens"
-    config, params, run = _arm(corpus, hidden, layers, words, tokens)
+    if cell != "LSTMCell":
+      name += f", {cell}"
+    config, params, run = _arm(corpus, hidden, layers, words, tokens, cell)
     began = time.perf_counter()
     run(1)
     arms[name] = dict(run=run, params=params, compile_s=time.perf_counter() - began)

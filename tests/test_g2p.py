@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -249,6 +251,24 @@ def test_the_training_step_runs_on_the_ladder():
   )(params)
   loops = 2 * TINY.encoder_layers + 1
   assert str(jaxpr).count("while[") == loops * len(ladder)
+
+
+def test_the_cell_is_a_choice_with_the_same_parameters():
+  """`cell` swaps the encoder's and the decoder's cells (the throughput
+  benchmark's arms); flax's fused LSTM takes the same parameters."""
+  (src, tgt, _), _ = _tiny_batch()
+  default = m.build_model(TINY, 5)
+  fused = m.build_model(TINY, 5, cell=nn.OptimizedLSTMCell)
+  params = jax.jit(default.init)(jax.random.key(0), src, tgt)
+  fused_params = jax.eval_shape(lambda: fused.init(jax.random.key(0), src, tgt))
+  assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, fused_params)
+  assert isinstance(fused.decoder.cell, nn.OptimizedLSTMCell)
+  np.testing.assert_allclose(
+    jax.jit(fused.apply)(params, src, tgt).values,
+    jax.jit(default.apply)(params, src, tgt).values,
+    rtol=1e-5,
+    atol=1e-6,
+  )
 
 
 def test_the_encoder_is_a_stacked_rnn_with_dropout():

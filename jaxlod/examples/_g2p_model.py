@@ -205,6 +205,7 @@ def build_model(
   num_phones: int,
   train: bool = False,
   ladder: tuple[int, ...] | None = None,
+  cell: Callable[[int], nn.RNNCellBase] = nn.LSTMCell,
 ) -> Seq2Seq:
   """The model of `config`; `train` turns dropout on (same parameters).
 
@@ -215,10 +216,15 @@ def build_model(
   `ladder` sets the static batch sizes of the encoder's and the
   teacher-forced decoder's loops (`training_ladder`); `None`: each batch's
   default (or its rank table's). The parameters do not depend on it.
+
+  `cell` makes the encoder's and the decoder's cells from the width:
+  ``flax.linen.LSTMCell``, or a cell with the same parameters
+  (``OptimizedLSTMCell``, a ``dtype`` of computation), which
+  `benchmarks/g2p_throughput.py` times against it.
   """
 
   def lstm() -> DynamicRNN:
-    return DynamicRNN(nn.LSTMCell(config.hidden), ladder=ladder)
+    return DynamicRNN(cell(config.hidden), ladder=ladder)
 
   encoder = StackedRNN(
     tuple(Bidirectional(lstm(), lstm()) for _ in range(config.encoder_layers)),
@@ -235,7 +241,7 @@ def build_model(
     embed_dim=config.embed_dim,
     encoder=encoder,
     decoder=AttentionDecoder(
-      nn.LSTMCell(config.hidden),
+      cell(config.hidden),
       AdditiveAttention(config.attention_units),
       ladder=ladder,
     ),
@@ -375,7 +381,12 @@ def _update(
 AXIS = "data"
 
 
-def train_step(config: Config, num_phones: int, mesh: Mesh | None = None) -> Callable:
+def train_step(
+  config: Config,
+  num_phones: int,
+  mesh: Mesh | None = None,
+  cell: Callable[[int], nn.RNNCellBase] = nn.LSTMCell,
+) -> Callable:
   """A new jitted step ``(params, opt_state, lr, rng, fields, tables=None)
   -> (params, opt_state, loss)``; build it once a run (it compiles on its
   first call).
@@ -395,8 +406,11 @@ def train_step(config: Config, num_phones: int, mesh: Mesh | None = None) -> Cal
   (`jaxlod.parallel.data_parallel`); the loss is the mean over every real
   target token of every shard, each device draws its own dropout masks,
   and the parameters stay replicated (`jaxlod.parallel.replicate`).
+  `cell`: as `build_model`'s.
   """
-  model = build_model(config, num_phones, train=True, ladder=training_ladder(config))
+  model = build_model(
+    config, num_phones, train=True, ladder=training_ladder(config), cell=cell
+  )
   tx = optimizer(config)
 
   def sums(params, rng, batch):
