@@ -96,6 +96,25 @@ def fault_unless(ok: Any, fault: Fault) -> Any:
   return jnp.where(jnp.asarray(ok), jnp.int32(0), jnp.int32(fault))
 
 
+def check_sound(x: LoDTensor) -> None:
+  """Raises for a faulted LoDTensor whose faults are concrete (host reads);
+  does nothing under `jit`, where the faults are traced and passed on."""
+  faults = x.faults
+  if not _is_array(faults) or isinstance(faults, jax.ShapeDtypeStruct):
+    return  # a leaf a transformation put there (an axis spec, None)
+  if not is_concrete(faults):
+    return
+  bits = int(np.bitwise_or.reduce(np.asarray(faults).reshape(-1), initial=0))
+  if bits:
+    raise ValueError(
+      f"This LoDTensor is faulted ({describe_faults(bits)}): an op under "
+      "`jit` could not honour its contract and returned it clamped to its "
+      "capacities, so rows may be missing or out of order. Run the caller "
+      "under `jax.experimental.checkify.checkify` to see which op and why "
+      "(and pass larger capacities, or the rank table of this batch)."
+    )
+
+
 def with_faults(x: LoDTensor, *faults: Any) -> LoDTensor:
   """`x` with each bitmask of `faults` (ints, int32 scalars, or LoDTensors
   whose faults it inherits) added to its own. Jittable."""
@@ -259,8 +278,16 @@ class LoDTensor:
     faults: int32 scalar, a `Fault` bitmask: 0 for a sound tensor; set by an
       op under `jit` that could not honour its contract without
       `checkify` (an output over its capacity, a rank table of another
-      batch), and passed on by every op. Host reads of a faulted tensor
-      raise. Defaults to 0.
+      batch), and passed on by every op. Defaults to 0.
+
+  Reads of a faulted tensor raise the same `ValueError` ("This LoDTensor is
+  faulted ...") whenever its ``faults`` are concrete (outside `jit`):
+  `to_list`, `recursive_lengths`, `row_splits`, `validate`, `lengths`,
+  `num_sequences`, `num_rows`, `row_mask`, `segment_ids`, `to_padded`,
+  `to_segment_ids`, `jaxlod.interop.to_packed_sequence`, and
+  `jaxlod.ops.rank_table`, so eager ops that read the LoD raise too. Under
+  `jit` they work on the clamped tensor and the fault is passed on. The
+  fields themselves (``x.values``, ``x.offsets``) are not guarded.
 
   Example:
     >>> import numpy as np
@@ -665,8 +692,10 @@ class LoDTensor:
     """Lengths of the sequences at `level`: int32 ``[count_capacity]``.
 
     `level` counts from 0 (outermost), negative from the last (the default).
-    Padding sequences have length 0. Jittable.
+    Padding sequences have length 0. Jittable; eagerly it raises for a
+    faulted tensor (see `faults`).
     """
+    check_sound(self)
     return jnp.diff(self.offsets[self._level(level)])
 
   def num_sequences(self, level: int = -1) -> jax.Array:
@@ -682,6 +711,7 @@ class LoDTensor:
       (3, 2)
     """
     level = self._level(level)
+    check_sound(self)
     if level == 0:
       return jnp.asarray(self.num_outer)
     return self.offsets[level - 1][-1]
@@ -689,6 +719,7 @@ class LoDTensor:
   @property
   def num_rows(self) -> jax.Array:
     """Real number of rows of ``values`` (int32 scalar). Jittable."""
+    check_sound(self)
     return self.offsets[-1][-1]
 
   def row_mask(self) -> jax.Array:
@@ -725,6 +756,7 @@ class LoDTensor:
       >>> x.segment_ids().tolist()
       [0, 0, 2, 3, 3]
     """
+    check_sound(self)
     count = self.capacity.sequences[-1]
     if count == 0:  # no sequence slots: every row is padding
       return jnp.zeros((self.capacity.tokens,), jnp.int32)
@@ -846,23 +878,11 @@ class LoDTensor:
   def _host_offsets(self) -> list[np.ndarray]:
     if not is_concrete(*self.offsets, self.num_outer, self.faults):
       raise ValueError("This method reads data on the host; it cannot run under jit.")
-    self._check_sound()
+    check_sound(self)
     real = [np.asarray(self.offsets[0])[: int(self.num_outer) + 1]]
     for o in self.offsets[1:]:
       real.append(np.asarray(o)[: int(real[-1][-1]) + 1])
     return real
-
-  def _check_sound(self) -> None:
-    """Raises for a tensor with faults (host only)."""
-    faults = int(np.bitwise_or.reduce(np.asarray(self.faults).reshape(-1), initial=0))
-    if faults:
-      raise ValueError(
-        f"This LoDTensor is faulted ({describe_faults(faults)}): an op under "
-        "`jit` could not honour its contract and returned it clamped to its "
-        "capacities, so rows may be missing or out of order. Run the caller "
-        "under `jax.experimental.checkify.checkify` to see which op and why "
-        "(and pass larger capacities, or the rank table of this batch)."
-      )
 
   def recursive_lengths(self) -> list[list[int]]:
     """Paddle's length-based LoD of the real sequences (host only).
@@ -913,7 +933,7 @@ class LoDTensor:
       ValueError: LoD level 0, index 0: a sequence of length 4, more than the time ...
     """
     _checks.check_stored_lod(self)
-    self._check_sound()
+    check_sound(self)
 
   def to_list(self) -> list:
     """The real sequences as NumPy arrays (host only).

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._checks import check_lod, ladder_sizes, static_float, static_int
-from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod._lod import LoDTensor, check_sound, is_concrete
 
 
 def default_ladder(
@@ -218,6 +218,7 @@ def rank_table(
   # above. Read on the host with NumPy (no device op) when concrete.
   parent = x.num_outer if level == 0 else x.offsets[level - 1]
   if is_concrete(offsets, parent):
+    check_sound(x)  # a faulted tensor's LoD is clamped: no table of it
     arrays = _table_arrays(np, np.diff(np.asarray(offsets)), time_capacity, ladder)
     parent = np.asarray(parent)
     count = np.asarray(parent if level == 0 else parent[-1], np.int32)
