@@ -1161,6 +1161,7 @@ def check_memory(memory: Any, name: str = "memory") -> Memory:
       f"Expected `{name}` to be a jaxlod.ops.Memory (see `lod_memory` and "
       f"`as_memory`), got {type(memory).__name__}."
     )
+  check_memory_lengths(memory, name)
   return memory
 
 
@@ -1443,3 +1444,38 @@ def check_vocabs(vocabs: Sequence[int]) -> None:
     raise ValueError(
       f"Expected the members to share `tgt_vocab`, got {list(vocabs)} (member order)."
     )
+
+
+# -- integer leaves of pytrees (LoDTensor, RankTable) ------------------------------
+
+
+def check_index_leaves(leaves: Iterable[tuple[str, Any]], fix: str) -> None:
+  """Integer leaves of a pytree stay integer: each ``(name, leaf)`` that is an
+  array (or a shape struct) must have an integer dtype, or ``float0`` (the
+  cotangent JAX gives integer leaves). Other leaves (axis specs, `None`,
+  objects a transformation put there) pass.
+
+  Args:
+    leaves: ``(name, leaf)`` pairs; `name` is used in the message.
+    fix: the end of the message: what the user should do instead.
+
+  Raises:
+    TypeError: for the first array leaf with another dtype, naming it.
+  """
+  for name, leaf in leaves:
+    dtype = getattr(leaf, "dtype", None)
+    if not isinstance(leaf, np.ndarray | np.generic | jax.Array | jax.ShapeDtypeStruct):
+      continue
+    if is_integer_dtype(dtype) or dtype == jax.dtypes.float0:
+      continue
+    raise TypeError(f"Expected integer {name}, got {np.dtype(dtype).name}: {fix}")
+
+
+def check_memory_lengths(memory: Memory, name: str = "memory") -> None:
+  """A `jaxlod.ops.Memory`'s ``lengths`` stay integer (a tree map that cast
+  them would mask the wrong source rows)."""
+  check_index_leaves(
+    [(f"`{name}.lengths`", memory.lengths)],
+    "the lengths mask the source rows, so a tree map over a Memory must leave "
+    "them alone (cast `values` and `keys` only).",
+  )

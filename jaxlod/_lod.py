@@ -28,7 +28,6 @@ from jaxlod._checks import (
   host_numbers,
   is_concrete,
   is_float_dtype,
-  is_integer_dtype,
   static_int,
 )
 
@@ -220,11 +219,6 @@ def _is_array(value: Any) -> bool:
   return isinstance(value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
 
 
-def _is_index_dtype(dtype: Any) -> bool:
-  """Integer, or ``float0`` (the cotangent JAX gives integer leaves)."""
-  return is_integer_dtype(dtype) or dtype == jax.dtypes.float0
-
-
 # -- the pytree ----------------------------------------------------------------
 
 
@@ -344,16 +338,12 @@ class LoDTensor:
           f"Expected offsets of level {level} to have shape [count_capacity + 1], "
           f"got {tuple(o.shape)}."
         )
-    for name, leaf in [(f"offsets of level {i}", o) for i, o in enumerate(offsets)] + [
-      ("num_outer", self.num_outer),
-      ("faults", self.faults),
-    ]:
-      if _is_array(leaf) and not _is_index_dtype(leaf.dtype):
-        raise TypeError(
-          f"Expected integer {name}, got {np.dtype(leaf.dtype).name}: the LoD "
-          "is integer data, so a tree map over a LoDTensor must leave it alone "
-          "(cast the rows with `x.astype(dtype)`)."
-        )
+    _checks.check_index_leaves(
+      [(f"offsets of level {i}", o) for i, o in enumerate(offsets)]
+      + [("num_outer", self.num_outer), ("faults", self.faults)],
+      "the LoD is integer data, so a tree map over a LoDTensor must leave it "
+      "alone (cast the rows with `x.astype(dtype)`).",
+    )
 
   # -- host builders ----------------------------------------------------------
 
