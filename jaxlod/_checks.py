@@ -257,7 +257,7 @@ def check_integer_level(
       f"Expected LoD level {level} ({name}) to be a sequence of ints, got "
       f"{_got(values)}.{where}"
     )
-  array = np.asarray(values)
+  array = level_array(values, name, level, where)
   if array.ndim != 1:
     raise ValueError(
       f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}.{where}"
@@ -759,7 +759,7 @@ def host_numbers(value: Any, name: str, where: str = "") -> np.ndarray:
   if is_lod(value):
     raise TypeError(f"Expected `{name}` to be an array, got LoDTensor.")
   try:
-    array = np.asarray(value)
+    array = host_array(value, name)
   except OverflowError as error:
     raise ValueError(
       f"Expected `{name}` to hold integers within int64: {error}."
@@ -1479,3 +1479,80 @@ def check_memory_lengths(memory: Memory, name: str = "memory") -> None:
     "the lengths mask the source rows, so a tree map over a Memory must leave "
     "them alone (cast `values` and `keys` only).",
   )
+
+
+# -- host arrays from Python values: ragged rows, LoD levels -----------------------
+
+
+def host_array(value: Any, name: str) -> np.ndarray:
+  """`np.asarray(value)`, with ragged nested lists refused naming `name`
+  and the first row whose shape differs (NumPy's "inhomogeneous shape")."""
+  try:
+    return np.asarray(value)
+  except ValueError:
+    raise ValueError(_ragged(value, name)) from None
+
+
+def _ragged(value: Any, name: str) -> str:
+  """The message for a ragged `value`: the first index whose shape differs
+  from item 0's, searched one nesting level at a time."""
+  path: list[int] = []
+  while isinstance(value, list | tuple) and value:
+    shapes = []
+    for item in value:
+      try:
+        shapes.append(np.shape(item))
+      except ValueError:
+        shapes.append(None)  # ragged itself
+    bad = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+    if bad is not None:
+      at = "".join(f"[{i}]" for i in path)
+      return (
+        f"Expected `{name}` to be a rectangular array of numbers ([rows, "
+        f"*features]), got ragged rows: `{name}{at}[{bad}]` has shape "
+        f"{_shape_text(shapes[bad])}, `{name}{at}[0]` {_shape_text(shapes[0])}."
+      )
+    bad = shapes.index(None) if None in shapes else 0
+    path.append(bad)
+    value = value[bad]
+  return f"Expected `{name}` to be a rectangular array of numbers, got ragged rows."
+
+
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+  return "(ragged)" if shape is None else str(tuple(shape))
+
+
+def level_array(values: Any, name: str, level: int, where: str) -> np.ndarray:
+  """One LoD level as a NumPy array, before `check_integer_level` checks its
+  rank and dtype. An iterator is read once; a scalar, ragged items or a bool
+  among ints raise naming the level and (`where`) the argument.
+
+  Raises:
+    TypeError: for a bool among ints (NumPy would read it as 0 or 1).
+    ValueError: for a scalar (a level must be a sequence) or ragged items.
+  """
+  if isinstance(values, Iterable) and not (
+    isinstance(values, list | tuple | np.ndarray) or hasattr(values, "__array__")
+  ):
+    values = list(values)  # a generator: np.asarray would make an object scalar
+  try:
+    array = np.asarray(values)
+  except ValueError:
+    raise ValueError(
+      f"Expected LoD level {level} ({name}) to be 1-D, got items of different "
+      f"shapes.{where}"
+    ) from None
+  if array.ndim == 0:
+    raise ValueError(
+      f"Expected LoD level {level} ({name}) to be a 1-D sequence of ints, got the "
+      f"scalar {_got(values)}; pass one sequence per level, e.g. [[2, 1]].{where}"
+    )
+  if isinstance(values, list | tuple):
+    flags = [i for i, v in enumerate(values) if isinstance(v, bool | np.bool_)]
+    if flags:
+      i = flags[0]
+      raise TypeError(
+        f"Expected LoD level {level} ({name}) to hold ints, got the bool "
+        f"{values[i]!r} at index {i}.{where}"
+      )
+  return array

@@ -25,6 +25,7 @@ from jaxlod._checks import (
   check_padded_lengths,
   check_segment_ids,
   check_sequence,
+  host_array,
   host_numbers,
   is_concrete,
   is_float_dtype,
@@ -437,7 +438,15 @@ class LoDTensor:
             f"got {type(group).__name__}."
           )
     inner = [list(s) for s in seqs] if two_levels else [list(seqs)]
-    flat = [np.asarray(x) for group in inner for x in group]
+    names = [
+      f"seqs[{g}][{j}]" if two_levels else f"seqs[{j}]"
+      for g, group in enumerate(inner)
+      for j in range(len(group))
+    ]
+    flat = [
+      host_array(x, name)
+      for name, x in zip(names, (x for group in inner for x in group), strict=True)
+    ]
     for i, x in enumerate(flat):
       host_numbers(x, "values", where=f" in `seqs`, sequence {i}")
       if x.ndim == 0:
@@ -449,9 +458,13 @@ class LoDTensor:
       x.shape[1:] for x in flat
     }
     if len(features) > 1:
+      shown = [i for i, x in enumerate(flat) if x.shape[0] > 0] or range(len(flat))
+      first = shown[0]
+      bad = next(i for i in shown if flat[i].shape[1:] != flat[first].shape[1:])
       raise ValueError(
         "Expected every sequence to have the same feature shape, got "
-        f"{sorted(features)}."
+        f"{sorted(features)}: `{names[bad]}` has {flat[bad].shape[1:]}, "
+        f"`{names[first]}` {flat[first].shape[1:]}."
       )
     feature_shape = features.pop() if features else ()
     if dtype is None:
@@ -603,8 +616,9 @@ class LoDTensor:
     Args:
       values: ``[rows, *features]``, the ragged tensor's ``flat_values``.
       row_splits: a list of 1-D integer arrays, outermost first (a single
-        1-D array for one level, as `tf.RaggedTensor.from_row_splits`
-        takes it); empty rows (repeated splits) are legal.
+        1-D array, or a flat list of ints, for one level, as
+        `tf.RaggedTensor.from_row_splits` takes it); empty rows (repeated
+        splits) are legal.
       buckets: capacity policy; `None` means exact sizes.
 
     Raises:
@@ -624,6 +638,9 @@ class LoDTensor:
     values = _as_values(values)
     if isinstance(row_splits, np.ndarray | jax.Array) and row_splits.ndim == 1:
       row_splits = [row_splits]
+    row_splits = check_sequence(row_splits, "row_splits", "a list of 1-D arrays")
+    if row_splits and all(_is_scalar(s) for s in row_splits):
+      row_splits = [row_splits]  # one level as a flat list, tuple or generator
     checked = check_offsets(row_splits, values.shape[0], name="row_splits")
     return cls._build(values, checked, _buckets.resolve(buckets))
 
@@ -957,6 +974,13 @@ class LoDTensor:
       bits = int(np.bitwise_or.reduce(np.asarray(faults).reshape(-1), initial=0))
       lod = f", faults={describe_faults(bits)}"
     return f"{head}{lod}, capacity={self.capacity})"
+
+
+def _is_scalar(value: Any) -> bool:
+  """A Python or NumPy number, or a 0-d array: one split, not a level."""
+  if isinstance(value, np.ndarray | jax.Array):
+    return value.ndim == 0
+  return isinstance(value, int | float | np.generic)
 
 
 def _is_nested(seq: Any) -> bool:

@@ -133,6 +133,7 @@ A_LOD = ("LoDTensor", lod)
 SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
 UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
+RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
 
 Bad = tuple[str, Callable[[], Any]]
 
@@ -142,7 +143,7 @@ BAD: dict[str, list[Bad]] = {
   # A list of LoDTensors.
   "lods": [STR, NONE, OBJECT, INT, EMPTY, ("arrays", lambda: [np.zeros(3)])],
   # A numeric array.
-  "array": [STR, NONE, OBJECT, STRINGS, A_LOD],
+  "array": [STR, NONE, OBJECT, STRINGS, A_LOD, RAGGED],
   # An array or a LoDTensor.
   "array_or_lod": [STR, NONE, OBJECT, STRINGS],
   # A 2-D array, e.g. scores [b, source_capacity] or a query [b, hidden].
@@ -188,9 +189,19 @@ BAD: dict[str, list[Bad]] = {
     ("floats", lambda: [[1.5, 1.5]]),
     ("strings", lambda: [["a", "b"]]),
     ("flat_strings", lambda: ["a", "b"]),
+    ("mixed_bools", lambda: [[True, 2]]),
+    ("ragged", lambda: [[2, [1]]]),
   ],
   # Sequences of rows (`LoDTensor.from_sequences`).
-  "seqs": [STR, NONE, OBJECT, INT, ("strings", lambda: [["a", "b"]])],
+  "seqs": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("strings", lambda: [["a", "b"]]),
+    ("ragged_rows", lambda: [[[[1.0, 2.0], [3.0]]]]),
+    ("features", lambda: [np.ones((2, 2)), np.ones((1, 3))]),
+  ],
   # A pad value: a scalar or an array that broadcasts to the features.
   "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
   "buckets": [STR, OBJECT, INT],

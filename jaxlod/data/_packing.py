@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
+from jaxlod._checks import host_array
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._rank import RankTable, rank_table
 
@@ -164,8 +165,11 @@ def as_arrays(
         f"Expected every example to have {len(columns)} fields like example "
         f"{name(0)}, got {len(example)} in example {name(i)}."
       )
-    for column, value in zip(columns, example, strict=True):
-      column.append(np.asarray(value))
+    for f, (column, value) in enumerate(zip(columns, example, strict=True)):
+      try:
+        column.append(host_array(value, f"examples[{i}][{f}]"))
+      except ValueError as error:
+        raise ValueError(f"Field {f} of example {name(i)}: {error}") from None
   return columns
 
 
