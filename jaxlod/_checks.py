@@ -1556,3 +1556,63 @@ def level_array(values: Any, name: str, level: int, where: str) -> np.ndarray:
         f"{values[i]!r} at index {i}.{where}"
       )
   return array
+
+
+# -- a batching field's examples (jaxlod.data) --------------------------------------
+
+_KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "float", "c": "complex"}
+
+
+def check_field_dtypes(f: int, arrays: Sequence[np.ndarray], indices, name) -> None:
+  """The examples of field `f` (`arrays[i]` for each i of `indices`) share a
+  kind of dtype: an int field is never turned into floats by one float
+  example (nor int64 with uint64 into float64). Dtypes that are not numbers
+  are left to the caller.
+
+  Args:
+    f: the field.
+    arrays: every example's array of the field.
+    indices: the examples whose dtypes count (the non-empty ones).
+    name: example ``i``'s name in messages, ``name(i)``.
+
+  Raises:
+    TypeError: naming the field, two examples and their dtypes.
+  """
+  first: dict[str, int] = {}
+  for i in indices:
+    kind = _KINDS.get(arrays[i].dtype.kind)
+    if kind is None:
+      return
+    first.setdefault(kind, i)
+  if len(first) > 1:
+    i, j = list(first.values())[:2]
+  else:
+    dtypes = {arrays[i].dtype for i in indices}
+    if len(dtypes) < 2 or _KINDS[np.result_type(*dtypes).kind] in first:
+      return
+    i = indices[0]
+    j = next(k for k in indices if arrays[k].dtype != arrays[i].dtype)
+  raise TypeError(
+    f"Expected the examples of field {f} to share a kind of dtype, got "
+    f"{arrays[i].dtype} in example {name(i)} (`examples[{i}][{f}]`) and "
+    f"{arrays[j].dtype} in example {name(j)} (`examples[{j}][{f}]`), which "
+    f"would be promoted to {np.result_type(arrays[i].dtype, arrays[j].dtype)}; "
+    "cast the field's examples to one dtype."
+  )
+
+
+def check_field_fits_device(
+  f: int, arrays: Sequence[np.ndarray], values: np.ndarray, name
+) -> None:
+  """The packed rows `values` of field `f` fit the dtype JAX stores them in
+  (`check_fits_device`); if not, raises naming the first example of
+  `arrays` that does not."""
+  try:
+    check_fits_device(values, "values")
+  except ValueError:
+    for i, a in enumerate(arrays):
+      try:
+        check_fits_device(a, f"examples[{i}][{f}]")
+      except ValueError as error:
+        raise ValueError(f"Field {f} of example {name(i)}: {error}") from None
+    raise

@@ -17,7 +17,11 @@ import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import host_array
+from jaxlod._checks import (
+  check_field_dtypes,
+  check_field_fits_device,
+  host_array,
+)
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._rank import RankTable, rank_table
 
@@ -203,6 +207,7 @@ def pack_field(
         f"Expected field {f} of example {name(i)} to have feature shape "
         f"{features} like example {name(first)}, got {arrays[i].shape[1:]}."
       )
+  check_field_dtypes(f, arrays, nonempty, name)
   dtypes = {arrays[i].dtype for i in nonempty} or {arrays[first].dtype}
   dtype = np.result_type(*dtypes)
   if dtype.kind not in "biufc":
@@ -212,6 +217,7 @@ def pack_field(
     )
   lengths = np.array([a.shape[0] for a in arrays], np.int64)
   values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)
+  check_field_fits_device(f, arrays, values, name)
   return Field(
     values=values.astype(dtype, copy=False),
     starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
