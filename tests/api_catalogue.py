@@ -122,6 +122,7 @@ FLOAT = ("float", lambda: 1.5)
 NEGATIVE = ("negative", lambda: -1)
 ZERO = ("zero", lambda: 0)
 INT = ("int", lambda: 5)
+HUGE = ("over_int32", lambda: 2**31)
 NAN = ("nan", lambda: float("nan"))
 BOOLS = ("bool_array", lambda: np.array([True, False]))
 STRINGS = ("strings", lambda: ["a", "b"])
@@ -160,7 +161,10 @@ BAD: dict[str, list[Bad]] = {
   "int>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR],
   "int>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR],
   # One int for every LoD level, or one per level.
-  "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE],
+  "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE, HUGE],
+  # A capacity (or a parameter that is one): int32, as offsets and lengths.
+  "capacity>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR, HUGE],
+  "capacity>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR, HUGE],
   # A LoD level index (the valid ones of one level: -1 and 0).
   "level": [STR, NONE, OBJECT, FLOAT, ("out_of_range", lambda: 7)],
   # Static floats with a domain.
@@ -179,7 +183,14 @@ BAD: dict[str, list[Bad]] = {
   "module": [STR, NONE, OBJECT, INT],
   # Ladders of batch sizes, and bucket boundaries.
   "ladder": [STR, OBJECT, INT, ("floats", lambda: [1.5]), ("zero", lambda: [0])],
-  "boundaries": [STR, NONE, OBJECT, INT, ("floats", lambda: [1.5])],
+  "boundaries": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("floats", lambda: [1.5]),
+    ("over_int32", lambda: [4, 2**31]),
+  ],
   # One sequence of ints per LoD level.
   "levels": [
     STR,
