@@ -480,6 +480,7 @@ def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> 
 def _host_ints(value: Any, name: str, size: int, per: str) -> np.ndarray:
   """A 1-D integer argument of `size` items (host), as int64; `per` says
   what each item belongs to, for the message."""
+  check_no_bools(value, name)
   array = host_numbers(value, name)
   if array.shape != (size,):
     raise ValueError(
@@ -569,6 +570,7 @@ def check_batch_sizes(batch_sizes: Any, num_rows: int) -> np.ndarray:
       `num_rows` (the rows of ``data``); the message names the index and
       the values.
   """
+  check_no_bools(batch_sizes, "batch_sizes")
   sizes = host_numbers(batch_sizes, "batch_sizes")
   if sizes.ndim != 1:
     raise ValueError(
@@ -1616,3 +1618,18 @@ def check_field_fits_device(
       except ValueError as error:
         raise ValueError(f"Field {f} of example {name(i)}: {error}") from None
     raise
+
+
+def check_no_bools(value: Any, name: str) -> None:
+  """A Python list or tuple of ints holds no bool (NumPy reads ``True`` as 1).
+
+  Raises:
+    TypeError: naming `name` and the index of the first bool.
+  """
+  if not isinstance(value, list | tuple):
+    return
+  for i, item in enumerate(value):
+    if isinstance(item, bool | np.bool_):
+      raise TypeError(
+        f"Expected `{name}` to hold ints, got the bool {item!r} at index {i}."
+      )

@@ -833,3 +833,22 @@ def test_a_generator_level_is_read_once():
 def test_scalar_levels_and_ragged_rows_raise_naming_the_argument(build, error, match):
   with pytest.raises(error, match=match):
     build()
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    (
+      {"segment_ids": [1, True, 2]},
+      r"Expected `segment_ids` to hold ints, got the bool True at index 1\.",
+    ),
+    (
+      {"segment_ids": [1, 1, 2], "positions": [0, True, 0]},
+      r"Expected `positions` to hold ints, got the bool True at index 1\.",
+    ),
+  ],
+)
+def test_a_bool_among_segment_ids_or_positions_raises(kwargs, match):
+  # [1, True, 2] would read as [1, 1, 2]: two sequences, not three.
+  with pytest.raises(TypeError, match=match):
+    LoDTensor.from_segment_ids(np.ones(3), **kwargs)
