@@ -56,7 +56,8 @@ class Fault(enum.IntFlag):
   batch, still returns a valid LoDTensor (its LoD clamped to the
   capacities) and records the fault in the result's ``faults`` bitmask,
   which every op passes on. Host reads of a faulted tensor (`to_list`,
-  `recursive_lengths`) raise instead of returning fewer rows.
+  `lengths`, `to_padded`, ...: see `LoDTensor`) raise instead of returning
+  fewer rows.
 
   Attributes:
     CAPACITY: the output needed more tokens, sequences or time than its
