@@ -31,16 +31,34 @@ def _check_kind(kind: str) -> None:
     raise ValueError(f"Expected `kind` to be one of {KINDS}, got {kind!r}.")
 
 
+# Offsets, lengths and counts live in int32 on the device: no capacity is larger.
+MAX_CAPACITY = int(np.iinfo(np.int32).max)
+
+
 def _as_int(name: str, value) -> int:
   if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
     raise TypeError(f"Expected `{name}` to be an int, got {value!r}.")
   return int(value)
 
 
+def _as_capacity(name: str, value, minimum: int) -> int:
+  """An int in ``[minimum, MAX_CAPACITY]``: a capacity, or a parameter that
+  is one (`pow2`'s minimum, `geometric`'s multiple)."""
+  value = _as_int(name, value)
+  if value < minimum:
+    raise ValueError(f"Expected `{name}` >= {minimum}, got {value}.")
+  if value > MAX_CAPACITY:
+    raise ValueError(
+      f"Expected `{name}` <= {MAX_CAPACITY} (offsets and lengths are int32), got "
+      f"{value}."
+    )
+  return value
+
+
 def _per_level(name: str, value) -> tuple[int, ...]:
-  """One int for every level, or one per level, as a tuple."""
+  """One capacity for every level, or one per level, as a tuple."""
   if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
-    return (int(value),)
+    return (_as_capacity(name, value, 0),)
   if isinstance(value, str | bytes) or not isinstance(value, Iterable):
     raise TypeError(
       f"Expected `{name}` to be an int or a sequence of ints (one per level), "
@@ -49,7 +67,80 @@ def _per_level(name: str, value) -> tuple[int, ...]:
   values = tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(value))
   if not values:
     raise ValueError(f"Expected `{name}` to name at least one level.")
+  return tuple(_as_capacity(name, v, 0) for v in values)
+
+
+def _unpack(policy: str, params: tuple, names: tuple[str, ...]) -> tuple:
+  """`params` of `policy`, one per name of `names`."""
+  if len(params) != len(names):
+    raise ValueError(
+      f"Expected `params` of policy {policy!r} to be {_spelled(names)}, got "
+      f"{params!r}; prefer the constructor Buckets.{policy}(...)."
+    )
+  return params
+
+
+def _spelled(names: tuple[str, ...]) -> str:
+  """A tuple of names as Python writes it: ``()``, ``(minimum,)``, ``(a, b)``."""
+  return f"({', '.join(names)}{',' if len(names) == 1 else ''})"
+
+
+def _check_ratio(ratio) -> float:
+  if isinstance(ratio, bool | np.bool_) or not isinstance(
+    ratio, int | float | np.integer | np.floating
+  ):
+    raise TypeError(f"Expected `ratio` to be a float, got {ratio!r}.")
+  if not 1.0 < float(ratio) < float("inf"):
+    raise ValueError(f"Expected a finite `ratio` > 1, got {ratio}.")
+  return float(ratio)
+
+
+def _check_boundaries(name: str, values) -> tuple[int, ...]:
+  if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+    raise TypeError(f"Expected `{name}` to be a sequence of ints, got {values!r}.")
+  values = tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(values))
+  if not values:
+    raise ValueError(f"Expected `{name}` to be non-empty.")
+  for i in range(1, len(values)):
+    if values[i] <= values[i - 1]:
+      raise ValueError(
+        f"Expected `{name}` to be strictly ascending, got {values[i - 1]} "
+        f"at index {i - 1} and {values[i]} at index {i}."
+      )
+  _as_capacity(name, values[0], 0)
+  _as_capacity(name, values[-1], 0)
   return values
+
+
+def _params(policy: str, params: tuple) -> tuple:
+  """The checked parameters of `policy`, naming the constructor's arguments."""
+  if policy == "exact":
+    _unpack(policy, params, ())
+    return ()
+  if policy == "pow2":
+    (minimum,) = _unpack(policy, params, ("minimum",))
+    return (_as_capacity("minimum", minimum, 1),)
+  if policy == "geometric":
+    ratio, multiple = _unpack(policy, params, ("ratio", "multiple"))
+    return (_check_ratio(ratio), _as_capacity("multiple", multiple, 1))
+  if policy == "explicit":
+    table = {}
+    for item in params:
+      if not (isinstance(item, tuple) and len(item) == 2):
+        raise ValueError(
+          f"Expected `params` of policy 'explicit' to be (kind, boundaries) pairs, "
+          f"got {item!r}; prefer the constructor Buckets.explicit(...)."
+        )
+      kind, values = item
+      _check_kind(kind)
+      table[kind] = _check_boundaries(f"boundaries[{kind!r}]", values)
+    return tuple(sorted(table.items()))
+  tokens, sequences, time = _unpack(policy, params, ("tokens", "sequences", "time"))
+  return (
+    _as_capacity("tokens", tokens, 0),
+    _per_level("sequences", sequences),
+    _per_level("time", time),
+  )
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -80,8 +171,12 @@ class Buckets:
   params: tuple = ()
 
   def __post_init__(self):
-    """Checks the policy's name and that its parameters are a tuple; the
-    named constructors check the parameters themselves."""
+    """Checks the policy's name and its parameters (the named constructors'
+    arguments, named in the messages): every capacity fits int32.
+
+    Raises:
+      TypeError, ValueError: for an unknown policy or wrong parameters.
+    """
     if self.policy not in POLICIES:
       raise ValueError(
         f"Expected `policy` to be one of {POLICIES} (prefer the named "
@@ -89,6 +184,7 @@ class Buckets:
       )
     if not isinstance(self.params, tuple):
       raise TypeError(f"Expected `params` to be a tuple, got {self.params!r}.")
+    object.__setattr__(self, "params", _params(self.policy, self.params))
 
   # -- constructors -------------------------------------------------------
 
@@ -100,9 +196,6 @@ class Buckets:
   @classmethod
   def pow2(cls, minimum: int = 8) -> Buckets:
     """The next power of two, at least `minimum`."""
-    minimum = _as_int("minimum", minimum)
-    if minimum < 1:
-      raise ValueError(f"Expected `minimum` >= 1, got {minimum}.")
     return cls("pow2", (minimum,))
 
   @classmethod
@@ -113,16 +206,8 @@ class Buckets:
     multiple of `multiple`), so padding waste is at most about ``ratio - 1``
     of the real size plus the rounding.
     """
-    multiple = _as_int("multiple", multiple)
-    if multiple < 1:
-      raise ValueError(f"Expected `multiple` >= 1, got {multiple}.")
-    if isinstance(ratio, bool | np.bool_) or not isinstance(
-      ratio, int | float | np.integer | np.floating
-    ):
-      raise TypeError(f"Expected `ratio` to be a float, got {ratio!r}.")
-    if not 1.0 < float(ratio) < float("inf"):
-      raise ValueError(f"Expected a finite `ratio` > 1, got {ratio}.")
-    return cls("geometric", (float(ratio), multiple))
+    multiple = _as_capacity("multiple", multiple, 1)
+    return cls("geometric", (_check_ratio(ratio), multiple))
 
   @classmethod
   def explicit(cls, boundaries: Sequence[int] | Mapping[str, Sequence[int]]) -> Buckets:
@@ -137,14 +222,14 @@ class Buckets:
       table = {}
       for kind, values in boundaries.items():
         _check_kind(kind)
-        table[kind] = cls._check_boundaries(f"boundaries[{kind!r}]", values)
+        table[kind] = _check_boundaries(f"boundaries[{kind!r}]", values)
       return cls("explicit", tuple(sorted(table.items())))
     if isinstance(boundaries, str | bytes) or not isinstance(boundaries, Iterable):
       raise TypeError(
         "Expected `boundaries` to be a sequence of ints or a mapping from kind "
         f"to one, got {boundaries!r}."
       )
-    values = cls._check_boundaries("boundaries", boundaries)
+    values = _check_boundaries("boundaries", boundaries)
     return cls("explicit", tuple((kind, values) for kind in KINDS))
 
   @classmethod
@@ -166,31 +251,7 @@ class Buckets:
     A batch larger than a fixed capacity raises `ValueError`; it is never
     truncated.
     """
-    tokens = _as_int("tokens", tokens)
-    per_level = {
-      name: _per_level(name, value)
-      for name, value in (("sequences", sequences), ("time", time))
-    }
-    for name, values in (("tokens", (tokens,)), *per_level.items()):
-      for v in values:
-        if v < 0:
-          raise ValueError(f"Expected `{name}` >= 0, got {v}.")
-    return cls("fixed", (tokens, per_level["sequences"], per_level["time"]))
-
-  @staticmethod
-  def _check_boundaries(name: str, values: Sequence[int]) -> tuple[int, ...]:
-    values = tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(values))
-    if not values:
-      raise ValueError(f"Expected `{name}` to be non-empty.")
-    for i in range(1, len(values)):
-      if values[i] <= values[i - 1]:
-        raise ValueError(
-          f"Expected `{name}` to be strictly ascending, got {values[i - 1]} "
-          f"at index {i - 1} and {values[i]} at index {i}."
-        )
-    if values[0] < 0:
-      raise ValueError(f"Expected `{name}` >= 0, got {values[0]}.")
-    return values
+    return cls("fixed", (tokens, sequences, time))
 
   # -- mapping ------------------------------------------------------------
 
@@ -219,7 +280,14 @@ class Buckets:
     if level < 0:
       raise ValueError(f"Expected `level` >= 0, got {level}.")
     fn = getattr(self, f"_capacity_{self.policy}")
-    return fn(size, kind, level)
+    capacity = fn(size, kind, level)
+    if capacity > MAX_CAPACITY:
+      raise ValueError(
+        f"The {kind} capacity for size {size} under Buckets.{self.policy} would "
+        f"be {capacity}, more than {MAX_CAPACITY} (offsets and lengths are "
+        "int32)."
+      )
+    return capacity
 
   def _capacity_exact(self, size, kind, level):
     del kind, level

@@ -257,7 +257,7 @@ def check_integer_level(
       f"Expected LoD level {level} ({name}) to be a sequence of ints, got "
       f"{_got(values)}.{where}"
     )
-  array = np.asarray(values)
+  array = level_array(values, name, level, where)
   if array.ndim != 1:
     raise ValueError(
       f"Expected LoD level {level} ({name}) to be 1-D, got shape {array.shape}.{where}"
@@ -480,6 +480,7 @@ def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> 
 def _host_ints(value: Any, name: str, size: int, per: str) -> np.ndarray:
   """A 1-D integer argument of `size` items (host), as int64; `per` says
   what each item belongs to, for the message."""
+  check_no_bools(value, name)
   array = host_numbers(value, name)
   if array.shape != (size,):
     raise ValueError(
@@ -569,6 +570,7 @@ def check_batch_sizes(batch_sizes: Any, num_rows: int) -> np.ndarray:
       `num_rows` (the rows of ``data``); the message names the index and
       the values.
   """
+  check_no_bools(batch_sizes, "batch_sizes")
   sizes = host_numbers(batch_sizes, "batch_sizes")
   if sizes.ndim != 1:
     raise ValueError(
@@ -759,7 +761,7 @@ def host_numbers(value: Any, name: str, where: str = "") -> np.ndarray:
   if is_lod(value):
     raise TypeError(f"Expected `{name}` to be an array, got LoDTensor.")
   try:
-    array = np.asarray(value)
+    array = host_array(value, name)
   except OverflowError as error:
     raise ValueError(
       f"Expected `{name}` to hold integers within int64: {error}."
@@ -1161,6 +1163,7 @@ def check_memory(memory: Any, name: str = "memory") -> Memory:
       f"Expected `{name}` to be a jaxlod.ops.Memory (see `lod_memory` and "
       f"`as_memory`), got {type(memory).__name__}."
     )
+  check_memory_lengths(memory, name)
   return memory
 
 
@@ -1443,3 +1446,190 @@ def check_vocabs(vocabs: Sequence[int]) -> None:
     raise ValueError(
       f"Expected the members to share `tgt_vocab`, got {list(vocabs)} (member order)."
     )
+
+
+# -- integer leaves of pytrees (LoDTensor, RankTable) ------------------------------
+
+
+def check_index_leaves(leaves: Iterable[tuple[str, Any]], fix: str) -> None:
+  """Integer leaves of a pytree stay integer: each ``(name, leaf)`` that is an
+  array (or a shape struct) must have an integer dtype, or ``float0`` (the
+  cotangent JAX gives integer leaves). Other leaves (axis specs, `None`,
+  objects a transformation put there) pass.
+
+  Args:
+    leaves: ``(name, leaf)`` pairs; `name` is used in the message.
+    fix: the end of the message: what the user should do instead.
+
+  Raises:
+    TypeError: for the first array leaf with another dtype, naming it.
+  """
+  for name, leaf in leaves:
+    dtype = getattr(leaf, "dtype", None)
+    if not isinstance(leaf, np.ndarray | np.generic | jax.Array | jax.ShapeDtypeStruct):
+      continue
+    if is_integer_dtype(dtype) or dtype == jax.dtypes.float0:
+      continue
+    raise TypeError(f"Expected integer {name}, got {np.dtype(dtype).name}: {fix}")
+
+
+def check_memory_lengths(memory: Memory, name: str = "memory") -> None:
+  """A `jaxlod.ops.Memory`'s ``lengths`` stay integer (a tree map that cast
+  them would mask the wrong source rows)."""
+  check_index_leaves(
+    [(f"`{name}.lengths`", memory.lengths)],
+    "the lengths mask the source rows, so a tree map over a Memory must leave "
+    "them alone (cast `values` and `keys` only).",
+  )
+
+
+# -- host arrays from Python values: ragged rows, LoD levels -----------------------
+
+
+def host_array(value: Any, name: str) -> np.ndarray:
+  """`np.asarray(value)`, with ragged nested lists refused naming `name`
+  and the first row whose shape differs (NumPy's "inhomogeneous shape")."""
+  try:
+    return np.asarray(value)
+  except ValueError:
+    raise ValueError(_ragged(value, name)) from None
+
+
+def _ragged(value: Any, name: str) -> str:
+  """The message for a ragged `value`: the first index whose shape differs
+  from item 0's, searched one nesting level at a time."""
+  path: list[int] = []
+  while isinstance(value, list | tuple) and value:
+    shapes = []
+    for item in value:
+      try:
+        shapes.append(np.shape(item))
+      except ValueError:
+        shapes.append(None)  # ragged itself
+    bad = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+    if bad is not None:
+      at = "".join(f"[{i}]" for i in path)
+      return (
+        f"Expected `{name}` to be a rectangular array of numbers ([rows, "
+        f"*features]), got ragged rows: `{name}{at}[{bad}]` has shape "
+        f"{_shape_text(shapes[bad])}, `{name}{at}[0]` {_shape_text(shapes[0])}."
+      )
+    bad = shapes.index(None) if None in shapes else 0
+    path.append(bad)
+    value = value[bad]
+  return f"Expected `{name}` to be a rectangular array of numbers, got ragged rows."
+
+
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+  return "(ragged)" if shape is None else str(tuple(shape))
+
+
+def level_array(values: Any, name: str, level: int, where: str) -> np.ndarray:
+  """One LoD level as a NumPy array, before `check_integer_level` checks its
+  rank and dtype. An iterator is read once; a scalar, ragged items or a bool
+  among ints raise naming the level and (`where`) the argument.
+
+  Raises:
+    TypeError: for a bool among ints (NumPy would read it as 0 or 1).
+    ValueError: for a scalar (a level must be a sequence) or ragged items.
+  """
+  if isinstance(values, Iterable) and not (
+    isinstance(values, list | tuple | np.ndarray) or hasattr(values, "__array__")
+  ):
+    values = list(values)  # a generator: np.asarray would make an object scalar
+  try:
+    array = np.asarray(values)
+  except ValueError:
+    raise ValueError(
+      f"Expected LoD level {level} ({name}) to be 1-D, got items of different "
+      f"shapes.{where}"
+    ) from None
+  if array.ndim == 0:
+    raise ValueError(
+      f"Expected LoD level {level} ({name}) to be a 1-D sequence of ints, got the "
+      f"scalar {_got(values)}; pass one sequence per level, e.g. [[2, 1]].{where}"
+    )
+  if isinstance(values, list | tuple):
+    flags = [i for i, v in enumerate(values) if isinstance(v, bool | np.bool_)]
+    if flags:
+      i = flags[0]
+      raise TypeError(
+        f"Expected LoD level {level} ({name}) to hold ints, got the bool "
+        f"{values[i]!r} at index {i}.{where}"
+      )
+  return array
+
+
+# -- a batching field's examples (jaxlod.data) --------------------------------------
+
+_KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "float", "c": "complex"}
+
+
+def check_field_dtypes(f: int, arrays: Sequence[np.ndarray], indices, name) -> None:
+  """The examples of field `f` (`arrays[i]` for each i of `indices`) share a
+  kind of dtype: an int field is never turned into floats by one float
+  example (nor int64 with uint64 into float64). Dtypes that are not numbers
+  are left to the caller.
+
+  Args:
+    f: the field.
+    arrays: every example's array of the field.
+    indices: the examples whose dtypes count (the non-empty ones).
+    name: example ``i``'s name in messages, ``name(i)``.
+
+  Raises:
+    TypeError: naming the field, two examples and their dtypes.
+  """
+  first: dict[str, int] = {}
+  for i in indices:
+    kind = _KINDS.get(arrays[i].dtype.kind)
+    if kind is None:
+      return
+    first.setdefault(kind, i)
+  if len(first) > 1:
+    i, j = list(first.values())[:2]
+  else:
+    dtypes = {arrays[i].dtype for i in indices}
+    if len(dtypes) < 2 or _KINDS[np.result_type(*dtypes).kind] in first:
+      return
+    i = indices[0]
+    j = next(k for k in indices if arrays[k].dtype != arrays[i].dtype)
+  raise TypeError(
+    f"Expected the examples of field {f} to share a kind of dtype, got "
+    f"{arrays[i].dtype} in example {name(i)} (`examples[{i}][{f}]`) and "
+    f"{arrays[j].dtype} in example {name(j)} (`examples[{j}][{f}]`), which "
+    f"would be promoted to {np.result_type(arrays[i].dtype, arrays[j].dtype)}; "
+    "cast the field's examples to one dtype."
+  )
+
+
+def check_field_fits_device(
+  f: int, arrays: Sequence[np.ndarray], values: np.ndarray, name
+) -> None:
+  """The packed rows `values` of field `f` fit the dtype JAX stores them in
+  (`check_fits_device`); if not, raises naming the first example of
+  `arrays` that does not."""
+  try:
+    check_fits_device(values, "values")
+  except ValueError:
+    for i, a in enumerate(arrays):
+      try:
+        check_fits_device(a, f"examples[{i}][{f}]")
+      except ValueError as error:
+        raise ValueError(f"Field {f} of example {name(i)}: {error}") from None
+    raise
+
+
+def check_no_bools(value: Any, name: str) -> None:
+  """A Python list or tuple of ints holds no bool (NumPy reads ``True`` as 1).
+
+  Raises:
+    TypeError: naming `name` and the index of the first bool.
+  """
+  if not isinstance(value, list | tuple):
+    return
+  for i, item in enumerate(value):
+    if isinstance(item, bool | np.bool_):
+      raise TypeError(
+        f"Expected `{name}` to hold ints, got the bool {item!r} at index {i}."
+      )

@@ -25,10 +25,10 @@ from jaxlod._checks import (
   check_padded_lengths,
   check_segment_ids,
   check_sequence,
+  host_array,
   host_numbers,
   is_concrete,
   is_float_dtype,
-  is_integer_dtype,
   static_int,
 )
 
@@ -56,7 +56,8 @@ class Fault(enum.IntFlag):
   batch, still returns a valid LoDTensor (its LoD clamped to the
   capacities) and records the fault in the result's ``faults`` bitmask,
   which every op passes on. Host reads of a faulted tensor (`to_list`,
-  `recursive_lengths`) raise instead of returning fewer rows.
+  `lengths`, `to_padded`, ...: see `LoDTensor`) raise instead of returning
+  fewer rows.
 
   Attributes:
     CAPACITY: the output needed more tokens, sequences or time than its
@@ -94,6 +95,25 @@ def fault_unless(ok: Any, fault: Fault) -> Any:
   if ok is True:
     return 0
   return jnp.where(jnp.asarray(ok), jnp.int32(0), jnp.int32(fault))
+
+
+def check_sound(x: LoDTensor) -> None:
+  """Raises for a faulted LoDTensor whose faults are concrete (host reads);
+  does nothing under `jit`, where the faults are traced and passed on."""
+  faults = x.faults
+  if not _is_array(faults) or isinstance(faults, jax.ShapeDtypeStruct):
+    return  # a leaf a transformation put there (an axis spec, None)
+  if not is_concrete(faults):
+    return
+  bits = int(np.bitwise_or.reduce(np.asarray(faults).reshape(-1), initial=0))
+  if bits:
+    raise ValueError(
+      f"This LoDTensor is faulted ({describe_faults(bits)}): an op under "
+      "`jit` could not honour its contract and returned it clamped to its "
+      "capacities, so rows may be missing or out of order. Run the caller "
+      "under `jax.experimental.checkify.checkify` to see which op and why "
+      "(and pass larger capacities, or the rank table of this batch)."
+    )
 
 
 def with_faults(x: LoDTensor, *faults: Any) -> LoDTensor:
@@ -201,11 +221,6 @@ def _is_array(value: Any) -> bool:
   return isinstance(value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
 
 
-def _is_index_dtype(dtype: Any) -> bool:
-  """Integer, or ``float0`` (the cotangent JAX gives integer leaves)."""
-  return is_integer_dtype(dtype) or dtype == jax.dtypes.float0
-
-
 # -- the pytree ----------------------------------------------------------------
 
 
@@ -259,8 +274,16 @@ class LoDTensor:
     faults: int32 scalar, a `Fault` bitmask: 0 for a sound tensor; set by an
       op under `jit` that could not honour its contract without
       `checkify` (an output over its capacity, a rank table of another
-      batch), and passed on by every op. Host reads of a faulted tensor
-      raise. Defaults to 0.
+      batch), and passed on by every op. Defaults to 0.
+
+  Reads of a faulted tensor raise the same `ValueError` ("This LoDTensor is
+  faulted ...") whenever its ``faults`` are concrete (outside `jit`):
+  `to_list`, `recursive_lengths`, `row_splits`, `validate`, `lengths`,
+  `num_sequences`, `num_rows`, `row_mask`, `segment_ids`, `to_padded`,
+  `to_segment_ids`, `jaxlod.interop.to_packed_sequence`, and
+  `jaxlod.ops.rank_table`, so eager ops that read the LoD raise too. Under
+  `jit` they work on the clamped tensor and the fault is passed on. The
+  fields themselves (``x.values``, ``x.offsets``) are not guarded.
 
   Example:
     >>> import numpy as np
@@ -317,16 +340,12 @@ class LoDTensor:
           f"Expected offsets of level {level} to have shape [count_capacity + 1], "
           f"got {tuple(o.shape)}."
         )
-    for name, leaf in [(f"offsets of level {i}", o) for i, o in enumerate(offsets)] + [
-      ("num_outer", self.num_outer),
-      ("faults", self.faults),
-    ]:
-      if _is_array(leaf) and not _is_index_dtype(leaf.dtype):
-        raise TypeError(
-          f"Expected integer {name}, got {np.dtype(leaf.dtype).name}: the LoD "
-          "is integer data, so a tree map over a LoDTensor must leave it alone "
-          "(cast the rows with `x.astype(dtype)`)."
-        )
+    _checks.check_index_leaves(
+      [(f"offsets of level {i}", o) for i, o in enumerate(offsets)]
+      + [("num_outer", self.num_outer), ("faults", self.faults)],
+      "the LoD is integer data, so a tree map over a LoDTensor must leave it "
+      "alone (cast the rows with `x.astype(dtype)`).",
+    )
 
   # -- host builders ----------------------------------------------------------
 
@@ -420,7 +439,15 @@ class LoDTensor:
             f"got {type(group).__name__}."
           )
     inner = [list(s) for s in seqs] if two_levels else [list(seqs)]
-    flat = [np.asarray(x) for group in inner for x in group]
+    names = [
+      f"seqs[{g}][{j}]" if two_levels else f"seqs[{j}]"
+      for g, group in enumerate(inner)
+      for j in range(len(group))
+    ]
+    flat = [
+      host_array(x, name)
+      for name, x in zip(names, (x for group in inner for x in group), strict=True)
+    ]
     for i, x in enumerate(flat):
       host_numbers(x, "values", where=f" in `seqs`, sequence {i}")
       if x.ndim == 0:
@@ -432,9 +459,13 @@ class LoDTensor:
       x.shape[1:] for x in flat
     }
     if len(features) > 1:
+      shown = [i for i, x in enumerate(flat) if x.shape[0] > 0] or range(len(flat))
+      first = shown[0]
+      bad = next(i for i in shown if flat[i].shape[1:] != flat[first].shape[1:])
       raise ValueError(
         "Expected every sequence to have the same feature shape, got "
-        f"{sorted(features)}."
+        f"{sorted(features)}: `{names[bad]}` has {flat[bad].shape[1:]}, "
+        f"`{names[first]}` {flat[first].shape[1:]}."
       )
     feature_shape = features.pop() if features else ()
     if dtype is None:
@@ -586,8 +617,9 @@ class LoDTensor:
     Args:
       values: ``[rows, *features]``, the ragged tensor's ``flat_values``.
       row_splits: a list of 1-D integer arrays, outermost first (a single
-        1-D array for one level, as `tf.RaggedTensor.from_row_splits`
-        takes it); empty rows (repeated splits) are legal.
+        1-D array, or a flat list of ints, for one level, as
+        `tf.RaggedTensor.from_row_splits` takes it); empty rows (repeated
+        splits) are legal.
       buckets: capacity policy; `None` means exact sizes.
 
     Raises:
@@ -607,6 +639,9 @@ class LoDTensor:
     values = _as_values(values)
     if isinstance(row_splits, np.ndarray | jax.Array) and row_splits.ndim == 1:
       row_splits = [row_splits]
+    row_splits = check_sequence(row_splits, "row_splits", "a list of 1-D arrays")
+    if row_splits and all(_is_scalar(s) for s in row_splits):
+      row_splits = [row_splits]  # one level as a flat list, tuple or generator
     checked = check_offsets(row_splits, values.shape[0], name="row_splits")
     return cls._build(values, checked, _buckets.resolve(buckets))
 
@@ -665,8 +700,10 @@ class LoDTensor:
     """Lengths of the sequences at `level`: int32 ``[count_capacity]``.
 
     `level` counts from 0 (outermost), negative from the last (the default).
-    Padding sequences have length 0. Jittable.
+    Padding sequences have length 0. Jittable; eagerly it raises for a
+    faulted tensor (see `faults`).
     """
+    check_sound(self)
     return jnp.diff(self.offsets[self._level(level)])
 
   def num_sequences(self, level: int = -1) -> jax.Array:
@@ -682,6 +719,7 @@ class LoDTensor:
       (3, 2)
     """
     level = self._level(level)
+    check_sound(self)
     if level == 0:
       return jnp.asarray(self.num_outer)
     return self.offsets[level - 1][-1]
@@ -689,6 +727,7 @@ class LoDTensor:
   @property
   def num_rows(self) -> jax.Array:
     """Real number of rows of ``values`` (int32 scalar). Jittable."""
+    check_sound(self)
     return self.offsets[-1][-1]
 
   def row_mask(self) -> jax.Array:
@@ -725,6 +764,7 @@ class LoDTensor:
       >>> x.segment_ids().tolist()
       [0, 0, 2, 3, 3]
     """
+    check_sound(self)
     count = self.capacity.sequences[-1]
     if count == 0:  # no sequence slots: every row is padding
       return jnp.zeros((self.capacity.tokens,), jnp.int32)
@@ -846,23 +886,11 @@ class LoDTensor:
   def _host_offsets(self) -> list[np.ndarray]:
     if not is_concrete(*self.offsets, self.num_outer, self.faults):
       raise ValueError("This method reads data on the host; it cannot run under jit.")
-    self._check_sound()
+    check_sound(self)
     real = [np.asarray(self.offsets[0])[: int(self.num_outer) + 1]]
     for o in self.offsets[1:]:
       real.append(np.asarray(o)[: int(real[-1][-1]) + 1])
     return real
-
-  def _check_sound(self) -> None:
-    """Raises for a tensor with faults (host only)."""
-    faults = int(np.bitwise_or.reduce(np.asarray(self.faults).reshape(-1), initial=0))
-    if faults:
-      raise ValueError(
-        f"This LoDTensor is faulted ({describe_faults(faults)}): an op under "
-        "`jit` could not honour its contract and returned it clamped to its "
-        "capacities, so rows may be missing or out of order. Run the caller "
-        "under `jax.experimental.checkify.checkify` to see which op and why "
-        "(and pass larger capacities, or the rank table of this batch)."
-      )
 
   def recursive_lengths(self) -> list[list[int]]:
     """Paddle's length-based LoD of the real sequences (host only).
@@ -913,7 +941,7 @@ class LoDTensor:
       ValueError: LoD level 0, index 0: a sequence of length 4, more than the time ...
     """
     _checks.check_stored_lod(self)
-    self._check_sound()
+    check_sound(self)
 
   def to_list(self) -> list:
     """The real sequences as NumPy arrays (host only).
@@ -947,6 +975,13 @@ class LoDTensor:
       bits = int(np.bitwise_or.reduce(np.asarray(faults).reshape(-1), initial=0))
       lod = f", faults={describe_faults(bits)}"
     return f"{head}{lod}, capacity={self.capacity})"
+
+
+def _is_scalar(value: Any) -> bool:
+  """A Python or NumPy number, or a 0-d array: one split, not a level."""
+  if isinstance(value, np.ndarray | jax.Array):
+    return value.ndim == 0
+  return isinstance(value, int | float | np.generic)
 
 
 def _is_nested(seq: Any) -> bool:

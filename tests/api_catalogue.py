@@ -122,6 +122,7 @@ FLOAT = ("float", lambda: 1.5)
 NEGATIVE = ("negative", lambda: -1)
 ZERO = ("zero", lambda: 0)
 INT = ("int", lambda: 5)
+HUGE = ("over_int32", lambda: 2**31)
 NAN = ("nan", lambda: float("nan"))
 BOOLS = ("bool_array", lambda: np.array([True, False]))
 STRINGS = ("strings", lambda: ["a", "b"])
@@ -133,6 +134,7 @@ A_LOD = ("LoDTensor", lod)
 SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
 UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
+RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
 
 Bad = tuple[str, Callable[[], Any]]
 
@@ -142,7 +144,7 @@ BAD: dict[str, list[Bad]] = {
   # A list of LoDTensors.
   "lods": [STR, NONE, OBJECT, INT, EMPTY, ("arrays", lambda: [np.zeros(3)])],
   # A numeric array.
-  "array": [STR, NONE, OBJECT, STRINGS, A_LOD],
+  "array": [STR, NONE, OBJECT, STRINGS, A_LOD, RAGGED],
   # An array or a LoDTensor.
   "array_or_lod": [STR, NONE, OBJECT, STRINGS],
   # A 2-D array, e.g. scores [b, source_capacity] or a query [b, hidden].
@@ -159,7 +161,10 @@ BAD: dict[str, list[Bad]] = {
   "int>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR],
   "int>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR],
   # One int for every LoD level, or one per level.
-  "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE],
+  "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE, HUGE],
+  # A capacity (or a parameter that is one): int32, as offsets and lengths.
+  "capacity>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR, HUGE],
+  "capacity>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR, HUGE],
   # A LoD level index (the valid ones of one level: -1 and 0).
   "level": [STR, NONE, OBJECT, FLOAT, ("out_of_range", lambda: 7)],
   # Static floats with a domain.
@@ -178,7 +183,14 @@ BAD: dict[str, list[Bad]] = {
   "module": [STR, NONE, OBJECT, INT],
   # Ladders of batch sizes, and bucket boundaries.
   "ladder": [STR, OBJECT, INT, ("floats", lambda: [1.5]), ("zero", lambda: [0])],
-  "boundaries": [STR, NONE, OBJECT, INT, ("floats", lambda: [1.5])],
+  "boundaries": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("floats", lambda: [1.5]),
+    ("over_int32", lambda: [4, 2**31]),
+  ],
   # One sequence of ints per LoD level.
   "levels": [
     STR,
@@ -188,9 +200,19 @@ BAD: dict[str, list[Bad]] = {
     ("floats", lambda: [[1.5, 1.5]]),
     ("strings", lambda: [["a", "b"]]),
     ("flat_strings", lambda: ["a", "b"]),
+    ("mixed_bools", lambda: [[True, 2]]),
+    ("ragged", lambda: [[2, [1]]]),
   ],
   # Sequences of rows (`LoDTensor.from_sequences`).
-  "seqs": [STR, NONE, OBJECT, INT, ("strings", lambda: [["a", "b"]])],
+  "seqs": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("strings", lambda: [["a", "b"]]),
+    ("ragged_rows", lambda: [[[[1.0, 2.0], [3.0]]]]),
+    ("features", lambda: [np.ones((2, 2)), np.ones((1, 3))]),
+  ],
   # A pad value: a scalar or an array that broadcasts to the features.
   "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
   "buckets": [STR, OBJECT, INT],
@@ -212,7 +234,14 @@ BAD: dict[str, list[Bad]] = {
   "carry": [STR, OBJECT],
   "tree": [STR, OBJECT],
   "stacked": [STR, OBJECT, ("scalar", lambda: np.float32(1.0))],
-  "examples": [STR, NONE, OBJECT, INT, ("strings", lambda: [("a",), ("b",)])],
+  "examples": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("strings", lambda: [("a",), ("b",)]),
+    ("ragged", lambda: [([[1.0, 2.0], [3.0]],)]),
+  ],
   "members": [STR, NONE, OBJECT, INT, EMPTY],
   "mesh": [STR, NONE, OBJECT],
   "axis": [UNKNOWN, NONE, INT],

@@ -51,11 +51,11 @@ target(
   Buckets,
   {"policy": arg("exact", "choice"), "params": arg((), "tuple")},
 )
-target("Buckets.pow2", Buckets.pow2, {"minimum": arg(8, "int>=1")})
+target("Buckets.pow2", Buckets.pow2, {"minimum": arg(8, "capacity>=1")})
 target(
   "Buckets.geometric",
   Buckets.geometric,
-  {"ratio": arg(1.25, "ratio>1"), "multiple": arg(8, "int>=1")},
+  {"ratio": arg(1.25, "ratio>1"), "multiple": arg(8, "capacity>=1")},
 )
 target(
   "Buckets.explicit",
@@ -66,7 +66,7 @@ target(
   "Buckets.fixed",
   Buckets.fixed,
   {
-    "tokens": arg(8, "int>=0"),
+    "tokens": arg(8, "capacity>=0"),
     "sequences": arg(4, "per_level"),
     "time": arg(4, "per_level"),
   },

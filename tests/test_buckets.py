@@ -1,9 +1,13 @@
 """Tests of `Buckets` capacity policies and of compile counts under them."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxlod import Buckets, LoDTensor
 from jaxlod.ops import lod_to_array, rank_table
@@ -407,3 +411,74 @@ def test_exact_buckets_recompile_per_size():
   values, lengths = BATCHES[0]
   fn(LoDTensor.from_lengths(values + 1.0, lengths))
   assert len(traces) == 3
+
+
+# -- every capacity fits int32 (offsets and lengths are int32) ----------------------
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize(
+  ("build", "name"),
+  [
+    (lambda n: Buckets.pow2(minimum=n), "minimum"),
+    (lambda n: Buckets.geometric(multiple=n), "multiple"),
+    (lambda n: Buckets.fixed(tokens=n, sequences=4, time=4), "tokens"),
+    (lambda n: Buckets.fixed(tokens=8, sequences=n, time=4), "sequences"),
+    (lambda n: Buckets.fixed(tokens=8, sequences=4, time=(4, n)), "time"),
+    (lambda n: Buckets.explicit([4, n]), "boundaries"),
+    (lambda n: Buckets.explicit({"time": [n]}), "boundaries['time']"),
+    (lambda n: Buckets("pow2", (n,)), "minimum"),
+    (lambda n: Buckets("fixed", (8, (n,), (4,))), "sequences"),
+  ],
+)
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(INT32_MAX + 1, 2**80))
+def test_a_capacity_over_int32_raises_at_construction(build, name, n):
+  with pytest.raises(ValueError, match=rf"Expected `{re.escape(name)}` <= {INT32_MAX}"):
+    build(n)
+  build(INT32_MAX)  # the largest capacity is fine
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+  buckets=st.sampled_from(
+    [Buckets.exact(), Buckets.pow2(), Buckets.geometric(), Buckets.pow2(2**30)]
+  ),
+  size=st.integers(0, 2**40),
+)
+def test_capacity_is_within_int32_or_raises(buckets, size):
+  try:
+    capacity = buckets.capacity(size)
+  except ValueError as error:
+    assert size > 2**30 and f"more than {INT32_MAX}" in str(error)
+  else:
+    assert size <= capacity <= INT32_MAX
+
+
+@pytest.mark.parametrize(
+  ("policy", "params", "error", "match"),
+  [
+    ("pow2", ("x",), TypeError, r"Expected `minimum` to be an int, got 'x'\."),
+    ("pow2", (0,), ValueError, r"Expected `minimum` >= 1, got 0\."),
+    ("pow2", (), ValueError, r"`params` of policy 'pow2' to be \(minimum,\), got \(\)"),
+    ("exact", (8,), ValueError, r"`params` of policy 'exact' to be \(\), got \(8,\)"),
+    ("geometric", (1.0, 8), ValueError, r"Expected a finite `ratio` > 1, got 1\.0\."),
+    ("geometric", (2.0, "8"), TypeError, r"Expected `multiple` to be an int"),
+    ("explicit", ((8,),), ValueError, r"\(kind, boundaries\) pairs, got \(8,\)"),
+    ("explicit", (("rows", (8,)),), ValueError, r"`kind` to be one of"),
+    ("fixed", (8, 4), ValueError, r"\(tokens, sequences, time\), got \(8, 4\)"),
+    ("fixed", (8, (-1,), (4,)), ValueError, r"Expected `sequences` >= 0, got -1\."),
+  ],
+)
+def test_direct_construction_checks_the_params(policy, params, error, match):
+  with pytest.raises(error, match=match):
+    Buckets(policy, params)
+
+
+def test_direct_construction_equals_the_constructor():
+  assert Buckets("fixed", (8, 4, 4)) == Buckets.fixed(tokens=8, sequences=4, time=4)
+  assert Buckets("pow2", (np.int64(4),)) == Buckets.pow2(4)
+  big = Buckets.fixed(tokens=8, sequences=4, time=2**31 - 1)
+  x = LoDTensor.from_lengths(np.ones(3), [[3]], buckets=big)
+  assert x.time_capacity == (2**31 - 1,)

@@ -235,3 +235,10 @@ def test_check_rows_and_step_out():
     _checks.check_step_out((carry[:, :1], carry), carry, 2)
   with pytest.raises(ValueError, match=r"output leaf \(root\) to have leading"):
     _checks.check_step_out((carry, carry[:1]), carry, 2)
+
+
+def test_a_bool_among_batch_sizes_or_sort_indices_raises():
+  with pytest.raises(TypeError, match=r"`batch_sizes` to hold ints, got the bool True"):
+    _checks.check_batch_sizes([2, True], 3)
+  with pytest.raises(TypeError, match=r"`sorted_indices` to hold ints, got the bool"):
+    _checks.check_sort_indices([1, False], None, 2)

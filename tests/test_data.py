@@ -518,3 +518,53 @@ def test_method_argument_errors():
     batcher.batches_per_epoch(1.5)
   with pytest.raises(ValueError, match="`start_step` to be an int >= 0, got -1"):
     batcher.iterate(start_step=-1)
+
+
+# -- examples that would be stored wrongly ------------------------------------------
+
+FIELD = Buckets.fixed(tokens=16, sequences=4, time=8)
+
+
+@pytest.mark.parametrize(
+  ("second", "error", "match"),
+  [
+    (
+      np.array([2**32 + 5, 1]),
+      ValueError,
+      r"^Field 0 of example 1: Expected `examples\[1\]\[0\]` to fit int32 .*, got "
+      r"4294967301 at index \(0,\)",
+    ),
+    (
+      np.array([-(2**31) - 1]),
+      ValueError,
+      r"Field 0 of example 1: Expected `examples\[1\]\[0\]` to fit int32",
+    ),
+    (
+      np.array([1.5]),
+      TypeError,
+      r"field 0 to share a kind of dtype, got int64 in example 0 \(`examples\[0\]\[0\]`"
+      r"\) and float64 in example 1 \(`examples\[1\]\[0\]`\)",
+    ),
+    (np.array([1], np.uint64), TypeError, r"int64 in example 0 .* uint64 in example 1"),
+    (np.array([True]), TypeError, r"int64 in example 0 .* bool in example 1"),
+    (
+      [[1, 2], [3]],
+      ValueError,
+      r"^Field 0 of example 1: Expected `examples\[1\]\[0\]` to be a rectangular "
+      r"array of numbers .* `examples\[1\]\[0\]\[1\]` has shape \(1,\)",
+    ),
+  ],
+)
+def test_examples_that_would_be_stored_wrongly_raise(second, error, match):
+  with pytest.raises(error, match=match):
+    Batcher([(np.array([1, 2]),), (second,)], FIELD, prefetch=0)
+
+
+def test_examples_of_one_kind_keep_their_values():
+  examples = [(np.array([2**31 - 1, 1]),), (np.array([-(2**31)], np.int32),)]
+  batch = next(Batcher(examples, FIELD, prefetch=0, shuffle=False).epoch(0))
+  got = sorted(a.tolist() for a in batch.fields[0].to_list())
+  assert got == [[-(2**31)], [2**31 - 1, 1]]
+  examples = [(np.ones(2, np.float16),), (np.ones(1, np.float64),)]
+  batch = next(Batcher(examples, FIELD, prefetch=0, shuffle=False).epoch(0))
+  assert batch.fields[0].values.dtype == np.float32  # float64, as JAX stores it

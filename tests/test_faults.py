@@ -185,20 +185,67 @@ def test_faults_pass_through_every_op():
   two = LoDTensor.from_lengths(np.ones(2, np.float32), [[1, 1], [1, 1]])
   two = dataclasses.replace(two, faults=np.int32(Fault.TABLE))
   step = lambda h, x_t, _: (h + x_t, h)  # noqa: E731
+  zeros = np.zeros(2, np.int32)
+  # Under jit: eagerly, the ops that read the LoD raise for a faulted input.
   outputs = {
     "astype": x.astype(jnp.float16),
     "with_values": x.with_values(x.values * 2),
-    "sequence_pool (2 levels)": sequence_pool(two, "sum"),
-    "sequence_slice": sequence_slice(x, np.zeros(2, np.int32), np.zeros(2, np.int32)),
-    "sequence_concat": sequence_concat([x, x]),
-    "reorder_by_rank": reorder_by_rank(x, rank_table(x)),
-    "lod_reset": lod_reset(x.values, y=x),
-    "dynamic_rnn": dynamic_rnn(step, x, init_carry=jnp.zeros(2))[0],
+    "sequence_pool (2 levels)": jax.jit(lambda t: sequence_pool(t, "sum"))(two),
+    "sequence_slice": jax.jit(lambda x: sequence_slice(x, zeros, zeros))(x),
+    "sequence_concat": jax.jit(lambda x: sequence_concat([x, x]))(x),
+    "reorder_by_rank": jax.jit(lambda x: reorder_by_rank(x, rank_table(x)))(x),
+    "lod_reset": jax.jit(lambda x: lod_reset(x.values, y=x))(x),
+    "dynamic_rnn": jax.jit(lambda x: dynamic_rnn(step, x, init_carry=jnp.zeros(2)))(x)[
+      0
+    ],
   }
   for name, out in outputs.items():
     assert int(out.faults) & int(jnp.asarray(x.faults) | Fault.TABLE) != 0, name
     with pytest.raises(ValueError, match=FAULTED):
       out.to_list()
+
+
+def _faulted() -> LoDTensor:
+  """A tensor whose op overflowed its capacity under jit: rows [3, 3] cut to 4."""
+  x = LoDTensor.from_lengths(np.zeros(6, np.float32), [[3, 3]])
+  return jax.jit(lambda y: sequence_expand(jnp.ones(2), y, capacity=4))(x)
+
+
+HOST_READS = {
+  "to_list": lambda x: x.to_list(),
+  "recursive_lengths": lambda x: x.recursive_lengths(),
+  "row_splits": lambda x: x.row_splits(),
+  "validate": lambda x: x.validate(),
+  "lengths": lambda x: x.lengths(),
+  "lengths(0)": lambda x: x.lengths(0),
+  "num_sequences": lambda x: x.num_sequences(),
+  "num_rows": lambda x: x.num_rows,
+  "row_mask": lambda x: x.row_mask(),
+  "segment_ids": lambda x: x.segment_ids(),
+  "to_padded": lambda x: x.to_padded(),
+  "to_segment_ids": lambda x: x.to_segment_ids(),
+  "rank_table": rank_table,
+  "lod_to_array": lambda x: lod_to_array(x, rank_table(x)),
+  "sequence_pool": lambda x: sequence_pool(x, "sum"),
+}
+
+
+@pytest.mark.parametrize("read", sorted(HOST_READS))
+def test_every_host_read_of_a_faulted_tensor_raises(read):
+  x = _faulted()
+  assert int(x.faults) == Fault.CAPACITY
+  with pytest.raises(ValueError, match=f"{FAULTED} \\(CAPACITY\\)"):
+    HOST_READS[read](x)
+
+
+@pytest.mark.parametrize("read", ["lengths", "to_padded", "segment_ids", "row_mask"])
+def test_the_jittable_reads_of_a_faulted_tensor_work_under_jit(read):
+  x = _faulted()
+  out = jax.jit(HOST_READS[read])(x)
+  sound = dataclasses.replace(x, faults=np.int32(0))
+  want = HOST_READS[read](sound)
+  for got, expected in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_host_tensors_are_sound_and_faults_are_integer_leaves():

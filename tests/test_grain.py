@@ -402,3 +402,19 @@ def test_without_grain_the_name_raises_an_import_error(monkeypatch):
   assert stand_in is not LoDBatchDataset
   with pytest.raises(ImportError, match=r"pip install 'jaxlod\[grain\]'"):
     stand_in(None, BUCKETS)
+
+
+@pytest.mark.parametrize(
+  ("value", "error", "match"),
+  [
+    (np.array([2**32 + 5]), ValueError, r"example 7: Expected `examples\[7\]\[0\]` to"),
+    (np.array([1.5]), TypeError, r"int64 in example 0 .* float64 in example 7"),
+    ([[1, 2], [3]], ValueError, r"example 7: Expected `examples\[7\]\[0\]` to be a"),
+  ],
+)
+def test_examples_that_would_be_stored_wrongly_raise(value, error, match):
+  examples = list(EXAMPLES)
+  examples[7] = (value, examples[7][1])
+  ds = LoDBatchDataset(grain.MapDataset.source(examples), BUCKETS, shuffle=False)
+  with pytest.raises(error, match=match):
+    next(iter(ds))

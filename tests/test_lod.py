@@ -439,7 +439,7 @@ def test_row_mask_and_segment_ids():
     ),
     (
       3,
-      [[False, True]],
+      [np.array([False, True])],
       r"Expected integer offsets at LoD level 0, got dtype bool",
     ),
   ],
@@ -512,7 +512,7 @@ def test_scalar_values_error(build):
       [np.ones((2, 3)), np.ones((1, 2))],
       ValueError,
       r"Expected every sequence to have the same feature shape, got "
-      r"\[\(2,\), \(3,\)\]\.",
+      r"\[\(2,\), \(3,\)\]: `seqs\[1\]` has \(2,\), `seqs\[0\]` \(3,\)\.",
     ),
     (
       [np.ones(2), np.float32(1.0)],
@@ -734,3 +734,121 @@ def test_a_tree_map_that_casts_the_offsets_raises():
   assert jax.tree.map(jnp.zeros_like, x).offsets[0].dtype == jnp.int32
   grad = jax.grad(lambda x: jnp.sum(x.values), allow_int=True)(x)
   assert grad.offsets[0].dtype == jax.dtypes.float0
+
+
+# -- Python values at the builders: bools, ragged rows, flat levels -----------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+  lengths=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+  data=st.data(),
+)
+def test_a_bool_among_lengths_or_offsets_raises_naming_the_argument(lengths, data):
+  # NumPy reads [True, 4] as [1, 4]: a bool anywhere in a level is refused.
+  i = data.draw(st.integers(0, len(lengths) - 1))
+  offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+  rows = np.ones(offsets[-1], np.float32)
+  flag = data.draw(st.booleans())
+  lengths[i] = flag
+  with pytest.raises(TypeError, match=rf"got the bool {flag} at index {i}\. Check "):
+    LoDTensor.from_lengths(rows, [lengths])
+  offsets[i] = flag
+  with pytest.raises(TypeError, match=r"Check `offsets`"):
+    LoDTensor.from_offsets(rows, [offsets])
+  with pytest.raises(TypeError, match=r"Check `row_splits`"):
+    LoDTensor.from_row_splits(rows, offsets)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 3), max_size=5))
+def test_one_level_of_row_splits_in_any_container_is_the_same_tensor(lengths):
+  splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+  rows = np.arange(splits[-1], dtype=np.float32)
+  forms = [
+    splits,
+    [splits],
+    splits.tolist(),
+    tuple(splits.tolist()),
+    (int(s) for s in splits),
+    [np.int64(s) for s in splits],
+    [[int(s) for s in splits]],
+  ]
+  for form in forms:
+    x = LoDTensor.from_row_splits(rows, form)
+    assert x.recursive_lengths() == [lengths]
+    np.testing.assert_array_equal(x.row_splits()[0], splits)
+
+
+def test_a_generator_level_is_read_once():
+  rows = np.ones(5)
+  x = LoDTensor.from_lengths(rows, [(n for n in (2, 3))])
+  y = LoDTensor.from_offsets(rows, [(n for n in (0, 2, 5))])
+  assert x.recursive_lengths() == y.recursive_lengths() == [[2, 3]]
+
+
+@pytest.mark.parametrize(
+  ("build", "error", "match"),
+  [
+    (
+      lambda: LoDTensor.from_lengths(np.ones(5), [2, 3]),
+      ValueError,
+      r"LoD level 0 \(lengths\) to be a 1-D sequence of ints, got the scalar 2; "
+      r"pass one sequence per level, e.g. \[\[2, 1\]\]\. Check `recursive_lengths`",
+    ),
+    (
+      lambda: LoDTensor.from_offsets(np.ones(5), [[0, [2], 5]]),
+      ValueError,
+      r"LoD level 0 \(offsets\) to be 1-D, got items of different shapes\. Check "
+      r"`offsets`",
+    ),
+    (
+      lambda: LoDTensor.from_lengths([[1, 2], [3]], [[2]]),
+      ValueError,
+      r"Expected `values` to be a rectangular array of numbers \(\[rows, "
+      r"\*features\]\), got ragged rows: `values\[1\]` has shape \(1,\), "
+      r"`values\[0\]` \(2,\)\.",
+    ),
+    (
+      lambda: LoDTensor.from_offsets([[[1], [2]], [[3]]], [[0, 2]]),
+      ValueError,
+      r"`values\[1\]` has shape \(1, 1\), `values\[0\]` \(2, 1\)",
+    ),
+    (
+      lambda: LoDTensor.from_sequences([[[[1, 2], [3]]]]),
+      ValueError,
+      r"Expected `seqs\[0\]\[0\]` to be a rectangular array .* `seqs\[0\]\[0\]\[1\]` "
+      r"has shape \(1,\)",
+    ),
+    (
+      lambda: LoDTensor.from_sequences(
+        [np.ones((2, 2)), np.ones((0, 3)), np.ones((1, 3))]
+      ),
+      ValueError,
+      r"same feature shape, got \[\(2,\), \(3,\)\]: `seqs\[2\]` has \(3,\), "
+      r"`seqs\[0\]` \(2,\)\.",
+    ),
+  ],
+)
+def test_scalar_levels_and_ragged_rows_raise_naming_the_argument(build, error, match):
+  with pytest.raises(error, match=match):
+    build()
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    (
+      {"segment_ids": [1, True, 2]},
+      r"Expected `segment_ids` to hold ints, got the bool True at index 1\.",
+    ),
+    (
+      {"segment_ids": [1, 1, 2], "positions": [0, True, 0]},
+      r"Expected `positions` to hold ints, got the bool True at index 1\.",
+    ),
+  ],
+)
+def test_a_bool_among_segment_ids_or_positions_raises(kwargs, match):
+  # [1, True, 2] would read as [1, 1, 2]: two sequences, not three.
+  with pytest.raises(TypeError, match=match):
+    LoDTensor.from_segment_ids(np.ones(3), **kwargs)

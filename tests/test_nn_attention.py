@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlod import Buckets, LoDTensor
+from jaxlod import Buckets, LoDTensor, ops
 from jaxlod.nn import AdditiveAttention, CosineAttention, DotAttention, GeneralAttention
 from jaxlod.ops import masked_attention
 from tests.helpers import assert_close
@@ -311,3 +311,13 @@ def test_input_errors(case, match):
   }[case]
   with pytest.raises(ValueError, match=match):
     attention.apply(params, *args)
+
+
+def test_a_tree_map_cast_of_a_memory_raises_naming_its_lengths():
+  x = LoDTensor.from_lengths(np.ones((5, 2), np.float32), [[2, 3]])
+  memory = ops.lod_memory(x)
+  cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), memory)
+  scores = jnp.zeros(memory.values.shape[:2])
+  with pytest.raises(TypeError, match=r"Expected integer `memory.lengths`, got bf"):
+    ops.attend(scores, cast)
+  ops.attend(scores, memory)

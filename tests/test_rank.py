@@ -1,5 +1,7 @@
 """Tests of `rank_table`, `RankTable` and the ladders."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.ops import RankTable, default_ladder, normalize_ladder, rank_table
+from jaxlod.ops import (
+  RankTable,
+  default_ladder,
+  lod_to_array,
+  normalize_ladder,
+  rank_table,
+)
 from tests.helpers import lod_tensors
 
 FIELDS = (
@@ -369,3 +377,34 @@ def test_jit_table_of_jnp_batch_sizes_dtype():
   table = jax.jit(rank_table)(x)
   assert table.batch_sizes.dtype == jnp.int32
   assert table.max_length.shape == ()
+
+
+# -- the integer leaves stay integer ----------------------------------------------
+
+LEAVES = ("order", "ranks", "lengths", "batch_sizes", "max_length", "count")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.bool_])
+def test_a_tree_map_cast_of_a_table_raises_naming_the_leaf(dtype):
+  # 299 in bfloat16 is 300: a cast table would reorder the rows wrongly.
+  x = LoDTensor.from_lengths(np.arange(600.0), [[1] * 299 + [2, 299]])
+  table = rank_table(x)
+  with pytest.raises(TypeError, match=r"Expected integer `order`, got \w+: a rank"):
+    jax.tree.map(lambda a: a.astype(dtype), table)
+  for name in LEAVES:
+    with pytest.raises(TypeError, match=f"Expected integer `{name}`"):
+      dataclasses.replace(table, **{name: np.asarray(getattr(table, name), dtype)})
+
+
+def test_a_table_keeps_float0_cotangents_and_transformation_leaves():
+  x = LoDTensor.from_lengths(np.arange(5.0, dtype=np.float32), [[2, 3]])
+  table = rank_table(x)
+
+  def loss(values, table):
+    return lod_to_array(x.with_values(values), table).sum()
+
+  _, grad = jax.grad(loss, argnums=(0, 1), allow_int=True)(x.values, table)
+  assert grad.order.dtype == jax.dtypes.float0
+  assert jax.eval_shape(rank_table, x).order.dtype == jnp.int32
+  stacked = jax.tree.map(lambda a: a[None], table)
+  assert jax.vmap(lambda t: t.count)(stacked).tolist() == [2]

@@ -17,6 +17,11 @@ import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
+from jaxlod._checks import (
+  check_field_dtypes,
+  check_field_fits_device,
+  host_array,
+)
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._rank import RankTable, rank_table
 
@@ -164,8 +169,11 @@ def as_arrays(
         f"Expected every example to have {len(columns)} fields like example "
         f"{name(0)}, got {len(example)} in example {name(i)}."
       )
-    for column, value in zip(columns, example, strict=True):
-      column.append(np.asarray(value))
+    for f, (column, value) in enumerate(zip(columns, example, strict=True)):
+      try:
+        column.append(host_array(value, f"examples[{i}][{f}]"))
+      except ValueError as error:
+        raise ValueError(f"Field {f} of example {name(i)}: {error}") from None
   return columns
 
 
@@ -199,6 +207,7 @@ def pack_field(
         f"Expected field {f} of example {name(i)} to have feature shape "
         f"{features} like example {name(first)}, got {arrays[i].shape[1:]}."
       )
+  check_field_dtypes(f, arrays, nonempty, name)
   dtypes = {arrays[i].dtype for i in nonempty} or {arrays[first].dtype}
   dtype = np.result_type(*dtypes)
   if dtype.kind not in "biufc":
@@ -208,6 +217,7 @@ def pack_field(
     )
   lengths = np.array([a.shape[0] for a in arrays], np.int64)
   values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)
+  check_field_fits_device(f, arrays, values, name)
   return Field(
     values=values.astype(dtype, copy=False),
     starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),

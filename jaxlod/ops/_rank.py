@@ -10,8 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._checks import check_lod, ladder_sizes, static_float, static_int
-from jaxlod._lod import LoDTensor, is_concrete
+from jaxlod._checks import (
+  check_index_leaves,
+  check_lod,
+  ladder_sizes,
+  static_float,
+  static_int,
+)
+from jaxlod._lod import LoDTensor, check_sound, is_concrete
 
 
 def default_ladder(
@@ -70,6 +76,18 @@ def normalize_ladder(
   return tuple(sorted(sizes, reverse=True))
 
 
+_DATA_FIELDS = (
+  "order",
+  "ranks",
+  "lengths",
+  "batch_sizes",
+  "max_length",
+  "count",
+  "phase_starts",
+  "phase_ends",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RankTable:
   """Sequences of one LoD level ranked by length (Paddle's LoDRankTable).
@@ -111,6 +129,21 @@ class RankTable:
   ladder: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   level: int = dataclasses.field(metadata=dict(static=True))
 
+  def __post_init__(self):
+    """Checks that the array leaves are integer (JAX runs this too when it
+    rebuilds the pytree; other leaves pass).
+
+    Raises:
+      TypeError: for a leaf of another dtype (a tree map that cast it),
+        naming the leaf: the table's values are indices and lengths, and
+        a float table would reorder rows wrongly.
+    """
+    check_index_leaves(
+      [(f"`{f}`", getattr(self, f)) for f in _DATA_FIELDS],
+      "a rank table holds indices and lengths, so a tree map over it must "
+      "leave it alone (cast the rows of the LoDTensor instead).",
+    )
+
   @property
   def count_capacity(self) -> int:
     return int(self.order.shape[0])
@@ -138,18 +171,7 @@ class RankTable:
 
 
 jax.tree_util.register_dataclass(
-  RankTable,
-  data_fields=[
-    "order",
-    "ranks",
-    "lengths",
-    "batch_sizes",
-    "max_length",
-    "count",
-    "phase_starts",
-    "phase_ends",
-  ],
-  meta_fields=["ladder", "level"],
+  RankTable, data_fields=list(_DATA_FIELDS), meta_fields=["ladder", "level"]
 )
 
 
@@ -218,6 +240,7 @@ def rank_table(
   # above. Read on the host with NumPy (no device op) when concrete.
   parent = x.num_outer if level == 0 else x.offsets[level - 1]
   if is_concrete(offsets, parent):
+    check_sound(x)  # a faulted tensor's LoD is clamped: no table of it
     arrays = _table_arrays(np, np.diff(np.asarray(offsets)), time_capacity, ladder)
     parent = np.asarray(parent)
     count = np.asarray(parent if level == 0 else parent[-1], np.int32)
