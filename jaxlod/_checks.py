@@ -452,7 +452,7 @@ def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> 
     i = int(bad[0])
     raise ValueError(
       f"LoD level 0, index {i}: length {lengths[i]} is outside [0, {time}] (the "
-      "time dimension of `padded`)."
+      "time dimension of `padded`). Check `lengths`."
     )
   count = lengths.shape[0]
   if num_sequences is None:
@@ -781,19 +781,26 @@ def as_array(value: Any, name: str, expected: str = "an array") -> jax.Array:
   Device arrays and tracers pass unchanged. A LoDTensor, a string, `None`
   or another object, and arrays of strings or objects raise `TypeError`
   naming `name` (`expected` describes what it should be); Python ints too
-  large for int64 raise `ValueError`.
+  large for int64, and host integers beyond the dtype JAX stores them in
+  (`check_fits_device`), raise `ValueError`.
   """
   if isinstance(value, jax.Array):
     return value
   if _holds_tracers(value):
     return jnp.asarray(value)  # a list of traced scalars: JAX checks them
+  _check_fits(_host_array(value, name, expected), name)
+  return jnp.asarray(value)  # of the value: Python scalars stay weakly typed
+
+
+def _host_array(value: Any, name: str, expected: str) -> np.ndarray:
+  """An array-like host argument as a NumPy array of numbers (`as_array`'s
+  type checks)."""
   array_like = hasattr(value, "__array__") or isinstance(
     value, list | tuple | np.ndarray | np.generic | int | float | complex
   )
   if not array_like:
     raise TypeError(f"Expected `{name}` to be {expected}, got {type(value).__name__}.")
-  host_numbers(value, name)
-  return jnp.asarray(value)  # of the value: Python scalars stay weakly typed
+  return host_numbers(value, name)
 
 
 def _holds_tracers(value: Any) -> bool:
@@ -805,11 +812,16 @@ def check_fits_device(value: Any, name: str) -> None:
   """Host integers must fit the dtype JAX stores them in: with x64 off, int64
   becomes int32 and a value beyond its range would wrap silently.
 
-  Device arrays and tracers are already stored; they are not checked.
+  Device arrays, tracers and shape structs are already stored (or have no
+  values); they are not checked.
   """
-  if isinstance(value, jax.Array) or _holds_tracers(value):
+  if isinstance(value, jax.Array | jax.ShapeDtypeStruct) or _holds_tracers(value):
     return
-  array = host_numbers(value, name)
+  _check_fits(host_numbers(value, name), name)
+
+
+def _check_fits(array: np.ndarray, name: str) -> None:
+  """`check_fits_device` of a host array."""
   if not is_integer_dtype(array.dtype) or array.size == 0:
     return
   target = jax.dtypes.canonicalize_dtype(array.dtype)
@@ -1095,10 +1107,15 @@ def _shape_str(x: Any) -> str:
 
 
 def check_leaves(tree: Any, name: str) -> None:
-  """Every leaf of `tree` is an array or a number (`host_numbers`)."""
-  for leaf in jax.tree.leaves(tree):
+  """Every leaf of `tree` is an array or a number (`host_numbers`), and its
+  host integers fit the dtype JAX stores them in (`check_fits_device`; the
+  message names the leaf, e.g. ``memory['h']``)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not hasattr(leaf, "shape"):
       host_numbers(leaf, name)
+    elif not is_integer_dtype(getattr(leaf, "dtype", np.float32)):
+      continue  # only integers wrap; other arrays pass as they are
+    check_fits_device(leaf, name + jax.tree_util.keystr(path))
 
 
 def check_rows(tree: Any, count: int, name: str) -> None:

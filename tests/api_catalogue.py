@@ -134,7 +134,37 @@ SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
 UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
 
-Bad = tuple[str, Callable[[], Any]]
+# Beyond int32: JAX stores host int64 as int32 with x64 off, and 2**32 + 5
+# would silently become 5; a static int this large cannot be a device shape.
+WIDE = 2**32 + 5
+BEYOND_INT32 = ("beyond_int32", lambda: 2**31)
+BELOW_INT32 = ("below_int32", lambda: -(2**31) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FromValid:
+  """A wrong value made from the argument's valid one (same structure and
+  shapes, so that only the values are wrong); the error must also match
+  `match`."""
+
+  make: Callable[[Any], Any]
+  match: str
+
+
+def _widened(valid: Any) -> Any:
+  """`valid` as int64 with its first item `WIDE` (a LoDTensor: its values)."""
+
+  def widen(leaf: Any) -> np.ndarray:
+    array = np.array(leaf.values if isinstance(leaf, LoDTensor) else leaf, np.int64)
+    array.reshape(-1)[:1] = WIDE
+    return array
+
+  return jax.tree.map(widen, valid, is_leaf=lambda a: isinstance(a, LoDTensor))
+
+
+WIDENED = ("beyond_int32", FromValid(_widened, str(WIDE)))
+
+Bad = tuple[str, Callable[[], Any] | FromValid]
 
 BAD: dict[str, list[Bad]] = {
   # A LoDTensor.
@@ -142,15 +172,17 @@ BAD: dict[str, list[Bad]] = {
   # A list of LoDTensors.
   "lods": [STR, NONE, OBJECT, INT, EMPTY, ("arrays", lambda: [np.zeros(3)])],
   # A numeric array.
-  "array": [STR, NONE, OBJECT, STRINGS, A_LOD],
+  "array": [STR, NONE, OBJECT, STRINGS, A_LOD, WIDENED],
   # An array or a LoDTensor.
-  "array_or_lod": [STR, NONE, OBJECT, STRINGS],
+  "array_or_lod": [STR, NONE, OBJECT, STRINGS, WIDENED],
   # A 2-D array, e.g. scores [b, source_capacity] or a query [b, hidden].
-  "matrix": [STR, NONE, OBJECT, STRINGS, A_LOD, VECTOR],
+  "matrix": [STR, NONE, OBJECT, STRINGS, A_LOD, VECTOR, WIDENED],
   # Integers of any shape.
-  "int_values": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD],
+  "int_values": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, WIDENED],
   # A 1-D integer array (lengths, ids, offsets, limits).
-  "ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3],
+  "ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3, WIDENED],
+  # The same, read on the host only (segment ids, sample lengths): int64 stays.
+  "host_ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3],
   # A static int of any sign.
   "int": [STR, NONE, OBJECT, FLOAT, VECTOR],
   "mapping": [STR, NONE, OBJECT, INT],
@@ -208,9 +240,9 @@ BAD: dict[str, list[Bad]] = {
   # of arrays (`beam_search`'s carry, whose first leaf sets the count; the
   # layers' `initial_carry`, whose leading dimensions `dynamic_rnn` checks as
   # its `init_carry`); of any arrays; of stacked shards (a sharded batch).
-  "rows": [STR, OBJECT, SHORT],
-  "carry": [STR, OBJECT],
-  "tree": [STR, OBJECT],
+  "rows": [STR, OBJECT, SHORT, WIDENED],
+  "carry": [STR, OBJECT, WIDENED],
+  "tree": [STR, OBJECT, WIDENED],
   "stacked": [STR, OBJECT, ("scalar", lambda: np.float32(1.0))],
   "examples": [STR, NONE, OBJECT, INT, ("strings", lambda: [("a",), ("b",)])],
   "members": [STR, NONE, OBJECT, INT, EMPTY],
@@ -235,6 +267,8 @@ def arg(valid: Any, kind: str, *, none_ok: bool = False) -> Arg:
   such as dtypes, are values). `none_ok`: `None` is valid too."""
   thunk = valid if callable(valid) and not isinstance(valid, type) else lambda: valid
   bad = [b for b in BAD[kind] if not (none_ok and b is NONE)]
+  if valid is None:  # nothing to make a wrong value from
+    bad = [b for b in bad if not isinstance(b[1], FromValid)]
   return Arg(thunk, tuple(bad))
 
 

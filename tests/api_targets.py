@@ -132,8 +132,8 @@ target(
   LoDTensor.from_segment_ids,
   {
     "values": arg(lambda: np.zeros((3, 2)), "array"),
-    "segment_ids": arg(lambda: np.array([1, 1, 2]), "ints"),
-    "positions": arg(None, "ints", none_ok=True),
+    "segment_ids": arg(lambda: np.array([1, 1, 2]), "host_ints"),
+    "positions": arg(None, "host_ints", none_ok=True),
     "padding_id": arg(0, "int", none_ok=True),
     "buckets": arg(None, "buckets", none_ok=True),
   },
@@ -556,7 +556,7 @@ target(
   "data.plan_capacities",
   data.plan_capacities,
   {
-    "lengths": arg(lambda: np.array([3, 1, 2]), "ints"),
+    "lengths": arg(lambda: np.array([3, 1, 2]), "host_ints"),
     "token_budget": arg(8, "int>=0"),
     "batch_size": arg(None, "int>=0", none_ok=True),
     "ratios": arg((1.25,), "floats"),
