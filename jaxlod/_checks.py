@@ -519,7 +519,7 @@ def check_segment_ids(
   ids = _host_ints(segment_ids, "segment_ids", rows, "one per row of `values`")
   real = rows
   if padding_id is not None:
-    padding_id = static_int(padding_id, "padding_id")
+    padding_id = static_int(padding_id, "padding_id", device=False)
     pad = np.flatnonzero(ids == padding_id)
     real = int(pad[0]) if pad.size else rows
     after = np.flatnonzero(ids[real:] != padding_id)
@@ -935,25 +935,46 @@ def check_level(x: LoDTensor, level: int, name: str) -> int:
   return int(level) % x.num_levels
 
 
-def static_int(value: Any, name: str, minimum: int | None = None) -> int:
-  """A static (Python or NumPy) int argument, at least `minimum`."""
+INT32 = np.iinfo(np.int32)
+
+
+def static_int(
+  value: Any, name: str, minimum: int | None = None, *, device: bool = True
+) -> int:
+  """A static (Python or NumPy) int argument, at least `minimum`.
+
+  Static ints become device shapes, indices and int32 constants, so they
+  must fit int32: a larger one raises `ValueError` naming `name` (JAX's
+  own error names neither the argument nor the op). `device=False` is for
+  an int only compared on the host (with int64 data), which keeps its
+  range.
+  """
   if isinstance(value, bool) or not isinstance(value, int | np.integer):
     raise TypeError(f"Expected `{name}` to be a static int, got {value!r}.")
   if minimum is not None and value < minimum:
     raise ValueError(f"Expected `{name}` >= {minimum}, got {value}.")
+  low = INT32.min if minimum is None else max(minimum, INT32.min)
+  if device and not low <= value <= INT32.max:
+    raise ValueError(
+      f"Expected `{name}` in [{low}, {INT32.max}] (it becomes an int32 shape or "
+      f"index on the device), got {value}."
+    )
   return int(value)
 
 
 def index_scalar(value: Any, name: str) -> Any:
   """An integer scalar: a static int, or an integer 0-d array (concrete or
-  traced), returned as it is."""
+  traced), returned as it is; a host one must fit int32 (`static_int`,
+  `check_fits_device`)."""
   if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+    static_int(value, name)
     return value
   if (
     isinstance(value, np.ndarray | jax.Array)
     and value.ndim == 0
     and is_integer_dtype(value.dtype)
   ):
+    check_fits_device(value, name)
     return value
   raise TypeError(
     f"Expected `{name}` to be an int or an integer scalar array, got {_got(value)}."
@@ -1397,8 +1418,8 @@ def ladder_sizes(ladder: Any, count_capacity: int | None = None) -> list[int]:
   for i, size in enumerate(sizes):
     if isinstance(size, bool | np.bool_) or not isinstance(size, int | np.integer):
       raise ValueError(f"Expected `ladder[{i}]` to be an int, got {size!r}.")
-    if count_capacity is None and size < 1:
-      raise ValueError(f"Expected `ladder[{i}]` >= 1, got {size}.")
+    if count_capacity is None:
+      static_int(size, f"ladder[{i}]", minimum=1)
     if count_capacity is not None and not 1 <= size <= count_capacity:
       raise ValueError(
         f"Expected `ladder[{i}]` in [1, {count_capacity}] (the count capacity), "

@@ -190,6 +190,11 @@ BAD: dict[str, list[Bad]] = {
   # A static int >= 0 or >= 1.
   "int>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR],
   "int>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR],
+  # Static ints that become device shapes, indices or int32 constants: they
+  # must fit int32 too.
+  "index": [STR, NONE, OBJECT, FLOAT, VECTOR, BEYOND_INT32, BELOW_INT32],
+  "size>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR, BEYOND_INT32],
+  "size>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR, BEYOND_INT32],
   # One int for every LoD level, or one per level.
   "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE],
   # A LoD level index (the valid ones of one level: -1 and 0).
@@ -209,7 +214,14 @@ BAD: dict[str, list[Bad]] = {
   "callables": [STR, NONE, OBJECT, INT, EMPTY, ("strings", lambda: ["a"])],
   "module": [STR, NONE, OBJECT, INT],
   # Ladders of batch sizes, and bucket boundaries.
-  "ladder": [STR, OBJECT, INT, ("floats", lambda: [1.5]), ("zero", lambda: [0])],
+  "ladder": [
+    STR,
+    OBJECT,
+    INT,
+    ("floats", lambda: [1.5]),
+    ("zero", lambda: [0]),
+    ("beyond_int32", lambda: [2**31]),
+  ],
   "boundaries": [STR, NONE, OBJECT, INT, ("floats", lambda: [1.5])],
   # One sequence of ints per LoD level.
   "levels": [
@@ -227,7 +239,7 @@ BAD: dict[str, list[Bad]] = {
   "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
   "buckets": [STR, OBJECT, INT],
   # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.
-  "capacity": [STR, OBJECT, FLOAT, NEGATIVE],
+  "capacity": [STR, OBJECT, FLOAT, NEGATIVE, BEYOND_INT32],
   "table": [STR, NONE, OBJECT, A_LOD],
   "settings": [STR, NONE, OBJECT, ("dict", lambda: {"bos_id": 0})],
   # A `jaxlod.ops.Memory`.

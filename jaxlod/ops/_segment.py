@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import check_fits, is_concrete
+from jaxlod._checks import check_fits, is_concrete, static_int
 from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, owners
 
 # -- rows and their sequences -------------------------------------------------------
@@ -104,7 +104,7 @@ def output_capacity(
   elif isinstance(capacity, int | np.integer) and not isinstance(capacity, bool):
     if capacity < 0:
       raise ValueError(f"{where}: expected `capacity` >= 0, got {capacity}.")
-    chosen = bound._replace(tokens=int(capacity))
+    chosen = bound._replace(tokens=static_int(capacity, "capacity", minimum=0))
   else:
     raise TypeError(
       f"{where}: expected `capacity` to be None, an int or a Buckets policy, got "

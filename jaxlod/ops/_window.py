@@ -39,6 +39,10 @@ def _windows(x: LoDTensor, shifts: Sequence[int]) -> tuple[jax.Array, jax.Array]
     `inside` is True where row ``r + s`` is in the same sequence as row ``r``
     and ``r`` is a real row. Windows outside are not masked here.
   """
+  # A shift of the token capacity or more leaves every row: clamped, it stays
+  # outside, fits int32 and pads no more than `tokens` rows.
+  tokens = x.capacity.tokens
+  shifts = [min(max(s, -tokens), tokens) for s in shifts]
   layout = _segment.rows(x)
   offsets = x.offsets[-1]
   length = jnp.take(offsets, layout.segment + 1, mode="clip") - jnp.take(
