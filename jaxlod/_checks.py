@@ -1008,9 +1008,75 @@ def per_sequence(
   )
 
 
+def fill_value(
+  value: Any, dtype: Any, name: str, expected: str = "a scalar or an array"
+) -> jax.Array:
+  """A fill value (`pad_value`) as an array of `dtype`, the dtype of the data
+  it fills (as JAX stores it).
+
+  Integer and bool data must hold a concrete value exactly: a cast would
+  truncate a fraction, turn NaN into 0, wrap a value out of range or make a
+  negative one large for an unsigned dtype. A host value is cast on the
+  host, so an int beyond int32 fills uint32 or float data exactly. Fills
+  of float data are not checked (NaN and infinities are fills there). A
+  traced value cannot be read: for integer data its dtype must be integer.
+
+  Raises:
+    TypeError: for a value that is not a number or an array of numbers
+      (`expected` describes one), or a traced float for integer data.
+    ValueError: naming `name`, `dtype` and the first value that does not fit.
+  """
+  dtype = jax.dtypes.canonicalize_dtype(dtype)
+  if not (isinstance(value, jax.Array) or _holds_tracers(value)):
+    value = _host_array(value, name, expected)
+  exact = dtype == np.bool_ or is_integer_dtype(dtype)
+  if exact and is_concrete(value) and not _holds_tracers(value):
+    _check_exact(np.asarray(value), dtype, name)
+  elif exact and not _is_int_or_bool(jnp.result_type(value)):
+    raise TypeError(
+      f"Expected `{name}` to have an integer dtype under jit (the values' dtype "
+      f"is {dtype.name}; a traced value cannot be checked), got "
+      f"{jnp.result_type(value).name}."
+    )
+  if isinstance(value, np.ndarray):
+    with np.errstate(over="ignore"):  # float data: a huge fill becomes inf
+      return jnp.asarray(value.astype(dtype))
+  return jnp.asarray(value).astype(dtype)
+
+
+def _is_int_or_bool(dtype: Any) -> bool:
+  return is_integer_dtype(dtype) or jnp.dtype(dtype) == np.bool_
+
+
+def _check_exact(array: np.ndarray, dtype: np.dtype, name: str) -> None:
+  """Every item of `array` is exact in the integer (or bool) `dtype`."""
+  is_bool = dtype == np.bool_
+  info = None if is_bool else jnp.iinfo(dtype)
+  low, high = (0, 1) if info is None else (int(info.min), int(info.max))
+  if is_integer_dtype(array.dtype) or array.dtype == np.bool_:
+    bad = (array < low) | (array > high)
+  else:
+    with np.errstate(invalid="ignore"):
+      imag = np.imag(array) != 0
+      real = np.real(array)
+      # `high + 1` is a power of two: exact in float64, unlike `high`.
+      bad = imag | ~np.isfinite(real) | (real != np.round(real)) | (real < low)
+      bad |= real >= high + 1
+  hits = np.flatnonzero(bad)
+  if hits.size:
+    where = np.unravel_index(int(hits[0]), array.shape)
+    at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
+    kind = "0, 1 or a bool" if is_bool else f"an integer in [{low}, {high}]"
+    raise ValueError(
+      f"Expected `{name}` to be {kind} (exactly representable in the values' "
+      f"dtype {dtype.name}), got {array[where].item()}{at}."
+    )
+
+
 def check_pad_value(pad_value: jax.typing.ArrayLike, x: LoDTensor) -> jax.Array:
-  """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype."""
-  pad = as_array(pad_value, "pad_value", "a scalar or an array").astype(x.values.dtype)
+  """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype
+  (`fill_value`: an integer dtype holds it exactly)."""
+  pad = fill_value(pad_value, x.values.dtype, "pad_value")
   try:
     return jnp.broadcast_to(pad, x.feature_shape)
   except ValueError:

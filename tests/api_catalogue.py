@@ -237,6 +237,18 @@ BAD: dict[str, list[Bad]] = {
   "seqs": [STR, NONE, OBJECT, INT, ("strings", lambda: [["a", "b"]])],
   # A pad value: a scalar or an array that broadcasts to the features.
   "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
+  # A pad value for integer rows: the values' dtype must hold it exactly.
+  "int_pad_value": [
+    STR,
+    NONE,
+    OBJECT,
+    A_LOD,
+    ("fraction", lambda: 2.5),
+    NAN,
+    ("inf", lambda: float("inf")),
+    ("beyond_int32", lambda: WIDE),
+    ("beyond_int32_array", lambda: np.int64(2**40)),
+  ],
   "buckets": [STR, OBJECT, INT],
   # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.
   "capacity": [STR, OBJECT, FLOAT, NEGATIVE, BEYOND_INT32],

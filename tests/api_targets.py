@@ -176,6 +176,16 @@ target(
   },
   call=method(lod, "to_padded"),
 )
+# The pad values of integer rows (`ids`): the rows' dtype must hold them.
+_INT_PAD = {"pad_value": arg(0, "int_pad_value")}
+_CHECKED_ABOVE = "checked in the target above, with float rows"
+target(
+  "LoDTensor.to_padded[int]",
+  LoDTensor.to_padded,
+  {**_INT_PAD, "time_capacity": keep(None)},
+  call=method(ids, "to_padded"),
+  unchecked={"time_capacity": _CHECKED_ABOVE},
+)
 
 # jaxlod.ops: rank tables and array ops -----------------------------------------------
 
@@ -252,6 +262,12 @@ target(
   },
 )
 target(
+  "ops.sequence_pool[int]",
+  ops.sequence_pool,
+  {"x": keep(ids), "pool_type": keep("first"), **_INT_PAD},
+  unchecked={"x": _CHECKED_ABOVE, "pool_type": _CHECKED_ABOVE},
+)
+target(
   "ops.sequence_pad",
   ops.sequence_pad,
   {
@@ -259,6 +275,12 @@ target(
     "pad_value": arg(0.0, "pad_value"),
     "maxlen": arg(None, "size>=0", none_ok=True),
   },
+)
+target(
+  "ops.sequence_pad[int]",
+  ops.sequence_pad,
+  {"x": keep(ids), **_INT_PAD, "maxlen": keep(None)},
+  unchecked={"x": _CHECKED_ABOVE, "maxlen": _CHECKED_ABOVE},
 )
 target(
   "ops.sequence_unpad",
@@ -313,8 +335,8 @@ target(
   ops.sequence_enumerate,
   {
     "x": arg(ids, "lod"),
-    "win_size": arg(2, "int>=1"),
-    "pad_value": arg(0, "pad_value"),
+    "win_size": arg(2, "size>=1"),
+    "pad_value": arg(0, "int_pad_value"),
     "capacity": arg(None, "capacity", none_ok=True),
   },
 )

@@ -2,6 +2,8 @@
 twice, empty integer sequences, strings and objects are caught at the boundary
 with a message naming the argument."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,3 +211,106 @@ def test_per_sequence_rows_are_kept_exactly_or_refused(ints):
   else:
     with pytest.raises(ValueError, match=r"Expected `x` to fit int32"):
       ops.reorder_by_rank(rows, table)
+
+
+# -- pad values of integer rows ---------------------------------------------------
+
+
+def _ids(dtype=np.int32):
+  return LoDTensor.from_lengths(np.array([7, 2, 7, 4, 9], dtype), [[3, 2]])
+
+
+PADS = {
+  "to_padded": lambda x, pad: x.to_padded(pad_value=pad),
+  "sequence_pad": lambda x, pad: ops.sequence_pad(x, pad),
+  "sequence_enumerate": lambda x, pad: ops.sequence_enumerate(x, 2, pad),
+  "sequence_pool_first": lambda x, pad: ops.sequence_pool(
+    LoDTensor.from_lengths(np.asarray(x.values), [[3, 0, 2]]), "first", pad
+  ),
+}
+INT32_RANGE = r"an integer in \[-2147483648, 2147483647\]"
+
+
+@pytest.mark.parametrize(
+  "pad, got",
+  [
+    (2.5, "2.5"),
+    (np.nan, "nan"),
+    (-np.inf, "-inf"),
+    (np.int64(2**40), "1099511627776"),
+    (WIDE, str(WIDE)),
+    (np.array(2.5, np.float32), "2.5"),
+    (jnp.float32(0.5), "0.5"),
+  ],
+)
+@pytest.mark.parametrize("op", sorted(PADS))
+def test_pad_values_int_rows_cannot_hold_are_refused(op, pad, got):
+  with pytest.raises(
+    ValueError,
+    match=rf"Expected `pad_value` to be {INT32_RANGE} \(exactly representable in "
+    rf"the values' dtype int32\), got {got}\.",
+  ):
+    PADS[op](_ids(), pad)
+
+
+@pytest.mark.parametrize("op", sorted(PADS))
+def test_integral_pad_values_are_kept(op):
+  """A float without a fraction is exact; an int beyond int32 fits uint32."""
+  PADS[op](_ids(), 2.0)
+  big = PADS[op](_ids(np.uint32), 2**32 - 1)
+  values = big[0] if isinstance(big, tuple) else getattr(big, "values", big)
+  assert 2**32 - 1 in np.asarray(values).reshape(-1).tolist()
+
+
+def test_negative_pad_values_for_unsigned_rows_are_refused():
+  x = LoDTensor.from_lengths(np.array([1, 2, 3], np.uint8), [[2, 1]])
+  with pytest.raises(
+    ValueError,
+    match=r"`pad_value` to be an integer in \[0, 255\] \(exactly representable in "
+    r"the values' dtype uint8\), got -1\.",
+  ):
+    x.to_padded(pad_value=-1)
+  with pytest.raises(ValueError, match=r"`pad_value` to be 0, 1 or a bool .* got 2"):
+    LoDTensor.from_lengths(np.array([True, False]), [[2]]).to_padded(pad_value=2)
+
+
+def test_traced_pad_values_of_int_rows_must_be_integers():
+  pad = jax.jit(lambda x, p: x.to_padded(pad_value=p)[0])
+  assert pad(_ids(), jnp.int32(-3))[1].tolist() == [4, 9, -3]
+  with pytest.raises(
+    TypeError,
+    match=r"`pad_value` to have an integer dtype under jit \(the values' dtype is "
+    r"int32; a traced value cannot be checked\), got float32\.",
+  ):
+    pad(_ids(), jnp.float32(-3.0))
+
+
+def test_float_rows_take_any_pad_value():
+  x = LoDTensor.from_lengths(np.ones(3, np.float32), [[2, 1]])
+  assert np.isnan(x.to_padded(pad_value=np.nan)[0][1, 1])
+  assert x.to_padded(pad_value=np.int64(2**40))[0][1, 1] == 2.0**40
+
+
+INT_DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.bool_]
+
+
+@given(
+  st.sampled_from(INT_DTYPES),
+  st.one_of(
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(-300.0, 300.0).map(lambda f: round(f * 2) / 2),  # halves
+  ),
+)
+def test_int_pad_values_are_kept_exactly_or_refused(dtype, pad):
+  x = LoDTensor.from_lengths(np.zeros(3, dtype), [[2, 1]])
+  info = np.iinfo(np.uint8 if dtype == np.bool_ else dtype)
+  low, high = (0, 1) if dtype == np.bool_ else (int(info.min), int(info.max))
+  exact = math.isfinite(pad) and pad == int(pad) and low <= int(pad) <= high
+  if exact:
+    padded, _ = x.to_padded(pad_value=pad)
+    assert np.asarray(padded)[1, 1].item() == (bool(pad) if dtype == np.bool_ else pad)
+  else:
+    name = np.dtype(dtype).name
+    with pytest.raises(ValueError, match=rf"`pad_value` to be .* dtype {name}"):
+      x.to_padded(pad_value=pad)

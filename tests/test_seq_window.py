@@ -437,8 +437,9 @@ def test_enumerate_capacity_overflow():
     (
       _ids(),
       (2, 0.5),
-      TypeError,
-      r"Expected `pad_value` to have an integer dtype, got float",
+      ValueError,
+      r"Expected `pad_value` to be an integer in \[-2147483648, 2147483647\] "
+      r"\(exactly representable in the values' dtype int32\), got 0\.5\.",
     ),
     (
       _ids(),
