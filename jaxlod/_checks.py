@@ -452,7 +452,7 @@ def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> 
     i = int(bad[0])
     raise ValueError(
       f"LoD level 0, index {i}: length {lengths[i]} is outside [0, {time}] (the "
-      "time dimension of `padded`)."
+      "time dimension of `padded`). Check `lengths`."
     )
   count = lengths.shape[0]
   if num_sequences is None:
@@ -520,7 +520,7 @@ def check_segment_ids(
   ids = _host_ints(segment_ids, "segment_ids", rows, "one per row of `values`")
   real = rows
   if padding_id is not None:
-    padding_id = static_int(padding_id, "padding_id")
+    padding_id = static_int(padding_id, "padding_id", device=False)
     pad = np.flatnonzero(ids == padding_id)
     real = int(pad[0]) if pad.size else rows
     after = np.flatnonzero(ids[real:] != padding_id)
@@ -783,19 +783,26 @@ def as_array(value: Any, name: str, expected: str = "an array") -> jax.Array:
   Device arrays and tracers pass unchanged. A LoDTensor, a string, `None`
   or another object, and arrays of strings or objects raise `TypeError`
   naming `name` (`expected` describes what it should be); Python ints too
-  large for int64 raise `ValueError`.
+  large for int64, and host integers beyond the dtype JAX stores them in
+  (`check_fits_device`), raise `ValueError`.
   """
   if isinstance(value, jax.Array):
     return value
   if _holds_tracers(value):
     return jnp.asarray(value)  # a list of traced scalars: JAX checks them
+  _check_fits(_host_array(value, name, expected), name)
+  return jnp.asarray(value)  # of the value: Python scalars stay weakly typed
+
+
+def _host_array(value: Any, name: str, expected: str) -> np.ndarray:
+  """An array-like host argument as a NumPy array of numbers (`as_array`'s
+  type checks)."""
   array_like = hasattr(value, "__array__") or isinstance(
     value, list | tuple | np.ndarray | np.generic | int | float | complex
   )
   if not array_like:
     raise TypeError(f"Expected `{name}` to be {expected}, got {type(value).__name__}.")
-  host_numbers(value, name)
-  return jnp.asarray(value)  # of the value: Python scalars stay weakly typed
+  return host_numbers(value, name)
 
 
 def _holds_tracers(value: Any) -> bool:
@@ -807,11 +814,16 @@ def check_fits_device(value: Any, name: str) -> None:
   """Host integers must fit the dtype JAX stores them in: with x64 off, int64
   becomes int32 and a value beyond its range would wrap silently.
 
-  Device arrays and tracers are already stored; they are not checked.
+  Device arrays, tracers and shape structs are already stored (or have no
+  values); they are not checked.
   """
-  if isinstance(value, jax.Array) or _holds_tracers(value):
+  if isinstance(value, jax.Array | jax.ShapeDtypeStruct) or _holds_tracers(value):
     return
-  array = host_numbers(value, name)
+  _check_fits(host_numbers(value, name), name)
+
+
+def _check_fits(array: np.ndarray, name: str) -> None:
+  """`check_fits_device` of a host array."""
   if not is_integer_dtype(array.dtype) or array.size == 0:
     return
   target = jax.dtypes.canonicalize_dtype(array.dtype)
@@ -925,25 +937,46 @@ def check_level(x: LoDTensor, level: int, name: str) -> int:
   return int(level) % x.num_levels
 
 
-def static_int(value: Any, name: str, minimum: int | None = None) -> int:
-  """A static (Python or NumPy) int argument, at least `minimum`."""
+INT32 = np.iinfo(np.int32)
+
+
+def static_int(
+  value: Any, name: str, minimum: int | None = None, *, device: bool = True
+) -> int:
+  """A static (Python or NumPy) int argument, at least `minimum`.
+
+  Static ints become device shapes, indices and int32 constants, so they
+  must fit int32: a larger one raises `ValueError` naming `name` (JAX's
+  own error names neither the argument nor the op). `device=False` is for
+  an int only compared on the host (with int64 data), which keeps its
+  range.
+  """
   if isinstance(value, bool) or not isinstance(value, int | np.integer):
     raise TypeError(f"Expected `{name}` to be a static int, got {value!r}.")
   if minimum is not None and value < minimum:
     raise ValueError(f"Expected `{name}` >= {minimum}, got {value}.")
+  low = INT32.min if minimum is None else max(minimum, INT32.min)
+  if device and not low <= value <= INT32.max:
+    raise ValueError(
+      f"Expected `{name}` in [{low}, {INT32.max}] (it becomes an int32 shape or "
+      f"index on the device), got {value}."
+    )
   return int(value)
 
 
 def index_scalar(value: Any, name: str) -> Any:
   """An integer scalar: a static int, or an integer 0-d array (concrete or
-  traced), returned as it is."""
+  traced), returned as it is; a host one must fit int32 (`static_int`,
+  `check_fits_device`)."""
   if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+    static_int(value, name)
     return value
   if (
     isinstance(value, np.ndarray | jax.Array)
     and value.ndim == 0
     and is_integer_dtype(value.dtype)
   ):
+    check_fits_device(value, name)
     return value
   raise TypeError(
     f"Expected `{name}` to be an int or an integer scalar array, got {_got(value)}."
@@ -977,9 +1010,75 @@ def per_sequence(
   )
 
 
+def fill_value(
+  value: Any, dtype: Any, name: str, expected: str = "a scalar or an array"
+) -> jax.Array:
+  """A fill value (`pad_value`) as an array of `dtype`, the dtype of the data
+  it fills (as JAX stores it).
+
+  Integer and bool data must hold a concrete value exactly: a cast would
+  truncate a fraction, turn NaN into 0, wrap a value out of range or make a
+  negative one large for an unsigned dtype. A host value is cast on the
+  host, so an int beyond int32 fills uint32 or float data exactly. Fills
+  of float data are not checked (NaN and infinities are fills there). A
+  traced value cannot be read: for integer data its dtype must be integer.
+
+  Raises:
+    TypeError: for a value that is not a number or an array of numbers
+      (`expected` describes one), or a traced float for integer data.
+    ValueError: naming `name`, `dtype` and the first value that does not fit.
+  """
+  dtype = jax.dtypes.canonicalize_dtype(dtype)
+  if not (isinstance(value, jax.Array) or _holds_tracers(value)):
+    value = _host_array(value, name, expected)
+  exact = dtype == np.bool_ or is_integer_dtype(dtype)
+  if exact and is_concrete(value) and not _holds_tracers(value):
+    _check_exact(np.asarray(value), dtype, name)
+  elif exact and not _is_int_or_bool(jnp.result_type(value)):
+    raise TypeError(
+      f"Expected `{name}` to have an integer dtype under jit (the values' dtype "
+      f"is {dtype.name}; a traced value cannot be checked), got "
+      f"{jnp.result_type(value).name}."
+    )
+  if isinstance(value, np.ndarray):
+    with np.errstate(over="ignore"):  # float data: a huge fill becomes inf
+      return jnp.asarray(value.astype(dtype))
+  return jnp.asarray(value).astype(dtype)
+
+
+def _is_int_or_bool(dtype: Any) -> bool:
+  return is_integer_dtype(dtype) or jnp.dtype(dtype) == np.bool_
+
+
+def _check_exact(array: np.ndarray, dtype: np.dtype, name: str) -> None:
+  """Every item of `array` is exact in the integer (or bool) `dtype`."""
+  is_bool = dtype == np.bool_
+  info = None if is_bool else jnp.iinfo(dtype)
+  low, high = (0, 1) if info is None else (int(info.min), int(info.max))
+  if is_integer_dtype(array.dtype) or array.dtype == np.bool_:
+    bad = (array < low) | (array > high)
+  else:
+    with np.errstate(invalid="ignore"):
+      imag = np.imag(array) != 0
+      real = np.real(array)
+      # `high + 1` is a power of two: exact in float64, unlike `high`.
+      bad = imag | ~np.isfinite(real) | (real != np.round(real)) | (real < low)
+      bad |= real >= high + 1
+  hits = np.flatnonzero(bad)
+  if hits.size:
+    where = np.unravel_index(int(hits[0]), array.shape)
+    at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
+    kind = "0, 1 or a bool" if is_bool else f"an integer in [{low}, {high}]"
+    raise ValueError(
+      f"Expected `{name}` to be {kind} (exactly representable in the values' "
+      f"dtype {dtype.name}), got {array[where].item()}{at}."
+    )
+
+
 def check_pad_value(pad_value: jax.typing.ArrayLike, x: LoDTensor) -> jax.Array:
-  """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype."""
-  pad = as_array(pad_value, "pad_value", "a scalar or an array").astype(x.values.dtype)
+  """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype
+  (`fill_value`: an integer dtype holds it exactly)."""
+  pad = fill_value(pad_value, x.values.dtype, "pad_value")
   try:
     return jnp.broadcast_to(pad, x.feature_shape)
   except ValueError:
@@ -1097,10 +1196,15 @@ def _shape_str(x: Any) -> str:
 
 
 def check_leaves(tree: Any, name: str) -> None:
-  """Every leaf of `tree` is an array or a number (`host_numbers`)."""
-  for leaf in jax.tree.leaves(tree):
+  """Every leaf of `tree` is an array or a number (`host_numbers`), and its
+  host integers fit the dtype JAX stores them in (`check_fits_device`; the
+  message names the leaf, e.g. ``memory['h']``)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not hasattr(leaf, "shape"):
       host_numbers(leaf, name)
+    elif not is_integer_dtype(getattr(leaf, "dtype", np.float32)):
+      continue  # only integers wrap; other arrays pass as they are
+    check_fits_device(leaf, name + jax.tree_util.keystr(path))
 
 
 def check_rows(tree: Any, count: int, name: str) -> None:
@@ -1383,8 +1487,8 @@ def ladder_sizes(ladder: Any, count_capacity: int | None = None) -> list[int]:
   for i, size in enumerate(sizes):
     if isinstance(size, bool | np.bool_) or not isinstance(size, int | np.integer):
       raise ValueError(f"Expected `ladder[{i}]` to be an int, got {size!r}.")
-    if count_capacity is None and size < 1:
-      raise ValueError(f"Expected `ladder[{i}]` >= 1, got {size}.")
+    if count_capacity is None:
+      static_int(size, f"ladder[{i}]", minimum=1)
     if count_capacity is not None and not 1 <= size <= count_capacity:
       raise ValueError(
         f"Expected `ladder[{i}]` in [1, {count_capacity}] (the count capacity), "

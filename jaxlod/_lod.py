@@ -533,6 +533,7 @@ class LoDTensor:
       ([[2, 0, 3]], True)
     """
     padded = host_numbers(padded, "padded")
+    check_fits_device(padded, "padded")
     if padded.ndim < 2:
       raise ValueError(
         f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "
@@ -792,6 +793,7 @@ class LoDTensor:
     """The same LoD over new rows ``[token_capacity, *new_features]``."""
     if not _is_array(values):
       values = as_array(values, "values")
+    check_fits_device(values, "values")
     if jnp.ndim(values) == 0 or jnp.shape(values)[0] != self.capacity.tokens:
       raise ValueError(
         f"Expected `values` to have leading dimension {self.capacity.tokens} "

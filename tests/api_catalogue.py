@@ -122,7 +122,6 @@ FLOAT = ("float", lambda: 1.5)
 NEGATIVE = ("negative", lambda: -1)
 ZERO = ("zero", lambda: 0)
 INT = ("int", lambda: 5)
-HUGE = ("over_int32", lambda: 2**31)
 NAN = ("nan", lambda: float("nan"))
 BOOLS = ("bool_array", lambda: np.array([True, False]))
 STRINGS = ("strings", lambda: ["a", "b"])
@@ -136,7 +135,37 @@ UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
 RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
 
-Bad = tuple[str, Callable[[], Any]]
+# Beyond int32: JAX stores host int64 as int32 with x64 off, and 2**32 + 5
+# would silently become 5; a static int this large cannot be a device shape.
+WIDE = 2**32 + 5
+BEYOND_INT32 = ("beyond_int32", lambda: 2**31)
+BELOW_INT32 = ("below_int32", lambda: -(2**31) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FromValid:
+  """A wrong value made from the argument's valid one (same structure and
+  shapes, so that only the values are wrong); the error must also match
+  `match`."""
+
+  make: Callable[[Any], Any]
+  match: str
+
+
+def _widened(valid: Any) -> Any:
+  """`valid` as int64 with its first item `WIDE` (a LoDTensor: its values)."""
+
+  def widen(leaf: Any) -> np.ndarray:
+    array = np.array(leaf.values if isinstance(leaf, LoDTensor) else leaf, np.int64)
+    array.reshape(-1)[:1] = WIDE
+    return array
+
+  return jax.tree.map(widen, valid, is_leaf=lambda a: isinstance(a, LoDTensor))
+
+
+WIDENED = ("beyond_int32", FromValid(_widened, str(WIDE)))
+
+Bad = tuple[str, Callable[[], Any] | FromValid]
 
 BAD: dict[str, list[Bad]] = {
   # A LoDTensor.
@@ -144,15 +173,17 @@ BAD: dict[str, list[Bad]] = {
   # A list of LoDTensors.
   "lods": [STR, NONE, OBJECT, INT, EMPTY, ("arrays", lambda: [np.zeros(3)])],
   # A numeric array.
-  "array": [STR, NONE, OBJECT, STRINGS, A_LOD, RAGGED],
+  "array": [STR, NONE, OBJECT, STRINGS, A_LOD, RAGGED, WIDENED],
   # An array or a LoDTensor.
-  "array_or_lod": [STR, NONE, OBJECT, STRINGS],
+  "array_or_lod": [STR, NONE, OBJECT, STRINGS, WIDENED],
   # A 2-D array, e.g. scores [b, source_capacity] or a query [b, hidden].
-  "matrix": [STR, NONE, OBJECT, STRINGS, A_LOD, VECTOR],
+  "matrix": [STR, NONE, OBJECT, STRINGS, A_LOD, VECTOR, WIDENED],
   # Integers of any shape.
-  "int_values": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD],
+  "int_values": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, WIDENED],
   # A 1-D integer array (lengths, ids, offsets, limits).
-  "ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3],
+  "ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3, WIDENED],
+  # The same, read on the host only (segment ids, sample lengths): int64 stays.
+  "host_ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3],
   # A static int of any sign.
   "int": [STR, NONE, OBJECT, FLOAT, VECTOR],
   "mapping": [STR, NONE, OBJECT, INT],
@@ -160,11 +191,16 @@ BAD: dict[str, list[Bad]] = {
   # A static int >= 0 or >= 1.
   "int>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR],
   "int>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR],
+  # Static ints that become device shapes, indices or int32 constants: they
+  # must fit int32 too.
+  "index": [STR, NONE, OBJECT, FLOAT, VECTOR, BEYOND_INT32, BELOW_INT32],
+  "size>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR, BEYOND_INT32],
+  "size>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR, BEYOND_INT32],
   # One int for every LoD level, or one per level.
-  "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE, HUGE],
+  "per_level": [STR, NONE, OBJECT, FLOAT, NEGATIVE, BEYOND_INT32],
   # A capacity (or a parameter that is one): int32, as offsets and lengths.
-  "capacity>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR, HUGE],
-  "capacity>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR, HUGE],
+  "capacity>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR, BEYOND_INT32],
+  "capacity>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR, BEYOND_INT32],
   # A LoD level index (the valid ones of one level: -1 and 0).
   "level": [STR, NONE, OBJECT, FLOAT, ("out_of_range", lambda: 7)],
   # Static floats with a domain.
@@ -182,14 +218,21 @@ BAD: dict[str, list[Bad]] = {
   "callables": [STR, NONE, OBJECT, INT, EMPTY, ("strings", lambda: ["a"])],
   "module": [STR, NONE, OBJECT, INT],
   # Ladders of batch sizes, and bucket boundaries.
-  "ladder": [STR, OBJECT, INT, ("floats", lambda: [1.5]), ("zero", lambda: [0])],
+  "ladder": [
+    STR,
+    OBJECT,
+    INT,
+    ("floats", lambda: [1.5]),
+    ("zero", lambda: [0]),
+    ("beyond_int32", lambda: [2**31]),
+  ],
   "boundaries": [
     STR,
     NONE,
     OBJECT,
     INT,
     ("floats", lambda: [1.5]),
-    ("over_int32", lambda: [4, 2**31]),
+    ("beyond_int32", lambda: [4, 2**31]),
   ],
   # One sequence of ints per LoD level.
   "levels": [
@@ -215,9 +258,21 @@ BAD: dict[str, list[Bad]] = {
   ],
   # A pad value: a scalar or an array that broadcasts to the features.
   "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
+  # A pad value for integer rows: the values' dtype must hold it exactly.
+  "int_pad_value": [
+    STR,
+    NONE,
+    OBJECT,
+    A_LOD,
+    ("fraction", lambda: 2.5),
+    NAN,
+    ("inf", lambda: float("inf")),
+    ("beyond_int32", lambda: WIDE),
+    ("beyond_int32_array", lambda: np.int64(2**40)),
+  ],
   "buckets": [STR, OBJECT, INT],
   # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.
-  "capacity": [STR, OBJECT, FLOAT, NEGATIVE],
+  "capacity": [STR, OBJECT, FLOAT, NEGATIVE, BEYOND_INT32],
   "table": [STR, NONE, OBJECT, A_LOD],
   "settings": [STR, NONE, OBJECT, ("dict", lambda: {"bos_id": 0})],
   # A `jaxlod.ops.Memory`.
@@ -230,9 +285,9 @@ BAD: dict[str, list[Bad]] = {
   # of arrays (`beam_search`'s carry, whose first leaf sets the count; the
   # layers' `initial_carry`, whose leading dimensions `dynamic_rnn` checks as
   # its `init_carry`); of any arrays; of stacked shards (a sharded batch).
-  "rows": [STR, OBJECT, SHORT],
-  "carry": [STR, OBJECT],
-  "tree": [STR, OBJECT],
+  "rows": [STR, OBJECT, SHORT, WIDENED],
+  "carry": [STR, OBJECT, WIDENED],
+  "tree": [STR, OBJECT, WIDENED],
   "stacked": [STR, OBJECT, ("scalar", lambda: np.float32(1.0))],
   "examples": [
     STR,
@@ -264,6 +319,8 @@ def arg(valid: Any, kind: str, *, none_ok: bool = False) -> Arg:
   such as dtypes, are values). `none_ok`: `None` is valid too."""
   thunk = valid if callable(valid) and not isinstance(valid, type) else lambda: valid
   bad = [b for b in BAD[kind] if not (none_ok and b is NONE)]
+  if valid is None:  # nothing to make a wrong value from
+    bad = [b for b in bad if not isinstance(b[1], FromValid)]
   return Arg(thunk, tuple(bad))
 
 

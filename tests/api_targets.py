@@ -114,7 +114,7 @@ target(
   {
     "padded": arg(lambda: np.zeros((2, 3, 2)), "array"),
     "lengths": arg(lambda: np.array([3, 1]), "ints"),
-    "num_sequences": arg(None, "int>=0", none_ok=True),
+    "num_sequences": arg(None, "size>=0", none_ok=True),
     "buckets": arg(None, "buckets", none_ok=True),
   },
 )
@@ -132,8 +132,8 @@ target(
   LoDTensor.from_segment_ids,
   {
     "values": arg(lambda: np.zeros((3, 2)), "array"),
-    "segment_ids": arg(lambda: np.array([1, 1, 2]), "ints"),
-    "positions": arg(None, "ints", none_ok=True),
+    "segment_ids": arg(lambda: np.array([1, 1, 2]), "host_ints"),
+    "positions": arg(None, "host_ints", none_ok=True),
     "padding_id": arg(0, "int", none_ok=True),
     "buckets": arg(None, "buckets", none_ok=True),
   },
@@ -172,9 +172,19 @@ target(
   LoDTensor.to_padded,
   {
     "pad_value": arg(0.0, "pad_value"),
-    "time_capacity": arg(None, "int>=0", none_ok=True),
+    "time_capacity": arg(None, "size>=0", none_ok=True),
   },
   call=method(lod, "to_padded"),
+)
+# The pad values of integer rows (`ids`): the rows' dtype must hold them.
+_INT_PAD = {"pad_value": arg(0, "int_pad_value")}
+_CHECKED_ABOVE = "checked in the target above, with float rows"
+target(
+  "LoDTensor.to_padded[int]",
+  LoDTensor.to_padded,
+  {**_INT_PAD, "time_capacity": keep(None)},
+  call=method(ids, "to_padded"),
+  unchecked={"time_capacity": _CHECKED_ABOVE},
 )
 
 # jaxlod.ops: rank tables and array ops -----------------------------------------------
@@ -192,16 +202,16 @@ target(
   "ops.default_ladder",
   ops.default_ladder,
   {
-    "count_capacity": arg(8, "int>=0"),
+    "count_capacity": arg(8, "size>=0"),
     "ratio": arg(1.25, "ratio>1"),
-    "minimum": arg(4, "int>=1"),
-    "multiple": arg(4, "int>=1"),
+    "minimum": arg(4, "size>=1"),
+    "multiple": arg(4, "size>=1"),
   },
 )
 target(
   "ops.normalize_ladder",
   ops.normalize_ladder,
-  {"count_capacity": arg(8, "int>=0"), "ladder": arg([4], "ladder", none_ok=True)},
+  {"count_capacity": arg(8, "size>=0"), "ladder": arg([4], "ladder", none_ok=True)},
 )
 target(
   "ops.lod_to_array",
@@ -232,8 +242,8 @@ target(
   {
     "memory": arg(lambda: np.zeros((2, 3)), "rows"),
     "table": arg(table, "table"),
-    "step": arg(0, "int>=0"),
-    "size": arg(2, "int>=0"),
+    "step": arg(0, "size>=0"),
+    "size": arg(2, "size>=0"),
   },
 )
 
@@ -252,13 +262,25 @@ target(
   },
 )
 target(
+  "ops.sequence_pool[int]",
+  ops.sequence_pool,
+  {"x": keep(ids), "pool_type": keep("first"), **_INT_PAD},
+  unchecked={"x": _CHECKED_ABOVE, "pool_type": _CHECKED_ABOVE},
+)
+target(
   "ops.sequence_pad",
   ops.sequence_pad,
   {
     "x": arg(lod, "lod"),
     "pad_value": arg(0.0, "pad_value"),
-    "maxlen": arg(None, "int>=0", none_ok=True),
+    "maxlen": arg(None, "size>=0", none_ok=True),
   },
+)
+target(
+  "ops.sequence_pad[int]",
+  ops.sequence_pad,
+  {"x": keep(ids), **_INT_PAD, "maxlen": keep(None)},
+  unchecked={"x": _CHECKED_ABOVE, "maxlen": _CHECKED_ABOVE},
 )
 target(
   "ops.sequence_unpad",
@@ -266,7 +288,7 @@ target(
   {
     "padded": arg(lambda: np.zeros((2, 3, 2)), "array"),
     "lengths": arg(lambda: np.array([3, 1]), "ints"),
-    "num_sequences": arg(None, "int>=0", none_ok=True),
+    "num_sequences": arg(None, "size>=0", none_ok=True),
     "capacity": arg(None, "capacity", none_ok=True),
   },
 )
@@ -275,7 +297,7 @@ target(
   ops.sequence_mask,
   {
     "lengths": arg(lambda: np.array([3, 1]), "int_values"),
-    "maxlen": arg(None, "int>=0", none_ok=True),
+    "maxlen": arg(None, "size>=0", none_ok=True),
     "dtype": arg(jnp.bool_, "dtype"),
   },
 )
@@ -293,9 +315,9 @@ target(
   {
     "x": arg(lod, "lod"),
     "filter": arg(lambda: np.ones((6, 3), np.float32), "array"),
-    "context_start": arg(None, "int", none_ok=True),
-    "context_length": arg(3, "int>=1"),
-    "context_stride": arg(1, "int>=1"),
+    "context_start": arg(None, "index", none_ok=True),
+    "context_length": arg(3, "size>=1"),
+    "context_stride": arg(1, "size>=1"),
     "bias": arg(None, "array", none_ok=True),
   },
 )
@@ -313,8 +335,8 @@ target(
   ops.sequence_enumerate,
   {
     "x": arg(ids, "lod"),
-    "win_size": arg(2, "int>=1"),
-    "pad_value": arg(0, "pad_value"),
+    "win_size": arg(2, "size>=1"),
+    "pad_value": arg(0, "int_pad_value"),
     "capacity": arg(None, "capacity", none_ok=True),
   },
 )
@@ -358,7 +380,7 @@ target(
 target(
   "ops.sequence_reshape",
   ops.sequence_reshape,
-  {"x": arg(lod, "lod"), "new_dim": arg(1, "int>=1")},
+  {"x": arg(lod, "lod"), "new_dim": arg(1, "size>=1")},
 )
 target(
   "ops.sequence_scatter",
@@ -400,12 +422,12 @@ target(
   "ops.DecodeSettings",
   ops.DecodeSettings,
   {
-    "bos_id": arg(0, "int>=0"),
-    "eos_id": arg(1, "int>=0"),
-    "max_length": arg(3, "int>=1"),
-    "beam_size": arg(2, "int>=1"),
+    "bos_id": arg(0, "size>=0"),
+    "eos_id": arg(1, "size>=0"),
+    "max_length": arg(3, "size>=1"),
+    "beam_size": arg(2, "size>=1"),
     "length_penalty": arg(0.6, "float>=0"),
-    "num_results": arg(None, "int>=1", none_ok=True),
+    "num_results": arg(None, "size>=1", none_ok=True),
     "ladder": arg(None, "ladder", none_ok=True),
   },
 )
@@ -418,7 +440,7 @@ target(
     "settings": arg(SETTINGS, "settings"),
     "static_inputs": arg(None, "rows", none_ok=True),
     "max_lengths": arg(None, "ints", none_ok=True),
-    "num_sources": arg(None, "int>=0", none_ok=True),
+    "num_sources": arg(None, "size>=0", none_ok=True),
   },
 )
 target(
@@ -556,7 +578,7 @@ target(
   "data.plan_capacities",
   data.plan_capacities,
   {
-    "lengths": arg(lambda: np.array([3, 1, 2]), "ints"),
+    "lengths": arg(lambda: np.array([3, 1, 2]), "host_ints"),
     "token_budget": arg(8, "int>=0"),
     "batch_size": arg(None, "int>=0", none_ok=True),
     "ratios": arg((1.25,), "floats"),

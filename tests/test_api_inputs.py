@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests import api_layer_targets, api_targets
-from tests.api_catalogue import Target
+from tests.api_catalogue import FromValid, Target
 from tests.helpers import PUBLIC_MODULES
 
 TARGETS = api_targets.TARGETS + api_layer_targets.TARGETS
@@ -112,13 +112,18 @@ def _valid(t: Target) -> dict[str, Any]:
 @pytest.mark.parametrize(("t", "name", "bad"), list(_cases()))
 def test_a_wrong_input_raises_naming_the_argument(t, name, bad):
   kwargs = _valid(t)
-  kwargs[name] = bad()
+  from_valid = isinstance(bad, FromValid)
+  kwargs[name] = bad.make(kwargs[name]) if from_valid else bad()
   with pytest.raises((TypeError, ValueError)) as info:
     t.call(**kwargs)
   argument = name.split()[0]  # "reverse (call)" -> "reverse"
   assert re.search(_names(argument), str(info.value)), (
     f"{t.name}({argument}=...) raised {type(info.value).__name__}: {info.value}"
   )
+  if from_valid:
+    assert re.search(bad.match, str(info.value)), (
+      f"{t.name}({argument}=...) raised {type(info.value).__name__}: {info.value}"
+    )
 
 
 # Decoding compiles its loops (seconds a call); these valid calls run in

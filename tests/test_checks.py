@@ -4,10 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax import export
 from jax.experimental import checkify
 
-from jaxlod import Buckets, Capacity, LoDTensor, _checks, unchecked
+from jaxlod import Buckets, Capacity, LoDTensor, _checks, ops, unchecked
 from jaxlod.ops import rank_table
 
 
@@ -79,6 +81,90 @@ def test_static_int():
     _checks.static_int(jnp.int32(3), "n")
   with pytest.raises(ValueError, match="`n` >= 1, got 0"):
     _checks.static_int(0, "n", minimum=1)
+
+
+@given(st.integers(-(2**70), 2**70), st.sampled_from([None, 0, 1]))
+def test_static_ints_fit_int32(value, minimum):
+  """Static ints become int32 shapes and indices: they fit int32 or raise."""
+  low = -(2**31) if minimum is None else minimum
+  if low <= value < 2**31:
+    assert _checks.static_int(value, "n", minimum=minimum) == value
+  elif value < low and minimum is not None:
+    with pytest.raises(ValueError, match=rf"`n` >= {minimum}, got {value}\."):
+      _checks.static_int(value, "n", minimum=minimum)
+  else:
+    with pytest.raises(
+      ValueError,
+      match=rf"`n` in \[{low}, 2147483647\] \(it becomes an int32 shape or index "
+      rf"on the device\), got {value}\.",
+    ):
+      _checks.static_int(value, "n", minimum=minimum)
+
+
+@pytest.mark.parametrize(
+  "capacity, what",
+  [
+    (Buckets.fixed(tokens=2**31, sequences=4, time=4), "token capacity 2147483648"),
+    (
+      Buckets.fixed(tokens=8, sequences=2**31, time=4),
+      "level-0 count capacity 2147483648",
+    ),
+  ],
+)
+def test_output_capacities_beyond_int32_are_refused(capacity, what):
+  ids = LoDTensor.from_lengths(np.array([7, 2, 7, 4, 9], np.int32), [[3, 2]])
+  with pytest.raises(
+    ValueError, match=rf"sequence_erase: the output's {what} does not fit int32"
+  ):
+    ops.sequence_erase(ids, [7], capacity=capacity)
+
+
+def test_an_output_bound_beyond_int32_is_refused():
+  """`capacity=None` takes the bound of the inputs' capacities: 4096 copies of
+  sequences of time capacity 2**20 would need 2**32 rows."""
+  x = LoDTensor.from_lengths(
+    np.ones(2, np.float32),
+    [[2]],
+    buckets=Buckets.fixed(tokens=2, sequences=1, time=2**20),
+  )
+  y = LoDTensor.from_lengths(np.zeros(4096), [[4096]])
+  with pytest.raises(
+    ValueError,
+    match=r"sequence_expand: the output's token capacity 4294967296 does not fit "
+    r"int32 \(the dtype of its shapes and offsets\); pass a smaller `capacity`\.",
+  ):
+    ops.sequence_expand(x, y, 0)
+
+
+def test_host_only_ints_keep_the_int64_range():
+  """Segment ids are read on the host only: int64 ids and padding id stay."""
+  x = LoDTensor.from_segment_ids(
+    np.arange(3.0), np.array([2**40, 2**40, 2**41]), padding_id=2**41
+  )
+  assert x.recursive_lengths() == [[2]]
+
+
+@pytest.mark.parametrize(
+  "call, name",
+  [
+    (lambda x, i: ops.sequence_erase(i, [7], capacity=2**31), "capacity"),
+    (lambda x, i: ops.sequence_expand(np.ones(2), x, capacity=2**31), "capacity"),
+    (lambda x, i: ops.sequence_expand_as(np.ones(2), x, capacity=2**31), "capacity"),
+    (lambda x, i: ops.sequence_concat([x, x], capacity=2**31), "capacity"),
+    (lambda x, i: ops.sequence_enumerate(i, 2, capacity=2**31), "capacity"),
+    (lambda x, i: ops.sequence_reshape(x, 2**31), "new_dim"),
+    (lambda x, i: x.to_padded(time_capacity=2**31), "time_capacity"),
+    (lambda x, i: ops.sequence_pad(x, 0.0, maxlen=2**31), "maxlen"),
+    (lambda x, i: ops.shrink_memory(np.ones(2), ops.rank_table(x), 2**31, 1), "step"),
+    (lambda x, i: ops.default_ladder(8, minimum=2**31), "minimum"),
+    (lambda x, i: ops.rank_table(x, ladder=[2**31]), "ladder\\[0\\]"),
+  ],
+)
+def test_static_ints_beyond_int32_name_the_argument(call, name):
+  x = LoDTensor.from_lengths(np.ones((4, 2), np.float32), [[3, 1]])
+  ids = LoDTensor.from_lengths(np.array([7, 2, 7, 4, 9], np.int32), [[3, 2]])
+  with pytest.raises(ValueError, match=rf"`{name}` .*2147483648"):
+    call(x, ids)
 
 
 def test_require_each_names_the_first_bad_item():

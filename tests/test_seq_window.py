@@ -275,12 +275,39 @@ def _conv_x(dtype=np.float32, shape=(4, 2)):
       TypeError,
       r"Expected `context_start` to be a static int, got",
     ),
+    (
+      {"context_start": -(2**31) - 1},
+      ValueError,
+      r"Expected `context_start` in \[-2147483648, 2147483647\] \(it becomes an "
+      r"int32 shape or index on the device\), got -2147483649\.",
+    ),
+    (
+      {"context_stride": 2**31},
+      ValueError,
+      r"Expected `context_stride` in \[1, 2147483647\] .*, got 2147483648\.",
+    ),
   ],
 )
 def test_conv_errors(kwargs, error, match):
   args = {"x": _conv_x(), "filter": np.zeros((6, 3), np.float32), **kwargs}
   with pytest.raises(error, match=match):
     sequence_conv(**args)
+
+
+@pytest.mark.parametrize(
+  "start, stride",
+  [(-(2**31), 1), (2**31 - 1, 1), (2**31 - 3, 1), (-1, 2**31 - 1), (None, 2**30)],
+)
+def test_conv_shifts_past_every_row_are_zero_windows(start, stride):
+  """Shifts of int32 size leave every sequence: zero windows, computed without
+  padding billions of rows or wrapping int32."""
+  x = LoDTensor.from_lengths(np.arange(8.0).reshape(4, 2), [[3, 1]])
+  filter = np.arange(12.0).reshape(6, 2) / 10
+  out = sequence_conv(
+    x, filter.astype(np.float32), context_start=start, context_stride=stride
+  )
+  expected = conv_reference(x, filter, 0.0, start, 3, stride)
+  np.testing.assert_allclose(out.values, expected, rtol=1e-5, atol=1e-6)
 
 
 # -- sequence_enumerate -------------------------------------------------------------
@@ -410,8 +437,9 @@ def test_enumerate_capacity_overflow():
     (
       _ids(),
       (2, 0.5),
-      TypeError,
-      r"Expected `pad_value` to have an integer dtype, got float",
+      ValueError,
+      r"Expected `pad_value` to be an integer in \[-2147483648, 2147483647\] "
+      r"\(exactly representable in the values' dtype int32\), got 0\.5\.",
     ),
     (
       _ids(),

@@ -73,7 +73,8 @@ def sequence_pad(
   Args:
     x: a LoDTensor with ``values [token_capacity, *features]``.
     pad_value: the value of cells past each sequence's end: a scalar or an
-      array that broadcasts to ``[*features]``.
+      array that broadcasts to ``[*features]``. Integer (and bool) values
+      must hold it exactly.
     maxlen: the static length of the time axis; `None` means `x`'s last time
       capacity (Paddle's default, the longest sequence, depends on data).
       A `maxlen` below the longest sequence is an error: eagerly a
@@ -88,7 +89,8 @@ def sequence_pad(
 
   Raises:
     TypeError: if `x` is not a LoDTensor or `maxlen` is not a static int.
-    ValueError: for a `pad_value` of the wrong shape, or (eagerly) a
+    ValueError: for a `pad_value` of the wrong shape, one that integer
+      values cannot hold (a fraction, NaN, out of range), or (eagerly) a
       sequence longer than `maxlen`.
 
   Example:

@@ -80,7 +80,8 @@ def sequence_pool(
     pool_type: ``"sum"``, ``"average"``, ``"sqrt"``, ``"max"``, ``"min"``,
       ``"first"`` or ``"last"``; case-insensitive.
     pad_value: the row of empty sequences: a scalar or an array that
-      broadcasts to ``[*features]``.
+      broadcasts to ``[*features]``. Integer (and bool) values must hold it
+      exactly.
 
   Returns:
     For a one-level `x`, an array ``[count_capacity, *features]``, one row
@@ -92,8 +93,9 @@ def sequence_pool(
   Raises:
     TypeError: if `x` is not a LoDTensor, `pool_type` is not a str, or the
       pool type needs float values.
-    ValueError: for an unknown `pool_type` or a `pad_value` of the wrong
-      shape.
+    ValueError: for an unknown `pool_type`, a `pad_value` of the wrong
+      shape, or one that integer values cannot hold (a fraction, NaN, out of
+      range).
 
   Example:
     >>> import numpy as np

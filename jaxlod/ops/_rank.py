@@ -48,6 +48,7 @@ def default_ladder(
   for name, value in (("minimum", minimum), ("multiple", multiple)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"Expected `{name}` to be an int >= 1, got {value!r}.")
+    static_int(value, name, minimum=1)  # a device shape: it must fit int32
   sizes = [int(count_capacity)]
   while sizes[-1] > minimum:
     size = -(-math.ceil(sizes[-1] / ratio) // multiple) * multiple

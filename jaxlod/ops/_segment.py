@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import check_fits, is_concrete
+from jaxlod._checks import INT32, check_fits, is_concrete, static_int
 from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, owners
 
 # -- rows and their sequences -------------------------------------------------------
@@ -104,14 +104,29 @@ def output_capacity(
   elif isinstance(capacity, int | np.integer) and not isinstance(capacity, bool):
     if capacity < 0:
       raise ValueError(f"{where}: expected `capacity` >= 0, got {capacity}.")
-    chosen = bound._replace(tokens=int(capacity))
+    chosen = bound._replace(tokens=static_int(capacity, "capacity", minimum=0))
   else:
     raise TypeError(
       f"{where}: expected `capacity` to be None, an int or a Buckets policy, got "
       f"{capacity!r}."
     )
+  _check_int32(chosen, where)
   check_fits(real, chosen, where)
   return chosen
+
+
+def _check_int32(capacity: Capacity, where: str) -> None:
+  """Every size of an output capacity fits int32, the dtype of device shapes
+  and offsets (a `Buckets` policy or the bound of large inputs may not)."""
+  sizes = [("token", capacity.tokens)]
+  sizes += [(f"level-{i} count", n) for i, n in enumerate(capacity.sequences)]
+  sizes += [(f"level-{i} time", n) for i, n in enumerate(capacity.time)]
+  for what, size in sizes:
+    if size > INT32.max:
+      raise ValueError(
+        f"{where}: the output's {what} capacity {size} does not fit int32 (the "
+        f"dtype of its shapes and offsets); pass a smaller `capacity`."
+      )
 
 
 def _bucketed(policy: Buckets, bound: Capacity, real: Capacity) -> Capacity:

@@ -39,6 +39,10 @@ def _windows(x: LoDTensor, shifts: Sequence[int]) -> tuple[jax.Array, jax.Array]
     `inside` is True where row ``r + s`` is in the same sequence as row ``r``
     and ``r`` is a real row. Windows outside are not masked here.
   """
+  # A shift of the token capacity or more leaves every row: clamped, it stays
+  # outside, fits int32 and pads no more than `tokens` rows.
+  tokens = x.capacity.tokens
+  shifts = [min(max(s, -tokens), tokens) for s in shifts]
   layout = _segment.rows(x)
   offsets = x.offsets[-1]
   length = jnp.take(offsets, layout.segment + 1, mode="clip") - jnp.take(
@@ -159,7 +163,8 @@ def sequence_enumerate(
     x: a LoDTensor of integer ids, ``values [token_capacity]`` or
       ``[token_capacity, 1]``, over its last level (upper levels are kept).
     win_size: static window size, >= 1.
-    pad_value: integer scalar for window slots past a sequence's end.
+    pad_value: integer scalar for window slots past a sequence's end; the
+      ids' dtype must hold it exactly.
     capacity: static capacity of the output: `None` keeps `x`'s capacities,
       an int sets the token capacity, a `Buckets` policy maps the real sizes
       eagerly (under `jit`: its fixed sizes, or `x`'s capacities rounded by
@@ -173,10 +178,11 @@ def sequence_enumerate(
     `x`'s dtype; padding rows are zero.
 
   Raises:
-    TypeError: for a non-LoDTensor `x`, float ids or pad value, or a non-int
-      `win_size`.
-    ValueError: for ids of the wrong shape, `win_size` below 1, or an output
-      larger than `capacity`.
+    TypeError: for a non-LoDTensor `x`, float ids, a traced float pad
+      value, or a non-int `win_size`.
+    ValueError: for ids of the wrong shape, `win_size` below 1, a pad value
+      the ids' dtype does not hold (a fraction, NaN, out of range), or an
+      output larger than `capacity`.
 
   Example:
     >>> import numpy as np
@@ -189,10 +195,9 @@ def sequence_enumerate(
   x = _checks.check_lod(x, "x")
   _check_ids(x.values, "x.values")
   win_size = _checks.static_int(win_size, "win_size", minimum=1)
-  pad = _checks.as_array(pad_value, "pad_value", "a scalar")
+  pad = _checks.fill_value(pad_value, x.values.dtype, "pad_value", "a scalar")
   if pad.ndim != 0:
     raise ValueError(f"Expected `pad_value` to be a scalar, got shape {pad.shape}.")
-  _checks.check_integer(pad.dtype, "pad_value")
   ids = x.with_values(x.values.reshape(x.values.shape[0]))
   windows, inside = _windows(ids, list(range(win_size)))
   pad = pad.astype(windows.dtype)
