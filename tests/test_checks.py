@@ -101,24 +101,6 @@ def test_static_ints_fit_int32(value, minimum):
       _checks.static_int(value, "n", minimum=minimum)
 
 
-@pytest.mark.parametrize(
-  "capacity, what",
-  [
-    (Buckets.fixed(tokens=2**31, sequences=4, time=4), "token capacity 2147483648"),
-    (
-      Buckets.fixed(tokens=8, sequences=2**31, time=4),
-      "level-0 count capacity 2147483648",
-    ),
-  ],
-)
-def test_output_capacities_beyond_int32_are_refused(capacity, what):
-  ids = LoDTensor.from_lengths(np.array([7, 2, 7, 4, 9], np.int32), [[3, 2]])
-  with pytest.raises(
-    ValueError, match=rf"sequence_erase: the output's {what} does not fit int32"
-  ):
-    ops.sequence_erase(ids, [7], capacity=capacity)
-
-
 def test_an_output_bound_beyond_int32_is_refused():
   """`capacity=None` takes the bound of the inputs' capacities: 4096 copies of
   sequences of time capacity 2**20 would need 2**32 rows."""
