@@ -207,7 +207,8 @@ def pack_field(
       f"{name(first)}, `examples[{first}][{f}]`)."
     )
   lengths = np.array([a.shape[0] for a in arrays], np.int64)
-  values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)
+  # Explicit lengths: ``-1`` is ambiguous for zero-width features.
+  values = np.concatenate([a.reshape((a.shape[0], *features)) for a in arrays], axis=0)
   return Field(
     values=values.astype(dtype, copy=False),
     starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),

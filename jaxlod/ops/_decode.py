@@ -397,7 +397,11 @@ def beam_search(
   carry = jax.tree.map(beams, init_carry)
   statics = jax.tree.map(beams, statics)
   step = _checked_step(step_fn, settings.bos_id, eos_id, settings.max_length)
-  flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), (carry, statics))
+  # Explicit sizes: ``-1`` is ambiguous for a zero-size leaf (a source
+  # capacity of 0 gives statics ``[count, k, 0, ...]``).
+  flat = jax.tree.map(
+    lambda a: a.reshape((count * beam_size,) + a.shape[2:]), (carry, statics)
+  )
   probe = jax.eval_shape(
     step, flat[0], jnp.zeros((count * beam_size,), jnp.int32), flat[1]
   )
