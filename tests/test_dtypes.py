@@ -53,7 +53,19 @@ def scatter(x):
   return jo.sequence_scatter(base, index, x)
 
 
+def attention(x, scores):
+  """Attention over `x` as memory from a query of ones (zero rows: padding)."""
+  memory = jo.lod_memory(x)
+  query = jnp.ones((x.capacity.sequences[-1], 3), x.values.dtype)
+  return jnp.concatenate(jo.attend(scores(query, memory), memory), axis=1)
+
+
 OPS = {
+  "cosine_scores": lambda x: jo.cosine_scores(
+    jnp.ones((x.capacity.sequences[-1], 3), x.values.dtype), jo.lod_memory(x)
+  ),
+  "cosine_attention": lambda x: attention(x, jo.cosine_scores),
+  "dot_attention": lambda x: attention(x, jo.dot_scores),
   "pool_sum": lambda x: jo.sequence_pool(x, "sum"),
   "pool_average": lambda x: jo.sequence_pool(x, "average"),
   "pool_sqrt": lambda x: jo.sequence_pool(x, "sqrt"),
