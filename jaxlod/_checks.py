@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 import string
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -1540,6 +1540,28 @@ def check_encoded(memory: Any) -> LoDTensor:
       f"Expected `encoder` to return a LoDTensor, got {type(memory).__name__}."
     )
   return memory
+
+
+def check_rngs(rngs: Any) -> dict[str, jax.Array] | None:
+  """Linen RNG streams: `None` or a dict of stream names to JAX keys (typed,
+  or raw ``uint32 [2]``), as ``flax.linen.Module.apply`` takes them."""
+  if rngs is None:
+    return None
+  if not isinstance(rngs, Mapping):
+    raise TypeError(
+      f"Expected `rngs` to be a dict of stream names to JAX keys (e.g. "
+      f"{{'dropout': jax.random.key(0)}}) or None, got {type(rngs).__name__}."
+    )
+  for name, key in rngs.items():
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == np.uint32 and getattr(key, "shape", None) == (2,)
+    if not isinstance(name, str) or not (typed or raw):
+      raise TypeError(
+        f"Expected `rngs` to map stream names to JAX keys (e.g. {{'dropout': "
+        f"jax.random.key(0)}}), got {name!r}: {type(key).__name__}."
+      )
+  return dict(rngs)
 
 
 def check_vocabs(vocabs: Sequence[int]) -> None:

@@ -361,10 +361,18 @@ target(
 target(
   "nn.ensemble_generate",
   linen.ensemble_generate,
-  {"members": arg(lambda: [(linen_model(), linen_params())], "members"), **GENERATE},
+  {
+    "members": arg(lambda: [(linen_model(), linen_params())], "members"),
+    **GENERATE,
+    "rngs": arg(None, "mapping", none_ok=True),
+  },
 )
 target(
   "nnx.ensemble_generate",
   nnx_layers.ensemble_generate,
-  {"members": arg(lambda: [nnx_model()], "members"), **GENERATE},
+  {
+    "members": arg(lambda: [nnx_model()], "members"),
+    **GENERATE,
+    "rngs": arg(None, "mapping", none_ok=True),
+  },
 )

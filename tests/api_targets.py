@@ -640,5 +640,6 @@ target(
     "settings": arg(MODEL_SETTINGS, "settings"),
     "src_table": arg(None, "table", none_ok=True),
     "max_lengths": arg(None, "ints", none_ok=True),
+    "rngs": arg(None, "mapping", none_ok=True),
   },
 )

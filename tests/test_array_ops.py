@@ -570,6 +570,15 @@ def test_empty_batch_with_padding_capacity(lengths):
   assert_lod_equal(reorder_by_rank(x, rank_table(x, level=0)), x)
 
 
+def test_zero_width_features_round_trip():
+  # `reshape(-1, *features)` of a buffer [time, count, 0] divided by zero.
+  x = LoDTensor.from_lengths(np.zeros((3, 0), np.float32), [[2, 0, 1]])
+  table = rank_table(x)
+  buffer = lod_to_array(x, table)
+  assert buffer.shape == (2, 3, 0)
+  assert_lod_equal(array_to_lod(buffer, table, like=x), x)
+
+
 # -- gradients -----------------------------------------------------------------------
 
 

@@ -267,6 +267,14 @@ def test_field_dtype_ignores_empty_examples():
   assert batch.fields[1].to_list()[2].tolist() == [1, 2]
 
 
+def test_zero_width_fields():
+  # `reshape(-1, *features)` of an example [length, 0] divided by zero.
+  examples = [(np.zeros((2, 0)),), (np.zeros((1, 0)),), (np.zeros(0),)]
+  batch = next(iter(Batcher(examples, SMALL, shuffle=False, prefetch=0).epoch(0)))
+  assert batch.fields[0].values.shape == (SMALL.capacity(0, "tokens"), 0)
+  assert sorted(batch.fields[0].recursive_lengths()[0]) == [0, 1, 2]
+
+
 def test_a_jitted_step_compiles_once():
   @jax.jit
   def step(fields, tables):

@@ -502,6 +502,24 @@ def test_lod_static_inputs_padding_and_empty_sources():
   assert_same([as_lists(out)[1]], as_lists(alone))
 
 
+def zero_time_step(h, tokens, static):
+  bias, memory = static  # memory [b, 0, HIDDEN] or [b, 2, 0]: no cells
+  return step(h, tokens, bias + jnp.sum(memory))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("shape", [(0, HIDDEN), (2, 0), (0,)])
+def test_zero_size_static_inputs_decode_like_none(k, shape):
+  # A source capacity of 0 (every source empty) gives statics [count, 0, ...];
+  # flattening their beams with `reshape(-1, ...)` divided by zero.
+  init, bias = sources(COUNT)
+  memory = jnp.zeros((COUNT, *shape), jnp.float32)
+  settings = beam(k)
+  got = search(zero_time_step, init, settings, static_inputs=(bias, memory))
+  assert_same(as_lists(got), as_lists(search(step, init, settings, bias)))
+  assert got.ids.recursive_lengths()[0] == [settings.results] * COUNT
+
+
 def test_num_sources_marks_padding_rows():
   init, bias = sources(4)
   out = beam_search(step, init, beam(1), static_inputs=bias, num_sources=2)

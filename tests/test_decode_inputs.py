@@ -1,11 +1,15 @@
-"""Decoding never drops a source silently: NaN scores rank last (and fail a
-checkify check), ids outside the vocabulary raise."""
+"""Decoding never drops a source silently: NaN scores and rows of -inf rank
+last (and fail a checkify check), ids outside the vocabulary raise."""
+
+import functools
 
 import flax.linen as nn
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
 from jax.experimental import checkify
 
 from jaxlod import LoDTensor
@@ -88,3 +92,127 @@ def test_target_ids_outside_the_vocabulary_raise():
   tgt = LoDTensor.from_sequences([np.array([0, 9]), np.array([0])])
   with pytest.raises(ValueError, match=r"`tgt_in` in \[0, 9\) .* row 1 holds 9\."):
     model.apply(params, src, tgt)
+
+
+# -- rows of -inf ----------------------------------------------------------------
+
+FLOOR = -1e30  # scores below it are floor scores
+
+
+def bigram_step(carry, tokens, tables):
+  """Source ``s``'s next-token log-probs after `tokens`: ``tables[s, tokens]``."""
+  return carry, jnp.take_along_axis(tables, tokens[:, None, None], axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("search",))
+def bigram_search(tables, search):
+  """`beam_search` of `bigram_step` (tables ``[count, VOCAB, VOCAB]``),
+  checkified."""
+  count = tables.shape[0]
+  return checkify.checkify(beam_search)(
+    bigram_step, jnp.zeros((count, 1)), search, static_inputs=tables
+  )
+
+
+def tables_of(logits, masked):
+  """Normalized bigram tables with the `masked` entries at -inf."""
+  table = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+  return jnp.where(jnp.asarray(masked), -jnp.inf, table)
+
+
+@pytest.mark.parametrize("beam_size", [1, 2, 4])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_source_scored_all_minus_inf_keeps_its_hypotheses(beam_size, jit):
+  def minus_inf(carry, tokens, statics):
+    del statics
+    return carry, jnp.full((tokens.shape[0], VOCAB), -jnp.inf)
+
+  search = DecodeSettings(bos_id=0, eos_id=4, max_length=3, beam_size=beam_size)
+
+  def decode(init):
+    return beam_search(minus_inf, init, search)
+
+  hyps = (jax.jit(decode) if jit else decode)(jnp.zeros((2, 1)))
+  assert hyps.ids.recursive_lengths()[0] == [beam_size, beam_size]
+  assert int(hyps.ids.faults) == 0
+  for scores in hyps.scores.to_list():
+    assert np.all(np.isfinite(scores)) and np.all(scores < FLOOR)
+  err, _ = checkify.checkify(jax.jit(decode))(jnp.zeros((2, 1)))
+  with pytest.raises(
+    checkify.JaxRuntimeError,
+    match=r"log_probs with an entry above -inf for every live hypothesis",
+  ):
+    err.throw()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_sums_of_huge_finite_scores_never_reach_minus_inf(dtype):
+  # Three steps of half the float32 minimum sum past it: -inf, a dead slot.
+  def huge(carry, tokens, statics):
+    del statics
+    low = jnp.finfo(dtype).min / 2
+    return carry, jnp.full((tokens.shape[0], VOCAB), low, dtype)
+
+  def decode(init):
+    return beam_search(huge, init, SETTINGS)
+
+  err, hyps = checkify.checkify(jax.jit(decode))(jnp.zeros((2, 1)))
+  err.throw()  # finite scores: nothing to report
+  assert hyps.ids.recursive_lengths()[0] == [SETTINGS.results] * 2
+  for scores in hyps.scores.to_list():
+    assert np.all(np.isfinite(scores))
+
+
+def test_rows_of_minus_inf_outside_live_hypotheses_pass():
+  """After `eos` (ended slots feed it back) and for padding sources, a row
+  of -inf is no one's continuation: no check fails, nothing changes."""
+  rng = np.random.default_rng(0)
+  tables = tables_of(rng.normal(size=(3, VOCAB, VOCAB)), np.zeros((3, 1, 1), bool))
+  after_eos = tables.at[:, SETTINGS.eos_id].set(-jnp.inf)
+  err, got = bigram_search(after_eos, SETTINGS)
+  err.throw()
+  _, want = bigram_search(tables, SETTINGS)
+  assert got.ids.recursive_lengths() == want.ids.recursive_lengths()
+  np.testing.assert_array_equal(got.scores.values, want.scores.values)
+
+  def padded(tables):
+    return beam_search(
+      bigram_step, jnp.zeros((3, 1)), SETTINGS, static_inputs=tables, num_sources=2
+    )
+
+  err, got = checkify.checkify(jax.jit(padded))(tables.at[2].set(-jnp.inf))
+  err.throw()
+  assert got.ids.recursive_lengths()[0] == [SETTINGS.results] * 2
+
+
+@pytest.mark.parametrize("beam_size", [1, 2, 4])
+@settings(max_examples=15)
+@given(data=st.data())
+def test_no_source_is_left_without_hypotheses(beam_size, data):
+  """Whatever tokens are masked out (-inf), whole rows included: every source
+  gets a hypothesis, every score is finite, and a hypothesis scored above
+  the floor never takes a masked token."""
+  count = 2
+  logits = data.draw(
+    st.lists(st.floats(-4, 4), min_size=count * VOCAB**2, max_size=count * VOCAB**2)
+  )
+  masked = data.draw(
+    st.lists(st.booleans(), min_size=count * VOCAB**2, max_size=count * VOCAB**2)
+  )
+  shape = (count, VOCAB, VOCAB)
+  tables = tables_of(np.reshape(logits, shape), np.reshape(masked, shape))
+  search = DecodeSettings(bos_id=0, eos_id=4, max_length=3, beam_size=beam_size)
+  _, hyps = bigram_search(tables, search)
+  allowed = ~np.reshape(masked, shape)
+  for s, (ids, scores) in enumerate(
+    zip(hyps.ids.to_list(), hyps.scores.to_list(), strict=True)
+  ):
+    assert len(ids) >= 1 and np.all(np.isfinite(scores))
+    assert np.all(np.diff(scores) <= 0)
+    for tokens, score in zip(ids, scores, strict=True):
+      path = [search.bos_id, *tokens.tolist()]
+      if len(tokens) < search.max_length:
+        path.append(search.eos_id)
+      steps = list(zip(path[:-1], path[1:], strict=True))
+      if score > FLOOR:
+        assert all(allowed[s, a, b] for a, b in steps), (s, path, score)

@@ -53,7 +53,19 @@ def scatter(x):
   return jo.sequence_scatter(base, index, x)
 
 
+def attention(x, scores):
+  """Attention over `x` as memory from a query of ones (zero rows: padding)."""
+  memory = jo.lod_memory(x)
+  query = jnp.ones((x.capacity.sequences[-1], 3), x.values.dtype)
+  return jnp.concatenate(jo.attend(scores(query, memory), memory), axis=1)
+
+
 OPS = {
+  "cosine_scores": lambda x: jo.cosine_scores(
+    jnp.ones((x.capacity.sequences[-1], 3), x.values.dtype), jo.lod_memory(x)
+  ),
+  "cosine_attention": lambda x: attention(x, jo.cosine_scores),
+  "dot_attention": lambda x: attention(x, jo.dot_scores),
   "pool_sum": lambda x: jo.sequence_pool(x, "sum"),
   "pool_average": lambda x: jo.sequence_pool(x, "average"),
   "pool_sqrt": lambda x: jo.sequence_pool(x, "sqrt"),
@@ -177,3 +189,39 @@ def test_seq2seq_takes_all_empty_targets(case):
     rngs=rngs,
   )
   assert twin(src, tgt).values.shape == (tgt.capacity.tokens, 8)
+
+
+def test_generate_takes_all_empty_sources():
+  # A source capacity of 0 reached `beam_search` as static inputs [count, 0,
+  # ...], which it could not flatten (a bare ZeroDivisionError).
+  settings = jo.DecodeSettings(bos_id=0, eos_id=1, max_length=4, beam_size=2)
+  src = LoDTensor.from_sequences([np.array([3, 1]), np.array([2])])
+  tgt = LoDTensor.from_sequences([np.array([0, 2]), np.array([0])])
+  model = Seq2Seq(
+    src_vocab=8,
+    tgt_vocab=8,
+    embed_dim=4,
+    encoder=DynamicRNN(nn.GRUCell(6)),
+    decoder=AttentionDecoder(nn.GRUCell(6), DotAttention()),
+  )
+  params = model.init(jax.random.key(0), src, tgt)
+  rngs = nnx.Rngs(0)
+  twin = nnx_nn.Seq2Seq(
+    8,
+    8,
+    4,
+    nnx_nn.DynamicRNN(nnx.GRUCell(4, 6, rngs=rngs)),
+    nnx_nn.AttentionDecoder(nnx.GRUCell(4, 6, rngs=rngs), nnx_nn.DotAttention()),
+    features=6,
+    rngs=rngs,
+  )
+  results = {}
+  for case in sorted(EMPTY):
+    empty = empty_lod(**EMPTY[case], dtype=np.int32, features=())
+    linen = model.apply(params, empty, settings, method="generate")
+    pair = jaxlod.nn.ensemble_generate([(model, params)] * 2, empty, settings)
+    for hyps in (linen, pair, twin.generate(empty, settings)):
+      # Every source gets its hypotheses, as from a nonzero capacity.
+      assert hyps.ids.recursive_lengths()[0] == [settings.results] * 2, case
+    results[case] = [[h.tolist() for h in hs] for hs in linen.ids.to_list()]
+  assert len({repr(r) for r in results.values()}) == 1, results

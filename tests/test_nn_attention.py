@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from jaxlod import Buckets, LoDTensor, ops
 from jaxlod.nn import AdditiveAttention, CosineAttention, DotAttention, GeneralAttention
@@ -212,6 +216,65 @@ def test_attention_gradients_are_finite_and_skip_padding(kind):
   assert np.all(grad_memory[slots] == 0.0)
   assert np.all(grad_query[lengths == 0] == 0.0)
   assert np.any(grad_query != 0.0)
+
+
+# Absolute tolerance per dtype, against float32, for values of order 1.
+DTYPE_ATOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-6}
+
+
+@functools.cache
+def _values_and_grads(kind: str, dtype: str):
+  """Jitted ``(context, weights), (grad query, grad memory)`` of `kind` with
+  its parameters cast to `dtype`."""
+  attention, params = _init(kind)
+  params = jax.tree.map(lambda p: p.astype(dtype), params)
+
+  def loss(query, memory, lengths):
+    context, weights = attention.apply(params, query, memory, lengths)
+    total = jnp.sum(jnp.sin(context.astype(jnp.float32)))
+    return total + jnp.sum(weights.astype(jnp.float32) * jnp.arange(SOURCE)), (
+      context,
+      weights,
+    )
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTIONS))
+@pytest.mark.parametrize("dtype", sorted(DTYPE_ATOL))
+@settings(max_examples=8)
+@given(data=st.data())
+def test_zero_vectors_are_finite_in_every_dtype(kind, dtype, data):
+  """Zero queries, zero memory rows and zero padding slots give finite
+  values and gradients in every float dtype, as in float32 (cosine scores
+  in float16 divided by norms whose `eps` had rounded to 0)."""
+  lengths = np.asarray(
+    data.draw(st.lists(st.integers(0, SOURCE), min_size=COUNT, max_size=COUNT)),
+    np.int32,
+  )
+  zero_rows = np.asarray(
+    data.draw(st.lists(st.booleans(), min_size=COUNT * SOURCE, max_size=COUNT * SOURCE))
+  ).reshape(COUNT, SOURCE)
+  zero_queries = np.asarray(
+    data.draw(st.lists(st.booleans(), min_size=COUNT, max_size=COUNT))
+  )
+  rng = np.random.default_rng(0)
+  memory = rng.normal(size=(COUNT, SOURCE, FEATURES)).astype(np.float32)
+  padding = np.arange(SOURCE)[None, :] >= lengths[:, None]
+  memory[zero_rows | padding] = 0.0  # a LoDTensor's padding slots are zeros
+  query = np.where(zero_queries[:, None], 0.0, _query(kind)).astype(np.float32)
+  (grad_query, grad_memory), outputs = _values_and_grads(kind, dtype)(
+    jnp.asarray(query, dtype), jnp.asarray(memory, dtype), lengths
+  )
+  for leaf in (grad_query, grad_memory, *outputs):
+    assert leaf.dtype == jnp.dtype(dtype)
+    assert np.all(np.isfinite(np.asarray(leaf, np.float32))), (kind, dtype)
+  assert np.all(np.asarray(grad_memory, np.float32)[padding] == 0.0)
+  _, want = _values_and_grads(kind, "float32")(query, memory, lengths)
+  for got, expected in zip(outputs, want, strict=True):
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), expected, rtol=0, atol=DTYPE_ATOL[dtype]
+    )
 
 
 # -- parameters and precomputed keys ----------------------------------------------

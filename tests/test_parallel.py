@@ -19,10 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.errors import InvalidRngError
 
 from jaxlod import Buckets
 from jaxlod.data import Batcher
-from jaxlod.parallel import data_parallel, local_shards, map_shards, shard_batch
+from jaxlod.parallel import (
+  data_parallel,
+  generate,
+  local_shards,
+  map_shards,
+  shard_batch,
+)
+from tests.test_nn_rngs import SETTINGS, drop_seq2seq
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = [(np.arange(n, dtype=np.float32),) for n in (3, 1, 4, 1, 5, 2)]
@@ -114,6 +122,25 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+def test_generate_takes_rngs(mesh):
+  """Layers that draw (dropout in the cells) get the keys of `rngs`."""
+  model, params = drop_seq2seq()
+  examples = [(np.array([3, 1, 4]),), (np.array([1, 5]),)]
+  batcher = Batcher(examples, BUCKETS, shards=1, shuffle=False, prefetch=0)
+  src = shard_batch(next(batcher.iterate()), mesh).fields[0]
+
+  def decode(seed):
+    rngs = {"dropout": jax.random.key(seed)}
+    (hyps,) = generate((model, params), src, mesh, settings=SETTINGS, rngs=rngs)
+    return [[h.tolist() for h in hs] for hs in hyps.ids.to_list()]
+
+  first, again, other = decode(2), decode(2), decode(3)
+  assert first == again and first != other
+  assert [len(hs) for hs in first] == [SETTINGS.results] * 2
+  with pytest.raises(InvalidRngError, match=r'needs PRNG for "dropout"'):
+    generate((model, params), src, mesh, settings=SETTINGS)
+
+
 def test_four_devices_match_one():
   """tests/multidevice with 4 forced host devices (equivalence, compilation
   count, beam search, the invariant-parameter error)."""

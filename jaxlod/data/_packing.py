@@ -216,7 +216,8 @@ def pack_field(
       f"{name(first)}, `examples[{first}][{f}]`)."
     )
   lengths = np.array([a.shape[0] for a in arrays], np.int64)
-  values = np.concatenate([a.reshape((-1, *features)) for a in arrays], axis=0)
+  # Explicit lengths: ``-1`` is ambiguous for zero-width features.
+  values = np.concatenate([a.reshape((a.shape[0], *features)) for a in arrays], axis=0)
   check_field_fits_device(f, arrays, values, name)
   return Field(
     values=values.astype(dtype, copy=False),

@@ -176,7 +176,9 @@ class CosineAttention(Attention):
   """Cosine attention: ``score_j = <q, m_j> / (|q|_eps |m_j|_eps)``.
 
   ``|v|_eps = sqrt(|v|^2 + eps)``, so zero vectors (padding slots, a zero
-  query) give finite scores and gradients. No parameters.
+  query) give finite scores and gradients, in every float dtype (the scores
+  are computed in float32 or wider, see `jaxlod.ops.cosine_scores`). No
+  parameters.
 
   Attributes:
     eps: added to each squared norm (default 1e-8).

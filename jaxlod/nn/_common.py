@@ -258,9 +258,11 @@ def generate(
   for member in members:
     memory = member.encode(src, src_table)
     encoded.append(memory)
-    carries.append(member.initial_state(memory))
+    # A step with RNG streams draws afresh at every step (a counter in the carry).
+    step, carry, _ = count_steps(member.decode_step, member.initial_state(memory))
+    carries.append(carry)
     memories.append(member.precompute(memory))
-    steps.append(lambda c, t, m, f=member.decode_step: f(c, t, m)[:2])
+    steps.append(lambda c, t, m, f=step: f(c, t, m)[:2])
   hyps = _decode.beam_search(
     _decode.ensemble_step(steps),
     tuple(carries),
@@ -597,6 +599,10 @@ class Seq2SeqCalls:
         `jaxlod.ops.beam_search`), or `None`.
       src_table: `src`'s rank table for the encoder (see `encode`); `None`:
         the encoder builds its own.
+
+    Layers that draw (a Linen cell with ``nn.Dropout``, in the encoder or
+    the decoder) take the RNG streams of ``apply(..., rngs=...)``, the
+    decoding step afresh at every step.
 
     Returns:
       `jaxlod.ops.Hypotheses` in `src`'s order: token ids as a 2-level

@@ -3,7 +3,6 @@ ensemble_generate. The NNX twins live in `jaxlod.nn.nnx`."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ from jaxlod import _checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn._decoder import AttentionDecoder
+from jaxlod.nn._rnn import pure_method
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
 from jaxlod.ops._rank import RankTable
 
@@ -137,6 +137,12 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
     """This bound model as a `_common.Member` of pure functions of its
     variables (`generate`, `ensemble_generate`).
 
+    Each function gets the RNG streams of the call but ``params`` (those of
+    ``apply(..., rngs=...)``, or of ``bind``), a key of its own per stream,
+    so that a layer that draws (a cell with ``nn.Dropout``) works in the
+    encoder and in the decoding step; the step draws afresh at every step
+    (see `pure_method`).
+
     Raises:
       ValueError: while initializing: decoding needs parameters.
     """
@@ -146,13 +152,8 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
         "(src, tgt_in), then call `apply(variables, src, settings, "
         "method='generate')`."
       )
-    model, variables = self.clone(parent=None), self.variables
-
-    def apply(method: str) -> Any:
-      return functools.partial(model.apply, variables, method=method)
-
     methods = ("encode", "initial_state", "precompute", "decode_step")
-    return _common.Member(*(apply(method) for method in methods))
+    return _common.Member(*(pure_method(self, method) for method in methods))
 
 
 def ensemble_generate(
@@ -162,6 +163,7 @@ def ensemble_generate(
   *,
   max_lengths: jax.typing.ArrayLike | None = None,
   src_table: RankTable | None = None,
+  rngs: dict[str, jax.Array] | None = None,
 ) -> Hypotheses:
   """Decodes every source with an ensemble of encoder-decoders.
 
@@ -180,13 +182,19 @@ def ensemble_generate(
     src: a LoDTensor of int source ids, values ``[src_token_capacity]`` or
       ``[src_token_capacity, 1]``, in every member's source vocabulary.
     settings, max_lengths, src_table: as in `Seq2Seq.generate`.
+    rngs: RNG streams for layers that draw (a cell with ``nn.Dropout``), as
+      ``apply(..., rngs=...)`` takes them: a dict of stream names to JAX
+      keys. Member 0 draws as `Seq2Seq.generate` would with them, member
+      ``k`` from each key folded with ``k``. `None`: no streams (a layer
+      that draws raises Flax's `InvalidRngError`).
 
   Returns:
     `jaxlod.ops.Hypotheses` in `src`'s order, scored by the mean
     log-probabilities (length-penalized).
 
   Raises:
-    TypeError: for a member that is not a ``(Seq2Seq, variables)`` pair.
+    TypeError: for a member that is not a ``(Seq2Seq, variables)`` pair, or
+      `rngs` that is not a dict of JAX keys.
     ValueError: for no members, members with different ``tgt_vocab``, and
       as `Seq2Seq.generate` does.
 
@@ -224,7 +232,19 @@ def ensemble_generate(
         f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got {got}."
       )
   _checks.check_vocabs([model.tgt_vocab for model, _ in members])
-  pure = [model.bind(variables).member() for model, variables in members]
+  rngs = _checks.check_rngs(rngs) or {}
+  pure = [
+    model.bind(variables, rngs=_member_rngs(rngs, k)).member()
+    for k, (model, variables) in enumerate(members)
+  ]
   return _common.generate(
     pure, src, settings, max_lengths=max_lengths, src_table=src_table
   )
+
+
+def _member_rngs(rngs: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+  """Member `k`'s streams: `rngs` for member 0, each key folded with `k` for
+  the others (so that members draw independently)."""
+  if not k:
+    return rngs
+  return {name: jax.random.fold_in(key, k) for name, key in rngs.items()}

@@ -200,7 +200,8 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
       f"Expected `array` to have shape [{expected[0]}, {expected[1]}, *features] "
       f"(time capacity, count capacity), got {array.shape}."
     )
-  flat = array.reshape(-1, *array.shape[2:])
+  # Explicit sizes: ``-1`` is ambiguous for zero-width features.
+  flat = array.reshape(array.shape[0] * array.shape[1], *array.shape[2:])
   index, valid = _row_cells(like, table)
   out = like.with_values(gather(flat, index, valid, *_cell_rows(like, table)))
   return with_faults(nan_unless(ranked, out), fault_unless(ranked, Fault.TABLE))

@@ -230,14 +230,20 @@ def cosine_scores(
   """Cosine scores ``<q, m_j> / (|q|_eps |m_j|_eps)``: ``[b, source_capacity]``.
 
   ``|v|_eps = sqrt(|v|^2 + eps)``, so zero vectors (padding slots, a zero
-  query) give finite scores and gradients.
+  query) give finite scores and gradients for any ``eps > 0`` that float32
+  can hold. The scores are computed in float32 or wider (in float16 the
+  default `eps` rounds to 0 and ``|v|^2`` overflows past 256) and returned
+  in the inputs' dtype.
   """
   query = check_query(query, memory)
   eps = check_eps(eps)
-  dots = dot_scores(query, memory)
+  dtype = jnp.result_type(query, memory.values)
+  wide = jnp.promote_types(dtype, jnp.float32)
+  query, values = query.astype(wide), memory.values.astype(wide)
+  dots = dot_scores(query, memory._replace(values=values))
   query_norm = jnp.sqrt(jnp.sum(query * query, axis=-1) + eps)
-  memory_norm = jnp.sqrt(jnp.sum(memory.values * memory.values, axis=-1) + eps)
-  return dots / (query_norm[:, None] * memory_norm)
+  memory_norm = jnp.sqrt(jnp.sum(values * values, axis=-1) + eps)
+  return (dots / (query_norm[:, None] * memory_norm)).astype(dtype)
 
 
 def masked_attention(

@@ -222,10 +222,15 @@ def _max_lengths(
 def _checked_step(
   step_fn: Callable, bos_id: int, eos_id: int, max_length: int
 ) -> Callable:
-  """`step_fn` with its outputs checked at trace time, and its NaN scores
-  ranked last (see below)."""
+  """`step_fn` with its outputs checked at trace time, and every live slot
+  kept alive (see below).
 
-  def step(carry, tokens, statics):
+  The returned ``step(carry, tokens [b], statics, live [b])`` takes which of
+  its rows are live slots of active sources, and returns log-probabilities
+  in float32 or wider (the dtype of the search's scores).
+  """
+
+  def step(carry, tokens, statics, live):
     b = tokens.shape[0]
     out = step_fn(carry, tokens, statics)
     new_carry, log_probs = check_step_out(out, carry, b)
@@ -241,20 +246,40 @@ def _checked_step(
           f"Expected `{name}` in [0, {log_probs.shape[1]}) (the vocabulary of "
           f"`step_fn`), got {value}."
         )
-    nan = jnp.isnan(log_probs)
-    require(
-      ~jnp.any(nan),
-      "Expected `step_fn` to return log_probs without NaN (NaN scores are "
-      "ranked last).",
-    )
-    # A NaN becomes a score far below any real log-probability that still
-    # sums to a finite value over the longest hypothesis (-inf marks dead
-    # slots): a source whose scores are all NaN still comes back with its
-    # hypotheses, scored near the dtype's minimum, never with none.
-    floor = jnp.finfo(log_probs.dtype).min / (max_length + 2)
-    return new_carry, jnp.where(nan, floor, log_probs)
+    return new_carry, _floored(log_probs, live, max_length)
 
   return step
+
+
+def _floored(log_probs: jax.Array, live: jax.Array, max_length: int) -> jax.Array:
+  """`log_probs` ``[b, vocab]`` with which no live slot drops out.
+
+  ``-inf`` marks dead slots (and masks single tokens out, as it should), so
+  a live slot whose every continuation were ``-inf`` would die, and a
+  source whose slots all died would come back with no hypothesis. A NaN,
+  and every entry of a row with nothing above ``-inf``, becomes a floor
+  score far below any real log-probability that still sums to a finite
+  value over the longest hypothesis (as does any finite entry below it):
+  the source comes back with its hypotheses, scored near the dtype's
+  minimum, never with none, and `jax.experimental.checkify` reports it
+  (NaN in any row, a row of ``-inf`` in a live slot's).
+  """
+  log_probs = log_probs.astype(jnp.promote_types(log_probs.dtype, jnp.float32))
+  nan = jnp.isnan(log_probs)
+  require(
+    ~jnp.any(nan),
+    "Expected `step_fn` to return log_probs without NaN (NaN scores are ranked last).",
+  )
+  stuck = ~jnp.any(nan | (log_probs > -jnp.inf), axis=1, keepdims=True)
+  require(
+    ~jnp.any(live[:, None] & stuck),
+    "Expected `step_fn` to return log_probs with an entry above -inf for every "
+    "live hypothesis (a row of -inf scores is ranked last).",
+  )
+  floor = jnp.finfo(log_probs.dtype).min / (max_length + 2)
+  masked = (log_probs == -jnp.inf) & ~stuck
+  lifted = jnp.where(nan | stuck, floor, jnp.maximum(log_probs, floor))
+  return jnp.where(masked, -jnp.inf, lifted)
 
 
 def _results(
@@ -333,11 +358,21 @@ def beam_search(
   batch-wide stop, as in Flax's ``examples/wmt``): the same hypotheses,
   with scores equal up to rounding.
 
+  No real source comes back without hypotheses. A ``-inf`` log-probability
+  masks its token out, but a live hypothesis needs a continuation: a NaN,
+  and every entry of a live hypothesis' row with no entry above ``-inf``,
+  becomes a floor score far below any real log-probability (``finfo(dtype).
+  min / (max_length + 2)`` of the scores' dtype, float32 or wider, so that
+  sums of them stay finite), and the source comes back with its
+  hypotheses scored near that floor. `jax.experimental.checkify` reports
+  either (see Raises).
+
   Args:
     step_fn: ``step_fn(carry, token_ids [b], static) -> (new_carry,
       log_probs [b, vocab])``; every leaf has leading dimension ``b`` (a
       static multiple of `beam_size`, source-major) and rows are
-      independent. `log_probs` must be normalized (``log_softmax``).
+      independent. `log_probs` must be normalized (``log_softmax``);
+      ``-inf`` masks a token out.
     init_carry: pytree of ``[count_capacity, ...]`` leaves, one row per
       source, in the caller's order; every beam of a source starts from it.
     settings: the static `DecodeSettings` (ids, length capacity, beam).
@@ -354,8 +389,9 @@ def beam_search(
       LoDTensors in `static_inputs`, else every row.
 
   Returns:
-    `Hypotheses`: up to `num_results` hypotheses per real source (fewer
-    only when fewer can exist), sorted by score, best first.
+    `Hypotheses`: up to `num_results` hypotheses per real source, at least
+    one (fewer than `num_results` only when fewer can exist), sorted by
+    score, best first.
 
   Raises:
     ValueError: at trace time for a step whose carry changes shape or dtype
@@ -363,6 +399,9 @@ def beam_search(
       the vocabulary, or arguments of the wrong shape; eagerly (under `jit`
       through `jax.experimental.checkify`) for a `max_lengths` below 1 or
       above ``settings.max_length``.
+    checkify.JaxRuntimeError: only under `jax.experimental.checkify` (the
+      loop is traced even eagerly), for `log_probs` holding NaN or a live
+      hypothesis' row of ``-inf``; without it, they are ranked last.
 
   Not differentiable (the loop is a `lax.while_loop`).
 
@@ -397,11 +436,16 @@ def beam_search(
   carry = jax.tree.map(beams, init_carry)
   statics = jax.tree.map(beams, statics)
   step = _checked_step(step_fn, settings.bos_id, eos_id, settings.max_length)
-  flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), (carry, statics))
-  probe = jax.eval_shape(
-    step, flat[0], jnp.zeros((count * beam_size,), jnp.int32), flat[1]
+  # Explicit sizes: ``-1`` is ambiguous for a zero-size leaf (a source
+  # capacity of 0 gives statics ``[count, k, 0, ...]``).
+  flat = jax.tree.map(
+    lambda a: a.reshape((count * beam_size,) + a.shape[2:]), (carry, statics)
   )
-  dtype = jnp.promote_types(probe[1].dtype, jnp.float32)
+  rows = count * beam_size
+  probe = jax.eval_shape(
+    step, flat[0], jnp.zeros((rows,), jnp.int32), flat[1], jnp.ones((rows,), bool)
+  )
+  dtype = probe[1].dtype
   slots = _search.initial_slots(
     count, beam_size, settings.max_length, n, settings.bos_id, dtype
   )

@@ -204,7 +204,9 @@ def greedy_update(
 Update = Callable[
   [Slots, jax.Array, jax.Array, jax.Array], tuple[Slots, jax.Array | None, jax.Array]
 ]
-Step = Callable[[Any, jax.Array, Any], tuple[Any, jax.Array]]
+# ``step(carry, tokens [b], statics, live [b]) -> (carry, log_probs [b, vocab])``,
+# `live` marking the rows of live slots of active sources.
+Step = Callable[[Any, jax.Array, Any, jax.Array], tuple[Any, jax.Array]]
 
 
 def _rows(size: int, active: jax.Array, new: Any, old: Any) -> Any:
@@ -226,20 +228,23 @@ def _advance(state: State, t: jax.Array, step: Step, update: Update) -> State:
   def unflat(a):
     return a.reshape((size, k) + a.shape[1:])
 
+  old = state.slots
+  live = ~state.done[:, None] & ~old.ended & (old.logp > NEG_INF)
   new_carry, log_probs = step(
     jax.tree.map(flat, state.carry),
-    flat(state.slots.last),
+    flat(old.last),
     jax.tree.map(flat, state.statics),
+    flat(live),
   )
   slots, parent, done = update(
-    state.slots, unflat(log_probs).astype(state.slots.logp.dtype), t, state.max_length
+    old, unflat(log_probs).astype(old.logp.dtype), t, state.max_length
   )
   carry = jax.tree.map(unflat, new_carry)
   if parent is not None:
     carry = jax.tree.map(lambda a: _gather(a, parent), carry)
   active = ~state.done
   return state._replace(
-    slots=_rows(size, active, slots, state.slots),
+    slots=_rows(size, active, slots, old),
     carry=_rows(size, active, carry, state.carry),
     done=state.done | done,
   )

@@ -21,6 +21,7 @@ from jaxlod._checks import (
   check_leaves,
   check_lod,
   check_rank,
+  check_rngs,
   check_sequence,
   check_settings,
   check_table,
@@ -340,17 +341,25 @@ def unstack(tree: Any) -> list[Any]:
 
 
 @functools.partial(jax.jit, static_argnames=("models", "settings", "mesh", "axis"))
-def _generate(variables, local, *, models, settings, mesh, axis):
+def _generate(variables, rngs, local, *, models, settings, mesh, axis):
   from jaxlod.nn import ensemble_generate
 
-  def decode(variables, local):
+  def decode(variables, rngs, local):
     members = list(zip(models, variables, strict=True))
     src, src_table, max_lengths = local
+    if rngs is not None:  # each device draws from its own keys
+      shard = jax.lax.axis_index(axis)
+      rngs = {name: jax.random.fold_in(key, shard) for name, key in rngs.items()}
     return ensemble_generate(
-      members, src, settings, max_lengths=max_lengths, src_table=src_table
+      members,
+      src,
+      settings,
+      max_lengths=max_lengths,
+      src_table=src_table,
+      rngs=rngs,
     )
 
-  return map_shards(decode, mesh, axis)(variables, local)
+  return map_shards(decode, mesh, axis)(variables, rngs, local)
 
 
 def generate(
@@ -362,6 +371,7 @@ def generate(
   settings: DecodeSettings,
   src_table: Any = None,
   max_lengths: Any = None,
+  rngs: dict[str, jax.Array] | None = None,
 ) -> list[Any]:
   """Decodes a sharded batch of sources, each device its own sources.
 
@@ -380,6 +390,9 @@ def generate(
     max_lengths: per-source limits stacked like `src`, int ``[N,
       count_capacity]`` (placed by `shard_batch`), each at most
       ``settings.max_length``; `None`: ``settings.max_length`` for all.
+    rngs: RNG streams for layers that draw (see `ensemble_generate`), a
+      dict of stream names to JAX keys; the device of shard ``s`` draws
+      from each key folded with ``s``. `None`: no streams.
 
   Returns:
     One `jaxlod.ops.Hypotheses` per shard, in shard order, each in its
@@ -389,10 +402,12 @@ def generate(
     source's hypotheses.
 
   Raises:
+    TypeError: for `rngs` that is not a dict of JAX keys.
     ValueError: as `ensemble_generate` does, and for a mesh without `axis`.
   """
   _check_axis(mesh, axis)
   check_lod(src, "src")
+  rngs = check_rngs(rngs)
   check_settings(settings)
   check_table(src_table, "src_table", optional=True)
   if max_lengths is not None:
@@ -415,6 +430,7 @@ def generate(
   variables = replicate([v for _, v in members], mesh)
   out = _generate(
     variables,
+    None if rngs is None else replicate(rngs, mesh),
     (src, src_table, max_lengths),
     models=models,
     settings=settings,

@@ -128,18 +128,26 @@ def ensemble_generate(
   *,
   max_lengths: jax.typing.ArrayLike | None = None,
   src_table: RankTable | None = None,
+  rngs: None = None,
 ) -> Hypotheses:
   """Decodes every source with an ensemble of encoder-decoders.
 
   The NNX twin of `jaxlod.nn.ensemble_generate`, with the members given as
   `Seq2Seq` modules (their parameters are their state). Works under
-  `nnx.jit` with `settings` static.
+  `nnx.jit` with `settings` static. `rngs` must be `None`: NNX members hold
+  their own `nnx.Rngs`, and the loops refuse layers that draw from them
+  (see `jaxlod.nn.nnx.DynamicRNN`); the argument is the Linen twin's.
 
   Raises:
     TypeError: for a member that is not a `Seq2Seq`.
-    ValueError: for no members, members with different ``tgt_vocab``, and
-      as `Seq2Seq.generate` does.
+    ValueError: for no members, members with different ``tgt_vocab``,
+      `rngs` other than `None`, and as `Seq2Seq.generate` does.
   """
+  if rngs is not None:
+    raise ValueError(
+      "Expected `rngs` to be None: NNX members draw from the nnx.Rngs they "
+      "were built with (`rngs` is for the Linen twin, jaxlod.nn.ensemble_generate)."
+    )
   members = _checks.check_sequence(members, "members", "a sequence of Seq2Seq")
   for k, model in enumerate(members):
     if not isinstance(model, Seq2Seq):
