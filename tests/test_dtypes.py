@@ -161,14 +161,8 @@ def test_ops_take_all_empty_batches(name, case):
     np.testing.assert_array_equal(grad, 1.0)
 
 
-@pytest.mark.parametrize("case", sorted(EMPTY))
-def test_seq2seq_takes_all_empty_targets(case):
-  tgt = empty_lod(**EMPTY[case], dtype=np.int32, features=())
-  count = tgt.capacity.sequences[-1]
-  src = LoDTensor.from_sequences(
-    [np.array([3, 1, 4]), np.array([1, 5])],
-    buckets=jaxlod.Buckets.fixed(tokens=8, sequences=count, time=4),
-  )
+def seq2seq_twins() -> tuple[Seq2Seq, nnx_nn.Seq2Seq]:
+  """A small Linen Seq2Seq (8 source and target ids, GRU 6) and its NNX twin."""
   model = Seq2Seq(
     src_vocab=8,
     tgt_vocab=8,
@@ -176,8 +170,6 @@ def test_seq2seq_takes_all_empty_targets(case):
     encoder=DynamicRNN(nn.GRUCell(6)),
     decoder=AttentionDecoder(nn.GRUCell(6), DotAttention()),
   )
-  logits, params = model.init_with_output(jax.random.key(0), src, tgt)
-  assert logits.values.shape == (tgt.capacity.tokens, 8)
   rngs = nnx.Rngs(0)
   twin = nnx_nn.Seq2Seq(
     8,
@@ -188,6 +180,20 @@ def test_seq2seq_takes_all_empty_targets(case):
     features=6,
     rngs=rngs,
   )
+  return model, twin
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY))
+def test_seq2seq_takes_all_empty_targets(case):
+  tgt = empty_lod(**EMPTY[case], dtype=np.int32, features=())
+  count = tgt.capacity.sequences[-1]
+  src = LoDTensor.from_sequences(
+    [np.array([3, 1, 4]), np.array([1, 5])],
+    buckets=jaxlod.Buckets.fixed(tokens=8, sequences=count, time=4),
+  )
+  model, twin = seq2seq_twins()
+  logits, params = model.init_with_output(jax.random.key(0), src, tgt)
+  assert logits.values.shape == (tgt.capacity.tokens, 8)
   assert twin(src, tgt).values.shape == (tgt.capacity.tokens, 8)
 
 
@@ -197,24 +203,8 @@ def test_generate_takes_all_empty_sources():
   settings = jo.DecodeSettings(bos_id=0, eos_id=1, max_length=4, beam_size=2)
   src = LoDTensor.from_sequences([np.array([3, 1]), np.array([2])])
   tgt = LoDTensor.from_sequences([np.array([0, 2]), np.array([0])])
-  model = Seq2Seq(
-    src_vocab=8,
-    tgt_vocab=8,
-    embed_dim=4,
-    encoder=DynamicRNN(nn.GRUCell(6)),
-    decoder=AttentionDecoder(nn.GRUCell(6), DotAttention()),
-  )
+  model, twin = seq2seq_twins()
   params = model.init(jax.random.key(0), src, tgt)
-  rngs = nnx.Rngs(0)
-  twin = nnx_nn.Seq2Seq(
-    8,
-    8,
-    4,
-    nnx_nn.DynamicRNN(nnx.GRUCell(4, 6, rngs=rngs)),
-    nnx_nn.AttentionDecoder(nnx.GRUCell(4, 6, rngs=rngs), nnx_nn.DotAttention()),
-    features=6,
-    rngs=rngs,
-  )
   results = {}
   for case in sorted(EMPTY):
     empty = empty_lod(**EMPTY[case], dtype=np.int32, features=())
