@@ -1616,9 +1616,29 @@ def host_array(value: Any, name: str) -> np.ndarray:
   """`np.asarray(value)`, with ragged nested lists refused naming `name`
   and the first row whose shape differs (NumPy's "inhomogeneous shape")."""
   try:
-    return np.asarray(value)
+    array = np.asarray(value)
   except ValueError:
     raise ValueError(_ragged(value, name)) from None
+  if isinstance(value, list | tuple) and array.dtype not in (np.bool_, object):
+    _refuse_mixed_bools(value, name)
+  return array
+
+
+def _refuse_mixed_bools(value: list | tuple, name: str) -> None:
+  """A nested list of numbers holds no bool: NumPy would read ``True`` as 1
+  (``[True, 4]`` as lengths ``[1, 4]``)."""
+  stack = [((), value)]
+  while stack:
+    path, items = stack.pop()
+    for i, item in enumerate(items):
+      if isinstance(item, bool | np.bool_):
+        at = "".join(f"[{j}]" for j in (*path, i))
+        raise TypeError(
+          f"Expected `{name}` to hold numbers, got the bool {item!r} at "
+          f"`{name}{at}` among them (NumPy would read it as {int(item)})."
+        )
+      if isinstance(item, list | tuple):
+        stack.append(((*path, i), item))
 
 
 def _ragged(value: Any, name: str) -> str:

@@ -134,6 +134,8 @@ SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
 UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
 RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
+# NumPy reads a bool among numbers as 0 or 1.
+MIXED_BOOLS = ("mixed_bools", lambda: [True, 2])
 
 # Beyond int32: JAX stores host int64 as int32 with x64 off, and 2**32 + 5
 # would silently become 5; a static int this large cannot be a device shape.
@@ -173,15 +175,25 @@ BAD: dict[str, list[Bad]] = {
   # A list of LoDTensors.
   "lods": [STR, NONE, OBJECT, INT, EMPTY, ("arrays", lambda: [np.zeros(3)])],
   # A numeric array.
-  "array": [STR, NONE, OBJECT, STRINGS, A_LOD, RAGGED, WIDENED],
+  "array": [STR, NONE, OBJECT, STRINGS, A_LOD, RAGGED, MIXED_BOOLS, WIDENED],
   # An array or a LoDTensor.
   "array_or_lod": [STR, NONE, OBJECT, STRINGS, WIDENED],
   # A 2-D array, e.g. scores [b, source_capacity] or a query [b, hidden].
   "matrix": [STR, NONE, OBJECT, STRINGS, A_LOD, VECTOR, WIDENED],
   # Integers of any shape.
-  "int_values": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, WIDENED],
+  "int_values": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, MIXED_BOOLS, WIDENED],
   # A 1-D integer array (lengths, ids, offsets, limits).
-  "ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3, WIDENED],
+  "ints": [
+    STR,
+    NONE,
+    OBJECT,
+    STRINGS,
+    FLOATS,
+    A_LOD,
+    INTS_RANK3,
+    MIXED_BOOLS,
+    WIDENED,
+  ],
   # The same, read on the host only (segment ids, sample lengths): int64 stays.
   "host_ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3],
   # A static int of any sign.

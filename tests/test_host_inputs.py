@@ -34,6 +34,29 @@ def test_integer_values_are_stored_exactly_or_refused(ints):
     assert np.asarray(x.values).tolist() == ints
 
 
+@given(
+  st.lists(st.integers(0, 5), min_size=1, max_size=6),
+  st.data(),
+)
+def test_a_bool_among_numbers_is_refused_where_it_stands(lengths, data):
+  """NumPy reads ``[True, 4]`` as ``[1, 4]``: every host array argument
+  refuses a bool among numbers, naming the argument and the place."""
+  at = data.draw(st.integers(0, len(lengths) - 1))
+  mixed = [*lengths[:at], data.draw(st.booleans()), *lengths[at + 1 :]]
+  if all(isinstance(v, bool) for v in mixed):
+    return  # an array of bools, refused by its dtype
+  calls = [
+    ("lengths", lambda: sequence_mask(mixed, maxlen=6)),
+    ("lengths", lambda: ops.sequence_unpad(np.ones((len(mixed), 6)), mixed)),
+    ("values", lambda: LoDTensor.from_lengths(mixed, [[len(mixed)]])),
+  ]
+  for name, call in calls:
+    with pytest.raises(
+      TypeError, match=rf"`{name}` to hold numbers, got the bool .* at `{name}\[{at}\]`"
+    ):
+      call()
+
+
 def test_from_sequences_refuses_wide_python_ints():
   with pytest.raises(ValueError, match=r"`values` to fit int32 .* got 1099511627783"):
     LoDTensor.from_sequences([[2**40 + 7, 1]])
