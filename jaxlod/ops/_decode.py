@@ -399,8 +399,8 @@ def beam_search(
       the vocabulary, or arguments of the wrong shape; eagerly (under `jit`
       through `jax.experimental.checkify`) for a `max_lengths` below 1 or
       above ``settings.max_length``.
-    checkify.JaxRuntimeError: only under `jax.experimental.checkify` (the
-      loop is traced even eagerly), for `log_probs` holding NaN or a live
+    jax.experimental.checkify.JaxRuntimeError: only under checkify (the loop
+      is traced even eagerly), for `log_probs` holding NaN or a live
       hypothesis' row of ``-inf``; without it, they are ranked last.
 
   Not differentiable (the loop is a `lax.while_loop`).
