@@ -315,11 +315,18 @@ def test_iterate_resumes_across_epoch_boundaries():
 def test_unshuffled_iterate_resumes():
   batcher = Batcher(random_examples(20), SMALL, shuffle=False, prefetch=0)
   count = batcher.batches_per_epoch(0)
-  stream = list(itertools.islice(batcher.iterate(), 2 * count + 1))
+  stream = list(itertools.islice(batcher.iterate(), 3 * count))
   assert stream[2 * count].epoch == 2
   same_batches(
-    list(itertools.islice(batcher.iterate(count + 1), count)), stream[count + 1 :]
+    list(itertools.islice(batcher.iterate(count + 1), count + 1)),
+    stream[count + 1 : 2 * count + 2],
   )
+  # Every epoch is epoch 0: a far epoch or step is planned at once.
+  same_batches(list(batcher.epoch(2)), stream[2 * count : 3 * count])
+  far = 2**40
+  assert next(batcher.epoch(far)).step == far * count
+  first = next(batcher.iterate(start_step=far * count + 1))
+  assert (first.epoch, first.step) == (far, far * count + 1)
 
 
 def test_prefetch_gives_the_same_batches():

@@ -275,6 +275,8 @@ class Batcher:
     return self._counts[epoch]
 
   def _first_step(self, epoch: int) -> int:
+    if not self._shuffle:  # every epoch is epoch 0
+      return epoch * self.batches_per_epoch(0)
     return sum(self.batches_per_epoch(e) for e in range(epoch))
 
   def _locate(self, step: int) -> tuple[int, int]:
@@ -321,7 +323,9 @@ class Batcher:
     batch is raised here.
 
     Args:
-      epoch: an int >= 0.
+      epoch: an int >= 0. With `shuffle`, the batches' steps count those of
+        every earlier epoch, whose plans the host computes first (time grows
+        with `epoch`; without `shuffle` every epoch is the same).
     """
     epoch = check_int("epoch", epoch, 0)
     step = self._first_step(epoch)
@@ -342,7 +346,8 @@ class Batcher:
     on, but no longer move the state.
 
     Args:
-      start_step: batches to skip (they are planned, never built), >= 0. By
+      start_step: batches to skip (they are planned, never built, so time
+        grows with the epochs skipped when `shuffle` is on), >= 0. By
         default the step of the state given to `set_state` since the last
         `iterate` call, if any, else 0.
     """
