@@ -1610,7 +1610,7 @@ def check_memory_lengths(memory: Memory, name: str = "memory") -> None:
   )
 
 
-# -- layers given to layers (jaxlod.nn and jaxlod.nn.nnx) --------------------------
+# -- layers given to layers, and their dtypes (jaxlod.nn and jaxlod.nn.nnx) ---------
 
 # The modules of Flax's own layers and cells: they take arrays, never a
 # LoDTensor (Flax's combinators, `nn.Sequential` and `nnx.Sequential`, pass).
@@ -1682,6 +1682,18 @@ def check_decoder(decoder: Any, owner: Any) -> Any:
       f"Expected `decoder` to be an AttentionDecoder, got {type(decoder).__name__}."
     )
   return decoder
+
+
+def check_layer_dtypes(dtype: Any, param_dtype: Any) -> None:
+  """A layer's `dtype` (of its computation: a float dtype, or `None` for
+  its inputs') and `param_dtype` (of its parameters: a float dtype)."""
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+    if value is None and name == "dtype":
+      continue
+    check_dtype(value, name)
+    if value is None or not jnp.issubdtype(value, jnp.floating):
+      got = "None" if value is None else jnp.dtype(value).name
+      raise TypeError(f"Expected `{name}` to be a float dtype, got {got}.")
 
 
 # -- host arrays from Python values: ragged rows, LoD levels -----------------------

@@ -228,6 +228,14 @@ BAD: dict[str, list[Bad]] = {
   # One of a few names (a pool type, a policy, a kind of size).
   "choice": [UNKNOWN, NONE, INT],
   "dtype": [("unknown", lambda: "not_a_dtype"), OBJECT],
+  # A layer's dtype of parameters (or, `none_ok`, of computation).
+  "float_dtype": [
+    ("unknown", lambda: "not_a_dtype"),
+    OBJECT,
+    NONE,
+    ("int32", lambda: jnp.int32),
+    ("bool", lambda: np.bool_),
+  ],
   "tuple": [STR, NONE, OBJECT, INT, ("list", lambda: [8])],
   "path": [OBJECT, INT],
   # Functions, and sequences of them (steps, layers).

@@ -194,8 +194,8 @@ ATTENTION_CALL = {
   "keys": arg(None, "keys", none_ok=True),
 }
 DTYPES = {
-  "dtype": arg(None, "dtype", none_ok=True),
-  "param_dtype": arg(jnp.float32, "dtype"),
+  "dtype": arg(None, "float_dtype", none_ok=True),
+  "param_dtype": arg(jnp.float32, "float_dtype"),
 }
 NNX_SIZES = {"hidden": arg(2, "int>=1"), "features": arg(2, "int>=1")}
 for name, linen_ctor, nnx_ctor in (

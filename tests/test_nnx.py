@@ -932,3 +932,18 @@ def test_errors_seq2seq_decoder_must_be_an_attention_decoder():
       features=4,
       rngs=rngs,
     )
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"param_dtype": jnp.int32}, r"`param_dtype` to be a float dtype, got int32\."),
+    ({"dtype": jnp.int8}, r"`dtype` to be a float dtype, got int8\."),
+  ],
+)
+def test_errors_layer_dtypes_must_be_float(kwargs, match):
+  rngs = nnx.Rngs(0)
+  with pytest.raises(TypeError, match=match):
+    GeneralAttention(HIDDEN, FEATURES, rngs=rngs, **kwargs)
+  with pytest.raises(TypeError, match=match):
+    AdditiveAttention(HIDDEN, FEATURES, UNITS, rngs=rngs, **kwargs)
