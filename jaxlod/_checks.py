@@ -1645,9 +1645,11 @@ def check_twin(value: Any, name: str, owner: Any) -> None:
   module in a `jaxlod.nn` layer, an NNX one in a `jaxlod.nn.nnx` layer."""
   api, mine = _flax_api(value), _flax_api(owner)
   if api is not None and api != mine:
-    package = "jaxlod.nn" if mine == "Linen" else "jaxlod.nn.nnx"
+    package, article = (
+      ("jaxlod.nn", "a") if mine == "Linen" else ("jaxlod.nn.nnx", "an")
+    )
     raise TypeError(
-      f"Expected `{name}` to be a {mine} module (a {package} layer), got the "
+      f"Expected `{name}` to be {article} {mine} module (a {package} layer), got the "
       f"{api} module {type(value).__name__}."
     )
 

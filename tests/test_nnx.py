@@ -912,7 +912,7 @@ def test_errors_layers_that_take_arrays_or_are_linen():
       build()
   with pytest.raises(
     TypeError,
-    match=r"Expected `layers\[0\]` to be a NNX module \(a jaxlod.nn.nnx layer\), got "
+    match=r"Expected `layers\[0\]` to be an NNX module \(a jaxlod.nn.nnx layer\), got "
     r"the Linen module DynamicRNN\.",
   ):
     StackedRNN([linen.DynamicRNN(nn.GRUCell(HIDDEN))])
