@@ -1503,13 +1503,14 @@ def check_ladder(ladder: Any) -> tuple[int, ...] | None:
   return None if ladder is None else tuple(ladder_sizes(ladder))
 
 
-def check_layers(layers: Sequence[Any]) -> None:
-  """A `StackedRNN` has at least one layer, each callable."""
+def check_layers(layers: Sequence[Any], owner: Any) -> None:
+  """A `StackedRNN` (`owner`) has at least one layer, each a layer over
+  LoDTensors (`check_rnn_layer`)."""
   layers = check_sequence(layers, "layers", "a sequence of layers")
   if len(layers) == 0:
     raise ValueError("Expected `layers` to hold at least one layer, got none.")
   for i, layer in enumerate(layers):
-    check_callable(layer, f"layers[{i}]")
+    check_rnn_layer(layer, f"layers[{i}]", owner)
 
 
 def check_settings(settings: Any) -> Any:
@@ -1607,6 +1608,94 @@ def check_memory_lengths(memory: Memory, name: str = "memory") -> None:
     "the lengths mask the source rows, so a tree map over a Memory must leave "
     "them alone (cast `values` and `keys` only).",
   )
+
+
+# -- layers given to layers, and their dtypes (jaxlod.nn and jaxlod.nn.nnx) ---------
+
+# The modules of Flax's own layers and cells: they take arrays, never a
+# LoDTensor (Flax's combinators, `nn.Sequential` and `nnx.Sequential`, pass).
+_ARRAY_LAYERS = tuple(
+  f"flax.linen.{m}"
+  for m in (
+    "activation",
+    "attention",
+    "fp8_ops",
+    "linear",
+    "normalization",
+    "pooling",
+    "recurrent",
+    "stochastic",
+  )
+) + ("flax.nnx.nn.",)
+
+
+def _flax_api(value: Any) -> str | None:
+  """``"Linen"`` or ``"NNX"`` for a Flax module (or an NNX layer under
+  construction), else `None`."""
+  import flax.linen as nn  # Flax loads with jaxlod.nn, which calls this.
+  from flax import nnx
+
+  if isinstance(value, nn.Module):
+    return "Linen"
+  return "NNX" if isinstance(value, nnx.Module) else None
+
+
+def check_twin(value: Any, name: str, owner: Any) -> None:
+  """A module given to a layer (`owner`) is of the layer's API: a Linen
+  module in a `jaxlod.nn` layer, an NNX one in a `jaxlod.nn.nnx` layer."""
+  api, mine = _flax_api(value), _flax_api(owner)
+  if api is not None and api != mine:
+    package, article = (
+      ("jaxlod.nn", "a") if mine == "Linen" else ("jaxlod.nn.nnx", "an")
+    )
+    raise TypeError(
+      f"Expected `{name}` to be {article} {mine} module (a {package} layer), got the "
+      f"{api} module {type(value).__name__}."
+    )
+
+
+def check_rnn_layer(layer: Any, name: str, owner: Any) -> Any:
+  """A layer over LoDTensors, given to `owner`: a `StackedRNN`'s layers, a
+  `Bidirectional`'s, a `HierarchicalEncoder`'s, a `Seq2Seq`'s encoder.
+
+  It must be callable, of `owner`'s API (`check_twin`), and not one of
+  Flax's own layers or cells, which take arrays.
+  """
+  check_callable(layer, name)
+  check_twin(layer, name, owner)
+  if type(layer).__module__.startswith(_ARRAY_LAYERS):
+    raise TypeError(
+      f"Expected `{name}` to be a jaxlod RNN layer (a DynamicRNN, "
+      "Bidirectional, StackedRNN or HierarchicalEncoder) or a module of "
+      f"yours over LoDTensors, got Flax's {type(layer).__name__}, which takes "
+      "arrays (a recurrent cell goes in a DynamicRNN)."
+    )
+  return layer
+
+
+def check_decoder(decoder: Any, owner: Any) -> Any:
+  """A `Seq2Seq`'s `decoder` is an `AttentionDecoder` of `owner`'s API."""
+  # `jaxlod.nn` imports this module: import its decoders' base at call time.
+  from jaxlod.nn._common import DecoderCalls
+
+  check_twin(decoder, "decoder", owner)
+  if not isinstance(decoder, DecoderCalls):
+    raise TypeError(
+      f"Expected `decoder` to be an AttentionDecoder, got {type(decoder).__name__}."
+    )
+  return decoder
+
+
+def check_layer_dtypes(dtype: Any, param_dtype: Any) -> None:
+  """A layer's `dtype` (of its computation: a float dtype, or `None` for
+  its inputs') and `param_dtype` (of its parameters: a float dtype)."""
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+    if value is None and name == "dtype":
+      continue
+    check_dtype(value, name)
+    if value is None or not jnp.issubdtype(value, jnp.floating):
+      got = "None" if value is None else jnp.dtype(value).name
+      raise TypeError(f"Expected `{name}` to be a float dtype, got {got}.")
 
 
 # -- host arrays from Python values: ragged rows, LoD levels -----------------------

@@ -137,6 +137,11 @@ RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
 # NumPy reads a bool among numbers as 0 or 1.
 MIXED_BOOLS = ("mixed_bools", lambda: [True, 2])
 
+# Flax's own layers and cells, over arrays.
+LINEN_DENSE = ("dense", lambda: nn.Dense(2))
+NNX_LINEAR = ("linear", lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+LINEN_CELL = ("cell", lambda: nn.GRUCell(2))
+
 # Beyond int32: JAX stores host int64 as int32 with x64 off, and 2**32 + 5
 # would silently become 5; a static int this large cannot be a device shape.
 WIDE = 2**32 + 5
@@ -223,12 +228,42 @@ BAD: dict[str, list[Bad]] = {
   # One of a few names (a pool type, a policy, a kind of size).
   "choice": [UNKNOWN, NONE, INT],
   "dtype": [("unknown", lambda: "not_a_dtype"), OBJECT],
+  # A layer's dtype of parameters (or, `none_ok`, of computation).
+  "float_dtype": [
+    ("unknown", lambda: "not_a_dtype"),
+    OBJECT,
+    NONE,
+    ("int32", lambda: jnp.int32),
+    ("bool", lambda: np.bool_),
+  ],
   "tuple": [STR, NONE, OBJECT, INT, ("list", lambda: [8])],
   "path": [OBJECT, INT],
   # Functions, and sequences of them (steps, layers).
   "callable": [STR, NONE, OBJECT, INT],
   "callables": [STR, NONE, OBJECT, INT, EMPTY, ("strings", lambda: ["a"])],
   "module": [STR, NONE, OBJECT, INT],
+  # A layer over LoDTensors (`StackedRNN`'s layers, an encoder): never one
+  # of Flax's layers over arrays, nor a module of the other twin.
+  "rnn_layer": [STR, NONE, OBJECT, INT, LINEN_DENSE, NNX_LINEAR, LINEN_CELL],
+  "rnn_layers": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    EMPTY,
+    ("strings", lambda: ["a"]),
+    ("dense", lambda: [LINEN_DENSE[1]()]),
+    ("linear", lambda: [NNX_LINEAR[1]()]),
+  ],
+  # A Seq2Seq's decoder: an AttentionDecoder of the twin's API.
+  "decoder": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("rnn", lambda: linen.DynamicRNN(nn.GRUCell(2))),
+    ("nnx_rnn", lambda: nnx_layers.DynamicRNN(nnx.GRUCell(2, 2, rngs=nnx.Rngs(0)))),
+  ],
   # Ladders of batch sizes, and bucket boundaries.
   "ladder": [
     STR,

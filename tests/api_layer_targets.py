@@ -140,8 +140,8 @@ for twin, (module, cell, init_of, run) in TWINS.items():
     ),
     run,
     {
-      "forward_rnn": arg(rnn, "module"),
-      "backward_rnn": arg(rnn, "module"),
+      "forward_rnn": arg(rnn, "rnn_layer"),
+      "backward_rnn": arg(rnn, "rnn_layer"),
       "merge_fn": arg(None, "callable", none_ok=True),
       "return_carry": arg(False, "bool"),
     },
@@ -154,7 +154,7 @@ for twin, (module, cell, init_of, run) in TWINS.items():
     module.StackedRNN,
     run,
     {
-      "layers": arg(lambda rnn=rnn: [rnn()], "callables"),
+      "layers": arg(lambda rnn=rnn: [rnn()], "rnn_layers"),
       "dropout_rate": arg(0.0, "rate"),
       "input_dropout": arg(0.0, "rate"),
       "output_dropout": arg(0.0, "rate"),
@@ -177,8 +177,8 @@ for twin, (module, cell, init_of, run) in TWINS.items():
     ),
     run,
     {
-      "inner": arg(rnn, "module"),
-      "outer": arg(rnn, "module"),
+      "inner": arg(rnn, "rnn_layer"),
+      "outer": arg(rnn, "rnn_layer"),
       "pool_type": arg("last", "choice"),
       "return_carry": arg(False, "bool"),
     },
@@ -194,8 +194,8 @@ ATTENTION_CALL = {
   "keys": arg(None, "keys", none_ok=True),
 }
 DTYPES = {
-  "dtype": arg(None, "dtype", none_ok=True),
-  "param_dtype": arg(jnp.float32, "dtype"),
+  "dtype": arg(None, "float_dtype", none_ok=True),
+  "param_dtype": arg(jnp.float32, "float_dtype"),
 }
 NNX_SIZES = {"hidden": arg(2, "int>=1"), "features": arg(2, "int>=1")}
 for name, linen_ctor, nnx_ctor in (
@@ -293,9 +293,9 @@ layer(
   linen_init,
   {
     **SEQ2SEQ_CTOR,
-    "encoder": arg(lambda: linen.DynamicRNN(nn.GRUCell(2)), "module"),
+    "encoder": arg(lambda: linen.DynamicRNN(nn.GRUCell(2)), "rnn_layer"),
     "decoder": arg(
-      lambda: linen.AttentionDecoder(nn.GRUCell(2), linen.DotAttention()), "module"
+      lambda: linen.AttentionDecoder(nn.GRUCell(2), linen.DotAttention()), "decoder"
     ),
   },
   SEQ2SEQ_CALL,
@@ -320,8 +320,8 @@ layer(
   nnx_call,
   {
     **SEQ2SEQ_CTOR,
-    "encoder": arg(lambda: nnx_model().encoder, "module"),
-    "decoder": arg(lambda: nnx_model().decoder, "module"),
+    "encoder": arg(lambda: nnx_model().encoder, "rnn_layer"),
+    "decoder": arg(lambda: nnx_model().decoder, "decoder"),
     "features": arg(2, "int>=1"),
   },
   SEQ2SEQ_CALL,

@@ -384,3 +384,21 @@ def test_a_tree_map_cast_of_a_memory_raises_naming_its_lengths():
   with pytest.raises(TypeError, match=r"Expected integer `memory.lengths`, got bf"):
     ops.attend(scores, cast)
   ops.attend(scores, memory)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"param_dtype": jnp.int32}, r"`param_dtype` to be a float dtype, got int32\."),
+    ({"param_dtype": None}, r"`param_dtype` to be a float dtype, got None\."),
+    ({"dtype": jnp.bool_}, r"`dtype` to be a float dtype, got bool\."),
+  ],
+)
+@pytest.mark.parametrize("layer", ["general", "additive"])
+def test_layer_dtypes_must_be_float(layer, kwargs, match):
+  memory = LoDTensor.from_lengths(np.ones((5, 3), np.float32), [[3, 2]])
+  module = (
+    GeneralAttention(**kwargs) if layer == "general" else AdditiveAttention(3, **kwargs)
+  )
+  with pytest.raises(TypeError, match=match):
+    module.init(jax.random.key(0), jnp.ones((2, 3)), memory)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import jaxlod.nn.nnx as nnx_layers
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import Bidirectional, DynamicRNN, HierarchicalEncoder, StackedRNN
 from jaxlod.ops import rank_table
@@ -543,3 +547,58 @@ def test_stacked_rnn_bad_settings():
     StackedRNN([]).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=r"`dropout_rate` in \[0, 1\], got 1.5"):
     StackedRNN([Identity()], dropout_rate=1.5).init(jax.random.key(0), x)
+
+
+# A layer over LoDTensors is never one of Flax's layers over arrays.
+ARRAY_LAYER = (
+  r"got Flax's {}, which takes arrays \(a recurrent cell goes in a DynamicRNN\)"
+)
+
+
+@pytest.mark.parametrize(
+  ("build", "name", "given"),
+  [
+    (
+      lambda: StackedRNN([DynamicRNN(nn.GRUCell(HIDDEN)), nn.Dense(3)]),
+      "layers[1]",
+      "Dense",
+    ),
+    (lambda: StackedRNN([nn.GRUCell(HIDDEN)]), "layers[0]", "GRUCell"),
+    (
+      lambda: HierarchicalEncoder(nn.Dense(4), DynamicRNN(nn.GRUCell(4))),
+      "inner",
+      "Dense",
+    ),
+    (
+      lambda: HierarchicalEncoder(DynamicRNN(nn.GRUCell(4)), nn.Dense(4)),
+      "outer",
+      "Dense",
+    ),
+    (
+      lambda: Bidirectional(nn.RNN(nn.GRUCell(4)), DynamicRNN(nn.GRUCell(4))),
+      "forward_rnn",
+      "RNN",
+    ),
+  ],
+  ids=["stacked", "stacked_cell", "inner", "outer", "bidirectional"],
+)
+def test_a_flax_array_layer_where_an_rnn_layer_goes_is_refused(build, name, given):
+  x = LoDTensor.from_lengths(np.ones((3, FEATURES), np.float32), [[1, 1], [2, 1]])
+  if not name.startswith(("inner", "outer")):
+    x = _batch()
+  with pytest.raises(
+    TypeError,
+    match=rf"`{re.escape(name)}` to be a jaxlod RNN layer .*"
+    + ARRAY_LAYER.format(given),
+  ):
+    build().init(jax.random.key(0), x)
+
+
+def test_an_nnx_layer_in_a_linen_layer_is_refused():
+  layer = nnx_layers.DynamicRNN(nnx.GRUCell(FEATURES, HIDDEN, rngs=nnx.Rngs(0)))
+  with pytest.raises(
+    TypeError,
+    match=r"Expected `layers\[0\]` to be a Linen module \(a jaxlod.nn layer\), got the "
+    r"NNX module DynamicRNN\.",
+  ):
+    StackedRNN([layer]).init(jax.random.key(0), _batch())

@@ -617,3 +617,19 @@ def test_seq2seq_encoder_must_return_a_lod_tensor():
   src, tgt_in, _ = _seq2seq_batch()
   with pytest.raises(TypeError, match=r"`encoder` to return a LoDTensor, got Array"):
     model.init(jax.random.key(0), src, tgt_in)
+
+
+def test_seq2seq_decoder_must_be_an_attention_decoder():
+  src = LoDTensor.from_sequences([np.array([3, 1])])
+  tgt = LoDTensor.from_sequences([np.array([0, 2])])
+  model = Seq2Seq(
+    src_vocab=8,
+    tgt_vocab=9,
+    embed_dim=5,
+    encoder=DynamicRNN(nn.LSTMCell(4)),
+    decoder=DynamicRNN(nn.LSTMCell(4)),
+  )
+  with pytest.raises(
+    TypeError, match=r"Expected `decoder` to be an AttentionDecoder, got DynamicRNN\."
+  ):
+    model.init(jax.random.key(0), src, tgt)

@@ -3,6 +3,8 @@ the Linen layers on the same weights."""
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,9 @@ from jaxlod.nn.nnx import (
   DotAttention,
   DynamicRNN,
   GeneralAttention,
+  HierarchicalEncoder,
+  Seq2Seq,
+  StackedRNN,
 )
 from jaxlod.ops import rank_table
 from tests.helpers import assert_close
@@ -876,3 +881,69 @@ def test_initial_state_of_a_cell_without_in_features():
   carry = decoder.initial_state(memory, input_features=FEATURES)
   assert carry["h"].shape == (6, HIDDEN)
   assert decoder(TGT, memory).values.shape == (12, 2 * HIDDEN)
+
+
+def test_errors_layers_that_take_arrays_or_are_linen():
+  """The twin of tests/test_nn_rnn.py's: a layer over LoDTensors is never one
+  of Flax's layers over arrays, nor a Linen module."""
+  rngs = nnx.Rngs(0)
+  gru = lambda: DynamicRNN(nnx.GRUCell(FEATURES, HIDDEN, rngs=rngs))  # noqa: E731
+  linear = nnx.Linear(FEATURES, FEATURES, rngs=rngs)
+  array_layer = (
+    r"got Flax's {}, which takes arrays \(a recurrent cell goes in a DynamicRNN\)"
+  )
+  cases = [
+    (lambda: StackedRNN([linear]), "layers[0]", "Linear"),
+    (
+      lambda: StackedRNN([gru(), nnx.GRUCell(HIDDEN, HIDDEN, rngs=rngs)]),
+      "layers[1]",
+      "GRUCell",
+    ),
+    (lambda: HierarchicalEncoder(linear, gru()), "inner", "Linear"),
+    (lambda: HierarchicalEncoder(gru(), linear), "outer", "Linear"),
+    (lambda: Bidirectional(gru(), linear), "backward_rnn", "Linear"),
+  ]
+  for build, name, given in cases:
+    with pytest.raises(
+      TypeError,
+      match=rf"`{re.escape(name)}` to be a jaxlod RNN layer .*"
+      + array_layer.format(given),
+    ):
+      build()
+  with pytest.raises(
+    TypeError,
+    match=r"Expected `layers\[0\]` to be an NNX module \(a jaxlod.nn.nnx layer\), got "
+    r"the Linen module DynamicRNN\.",
+  ):
+    StackedRNN([linen.DynamicRNN(nn.GRUCell(HIDDEN))])
+
+
+def test_errors_seq2seq_decoder_must_be_an_attention_decoder():
+  rngs = nnx.Rngs(0)
+  with pytest.raises(
+    TypeError, match=r"Expected `decoder` to be an AttentionDecoder, got DynamicRNN\."
+  ):
+    Seq2Seq(
+      src_vocab=8,
+      tgt_vocab=9,
+      embed_dim=5,
+      encoder=DynamicRNN(nnx.LSTMCell(5, 4, rngs=rngs)),
+      decoder=DynamicRNN(nnx.LSTMCell(5, 4, rngs=rngs)),
+      features=4,
+      rngs=rngs,
+    )
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"param_dtype": jnp.int32}, r"`param_dtype` to be a float dtype, got int32\."),
+    ({"dtype": jnp.int8}, r"`dtype` to be a float dtype, got int8\."),
+  ],
+)
+def test_errors_layer_dtypes_must_be_float(kwargs, match):
+  rngs = nnx.Rngs(0)
+  with pytest.raises(TypeError, match=match):
+    GeneralAttention(HIDDEN, FEATURES, rngs=rngs, **kwargs)
+  with pytest.raises(TypeError, match=match):
+    AdditiveAttention(HIDDEN, FEATURES, UNITS, rngs=rngs, **kwargs)

@@ -87,8 +87,7 @@ class GeneralAttention(Attention):
   @nn.compact
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
-    _checks.check_dtype(self.dtype, "dtype")
-    _checks.check_dtype(self.param_dtype, "param_dtype")
+    _checks.check_layer_dtypes(self.dtype, self.param_dtype)
     memory = _checks.without_keys(memory, "GeneralAttention")
     features = memory.values.shape[-1]
     project = nn.Dense(
@@ -137,8 +136,7 @@ class AdditiveAttention(Attention):
 
   def setup(self):
     _checks.check_sizes(units=self.units)
-    _checks.check_dtype(self.dtype, "dtype")
-    _checks.check_dtype(self.param_dtype, "param_dtype")
+    _checks.check_layer_dtypes(self.dtype, self.param_dtype)
 
     def dense(features, use_bias):
       return nn.Dense(

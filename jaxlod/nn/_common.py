@@ -99,11 +99,13 @@ def check_seq2seq(
   bridge: Any,
   dropout: Any,
   deterministic: Any,
+  owner: Any,
 ) -> None:
-  """The arguments `Seq2Seq`'s twins check before building their layers."""
+  """The arguments `Seq2Seq`'s twins (`owner`) check before building their
+  layers."""
   _checks.check_sizes(src_vocab=src_vocab, tgt_vocab=tgt_vocab, embed_dim=embed_dim)
-  _checks.check_callable(encoder, "encoder")
-  _checks.check_callable(decoder, "decoder")
+  _checks.check_rnn_layer(encoder, "encoder", owner)
+  _checks.check_decoder(decoder, owner)
   _checks.check_bools(bridge=bridge, deterministic=deterministic)
   _checks.check_rate(dropout, "dropout", closed=False)
 
@@ -152,8 +154,8 @@ def run_directions(
   x = check_lod(x, "x")
   (return_carry,) = override(layer, return_carry=return_carry)
   _checks.check_bool(return_carry, "return_carry")
-  _checks.check_callable(layer.forward_rnn, "forward_rnn")
-  _checks.check_callable(layer.backward_rnn, "backward_rnn")
+  _checks.check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)
+  _checks.check_rnn_layer(layer.backward_rnn, "backward_rnn", layer)
   if layer.merge_fn is not None:
     _checks.check_callable(layer.merge_fn, "merge_fn")
   # Only a given table is passed on: an RNN of the documented call signature
@@ -187,8 +189,8 @@ def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
       f"sequences; level 1: sequences of rows), got {x.num_levels}."
     )
   check_pool_type(layer.pool_type)
-  _checks.check_callable(layer.inner, "inner")
-  _checks.check_callable(layer.outer, "outer")
+  _checks.check_rnn_layer(layer.inner, "inner", layer)
+  _checks.check_rnn_layer(layer.outer, "outer", layer)
   inner = check_lod(layer.inner(x, return_carry=False), "the inner output")
   return layer.outer(sequence_pool(inner, layer.pool_type), return_carry=return_carry)
 

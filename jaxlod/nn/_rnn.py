@@ -258,7 +258,7 @@ class StackedRNN(_common.StackCalls, nn.Module):
   __call__ = _common.StackCalls.__call__
 
   def setup(self):
-    _checks.check_layers(self.layers)
+    _checks.check_layers(self.layers, self)
     rates = _common.stack_rates(
       len(self.layers), self.input_dropout, self.dropout_rate, self.output_dropout
     )

@@ -109,6 +109,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
       self.bridge,
       self.dropout,
       self.deterministic,
+      self,
     )
     self.drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
     self.src_embed = nn.Embed(self.src_vocab, self.embed_dim)

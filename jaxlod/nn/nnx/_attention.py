@@ -82,8 +82,7 @@ class GeneralAttention(Attention):
     rngs: nnx.Rngs,
   ):
     _checks.check_sizes(hidden=hidden, features=features)
-    _checks.check_dtype(dtype, "dtype")
-    _checks.check_dtype(param_dtype, "param_dtype")
+    _checks.check_layer_dtypes(dtype, param_dtype)
     self.query = nnx.Linear(
       hidden, features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
@@ -138,8 +137,7 @@ class AdditiveAttention(Attention):
     rngs: nnx.Rngs,
   ):
     _checks.check_sizes(hidden=hidden, features=features, units=units)
-    _checks.check_dtype(dtype, "dtype")
-    _checks.check_dtype(param_dtype, "param_dtype")
+    _checks.check_layer_dtypes(dtype, param_dtype)
     common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
     self.key = _linear(features, units, False, **common)
     self.query = _linear(hidden, units, True, **common)

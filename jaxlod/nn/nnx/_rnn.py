@@ -185,8 +185,8 @@ class Bidirectional(nnx.Module):
     merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     return_carry: bool = False,
   ):
-    _checks.check_callable(forward_rnn, "forward_rnn")
-    _checks.check_callable(backward_rnn, "backward_rnn")
+    _checks.check_rnn_layer(forward_rnn, "forward_rnn", self)
+    _checks.check_rnn_layer(backward_rnn, "backward_rnn", self)
     if merge_fn is not None:
       _checks.check_callable(merge_fn, "merge_fn")
     _checks.check_bool(return_carry, "return_carry")
@@ -254,7 +254,7 @@ class StackedRNN(_common.StackCalls, nnx.Module):
     return_carry: bool = False,
     rngs: nnx.Rngs | None = None,
   ):
-    _checks.check_layers(layers)
+    _checks.check_layers(layers, self)
     rates = _common.stack_rates(
       len(layers), input_dropout, dropout_rate, output_dropout
     )
@@ -300,8 +300,8 @@ class HierarchicalEncoder(nnx.Module):
     pool_type: str = "last",
     return_carry: bool = False,
   ):
-    _checks.check_callable(inner, "inner")
-    _checks.check_callable(outer, "outer")
+    _checks.check_rnn_layer(inner, "inner", self)
+    _checks.check_rnn_layer(outer, "outer", self)
     _checks.check_pool_type(pool_type)
     _checks.check_bool(return_carry, "return_carry")
     self.inner = inner

@@ -95,7 +95,15 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
     rngs: nnx.Rngs,
   ):
     _common.check_seq2seq(
-      src_vocab, tgt_vocab, embed_dim, encoder, decoder, bridge, dropout, deterministic
+      src_vocab,
+      tgt_vocab,
+      embed_dim,
+      encoder,
+      decoder,
+      bridge,
+      dropout,
+      deterministic,
+      self,
     )
     _checks.check_sizes(features=features)
     self.src_vocab, self.tgt_vocab, self.embed_dim = src_vocab, tgt_vocab, embed_dim
