@@ -1022,15 +1022,19 @@ def fill_value(
   host, so an int beyond int32 fills uint32 or float data exactly. Fills
   of float data are not checked (NaN and infinities are fills there). A
   traced value cannot be read: for integer data its dtype must be integer.
+  A complex fill for real data and a bool fill for numbers are refused by
+  their dtype (`check_fill_kind`), traced or not.
 
   Raises:
     TypeError: for a value that is not a number or an array of numbers
-      (`expected` describes one), or a traced float for integer data.
+      (`expected` describes one), a traced float for integer data, a
+      complex value for real data or a bool for numbers.
     ValueError: naming `name`, `dtype` and the first value that does not fit.
   """
   dtype = jax.dtypes.canonicalize_dtype(dtype)
   if not (isinstance(value, jax.Array) or _holds_tracers(value)):
     value = _host_array(value, name, expected)
+  check_fill_kind(value, dtype, name)
   exact = dtype == np.bool_ or is_integer_dtype(dtype)
   if exact and is_concrete(value) and not _holds_tracers(value):
     _check_exact(np.asarray(value), dtype, name)
@@ -1779,3 +1783,30 @@ def check_no_bools(value: Any, name: str) -> None:
       raise TypeError(
         f"Expected `{name}` to hold ints, got the bool {item!r} at index {i}."
       )
+
+
+# -- fill values' kinds ---------------------------------------------------------------
+
+
+def check_fill_kind(value: Any, dtype: Any, name: str) -> None:
+  """A fill value of a kind the data's `dtype` holds: no complex fill for real
+  data (a cast drops the imaginary part), no bool fill for numbers (a bool
+  pads with 0 or 1). Reads only the dtype, so a traced value is checked too.
+
+  Raises:
+    TypeError: naming `name`, the fill's dtype and the data's.
+  """
+  kind = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.issubdtype(
+    dtype, jnp.complexfloating
+  ):
+    raise TypeError(
+      f"Expected `{name}` to be a real number for values of dtype {dtype.name} "
+      f"(the imaginary part would be dropped), got {np.dtype(kind).name}."
+    )
+  if kind == np.bool_ and dtype != np.bool_:
+    raise TypeError(
+      f"Expected `{name}` to be a number for values of dtype {dtype.name} (a bool "
+      f"would pad with 0 or 1), got bool."
+    )
