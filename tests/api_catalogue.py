@@ -133,6 +133,8 @@ A_LOD = ("LoDTensor", lod)
 SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
 UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
+COMPLEX = ("complex", lambda: 1j)
+BOOL = ("bool", lambda: True)
 RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
 # NumPy reads a bool among numbers as 0 or 1.
 MIXED_BOOLS = ("mixed_bools", lambda: [True, 2])
@@ -269,7 +271,16 @@ BAD: dict[str, list[Bad]] = {
     ("features", lambda: [np.ones((2, 2)), np.ones((1, 3))]),
   ],
   # A pad value: a scalar or an array that broadcasts to the features.
-  "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
+  # Real values drop a complex pad's imaginary part; a bool pads with 0 or 1.
+  "pad_value": [
+    STR,
+    NONE,
+    OBJECT,
+    ("wide", lambda: np.zeros((5, 5))),
+    A_LOD,
+    COMPLEX,
+    BOOL,
+  ],
   # A pad value for integer rows: the values' dtype must hold it exactly.
   "int_pad_value": [
     STR,
@@ -281,6 +292,9 @@ BAD: dict[str, list[Bad]] = {
     ("inf", lambda: float("inf")),
     ("beyond_int32", lambda: WIDE),
     ("beyond_int32_array", lambda: np.int64(2**40)),
+    COMPLEX,
+    BOOL,
+    ("numpy_bool", lambda: np.bool_(True)),
   ],
   "buckets": [STR, OBJECT, INT],
   # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.
