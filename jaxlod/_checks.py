@@ -1436,11 +1436,9 @@ def check_shards(
 
 
 def check_eps(eps: Any) -> float:
-  """The cosine attention's ``eps``: a static float >= 0."""
-  eps = static_float(eps, "eps")
-  if not eps >= 0:
-    raise ValueError(f"Expected `eps` >= 0, got {eps}.")
-  return eps
+  """The cosine attention's ``eps``: a static float > 0, finite and nonzero
+  in float32 (`finite_float32`)."""
+  return finite_float32(eps, "eps", positive=True)
 
 
 def check_rate(rate: float, name: str, *, closed: bool = True) -> float:
@@ -1785,7 +1783,7 @@ def check_no_bools(value: Any, name: str) -> None:
       )
 
 
-# -- fill values' kinds ---------------------------------------------------------------
+# -- fill values' kinds, float settings that become float32 ------------------------
 
 
 def check_fill_kind(value: Any, dtype: Any, name: str) -> None:
@@ -1810,3 +1808,27 @@ def check_fill_kind(value: Any, dtype: Any, name: str) -> None:
       f"Expected `{name}` to be a number for values of dtype {dtype.name} (a bool "
       f"would pad with 0 or 1), got bool."
     )
+
+
+def finite_float32(value: Any, name: str, *, positive: bool = False) -> float:
+  """A static float that stays finite in float32, the dtype it is computed in
+  (or wider); `positive`: also at least float32's smallest normal number
+  (a smaller one rounds, or flushes, to 0).
+
+  Raises:
+    TypeError: for a value that is not a static float (`static_float`).
+    ValueError: naming `name` and the value.
+  """
+  value = static_float(value, name)
+  f32 = np.finfo(np.float32)
+  if not abs(value) <= float(f32.max):  # NaN too
+    raise ValueError(
+      f"Expected `{name}` to be finite in float32 (|{name}| <= {float(f32.max):g}), "
+      f"got {value}."
+    )
+  if positive and not value >= float(f32.tiny):
+    raise ValueError(
+      f"Expected `{name}` > 0 and at least {float(f32.tiny):g} (the smallest normal "
+      f"float32: a smaller one becomes 0 in float32), got {value}."
+    )
+  return value

@@ -133,6 +133,7 @@ A_LOD = ("LoDTensor", lod)
 SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
 UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
+BEYOND_FLOAT32 = ("beyond_float32", lambda: 1e300)
 COMPLEX = ("complex", lambda: 1j)
 BOOL = ("bool", lambda: True)
 RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
@@ -219,6 +220,20 @@ BAD: dict[str, list[Bad]] = {
   "level": [STR, NONE, OBJECT, FLOAT, ("out_of_range", lambda: 7)],
   # Static floats with a domain.
   "float>=0": [STR, NONE, OBJECT, VECTOR, NEGATIVE, NAN],
+  # Static floats computed in float32 (or wider): finite there; `eps` also
+  # nonzero there (1e-50 becomes 0).
+  "float32>=0": [STR, NONE, OBJECT, VECTOR, NEGATIVE, NAN, BEYOND_FLOAT32],
+  "float32>0": [
+    STR,
+    NONE,
+    OBJECT,
+    VECTOR,
+    NEGATIVE,
+    NAN,
+    ZERO,
+    BEYOND_FLOAT32,
+    ("below_float32", lambda: 1e-50),
+  ],
   "rate": [STR, NONE, OBJECT, VECTOR, NEGATIVE, ("above_one", lambda: 1.5), NAN],
   "ratio>1": [STR, NONE, OBJECT, VECTOR, ("one", lambda: 1.0), NAN],
   "bool": [STR, NONE, OBJECT, BOOLS],

@@ -426,7 +426,7 @@ target(
     "eos_id": arg(1, "size>=0"),
     "max_length": arg(3, "size>=1"),
     "beam_size": arg(2, "size>=1"),
-    "length_penalty": arg(0.6, "float>=0"),
+    "length_penalty": arg(0.6, "float32>=0"),
     "num_results": arg(None, "size>=1", none_ok=True),
     "ladder": arg(None, "ladder", none_ok=True),
   },
@@ -508,7 +508,7 @@ target(
 target(
   "ops.cosine_scores",
   ops.cosine_scores,
-  {"query": QUERY, "memory": arg(memory, "memory"), "eps": arg(1e-8, "float>=0")},
+  {"query": QUERY, "memory": arg(memory, "memory"), "eps": arg(1e-8, "float32>0")},
 )
 
 

@@ -26,6 +26,7 @@ from jaxlod._checks import (
   check_sequence,
   check_settings,
   check_step_out,
+  finite_float32,
   host_numbers,
   is_float_dtype,
   is_lod,
@@ -74,9 +75,10 @@ class DecodeSettings:
       static length capacity of the results; a per-source ``max_lengths``
       array of `beam_search` may lower it per source.
     beam_size: slots per source; 1 decodes greedily.
-    length_penalty: the exponent ``alpha >= 0`` of GNMT's length penalty
-      ``((5 + steps) / 6) ** alpha`` dividing each hypothesis' summed
-      log-probability; 0 ranks (and scores) by summed log-probability.
+    length_penalty: the exponent ``alpha >= 0`` (finite in float32) of
+      GNMT's length penalty ``((5 + steps) / 6) ** alpha`` dividing each
+      hypothesis' summed log-probability; 0 ranks (and scores) by summed
+      log-probability.
     num_results: hypotheses kept per source, best first, in ``[1,
       beam_size]``; `None`: `beam_size` (Paddle's ``beam_search_decode``).
     ladder: static source counts of the loop's phases (see `rank_table`):
@@ -128,7 +130,8 @@ class DecodeSettings:
         f"Expected a finite `length_penalty` >= 0 (the early exit's bound needs a "
         f"penalty that grows with the length), got {float(penalty)}."
       )
-    set_("length_penalty", float(penalty))
+    # The scores are float32 or wider: 1e300 became inf there, every score -0.
+    set_("length_penalty", finite_float32(penalty, "length_penalty"))
     if self.ladder is not None:
       if isinstance(self.ladder, str) or not isinstance(self.ladder, Sequence):
         raise TypeError(
