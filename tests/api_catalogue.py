@@ -241,7 +241,8 @@ BAD: dict[str, list[Bad]] = {
   "choice": [UNKNOWN, NONE, INT],
   "dtype": [("unknown", lambda: "not_a_dtype"), OBJECT],
   "tuple": [STR, NONE, OBJECT, INT, ("list", lambda: [8])],
-  "path": [OBJECT, INT],
+  # A directory: not empty (it meant the current one), not an existing file.
+  "path": [OBJECT, INT, ("empty", lambda: ""), ("file", lambda: __file__)],
   # Functions, and sequences of them (steps, layers).
   "callable": [STR, NONE, OBJECT, INT],
   "callables": [STR, NONE, OBJECT, INT, EMPTY, ("strings", lambda: ["a"])],
