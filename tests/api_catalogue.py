@@ -203,6 +203,8 @@ BAD: dict[str, list[Bad]] = {
   "int": [STR, NONE, OBJECT, FLOAT, VECTOR],
   "mapping": [STR, NONE, OBJECT, INT],
   "floats": [STR, NONE, OBJECT, STRINGS],
+  # `plan_capacities`' geometric ratios: each as `Buckets.geometric`'s.
+  "ratios": [STR, NONE, OBJECT, STRINGS, ("beyond_int32", lambda: (1e300,))],
   # A static int >= 0 or >= 1.
   "int>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR],
   "int>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR],
@@ -236,6 +238,16 @@ BAD: dict[str, list[Bad]] = {
   ],
   "rate": [STR, NONE, OBJECT, VECTOR, NEGATIVE, ("above_one", lambda: 1.5), NAN],
   "ratio>1": [STR, NONE, OBJECT, VECTOR, ("one", lambda: 1.0), NAN],
+  # `Buckets.geometric`'s: beyond int32, every capacity but the first is.
+  "geometric_ratio": [
+    STR,
+    NONE,
+    OBJECT,
+    VECTOR,
+    ("one", lambda: 1.0),
+    NAN,
+    BEYOND_FLOAT32,
+  ],
   "bool": [STR, NONE, OBJECT, BOOLS],
   # One of a few names (a pool type, a policy, a kind of size).
   "choice": [UNKNOWN, NONE, INT],

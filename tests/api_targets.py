@@ -55,7 +55,7 @@ target("Buckets.pow2", Buckets.pow2, {"minimum": arg(8, "capacity>=1")})
 target(
   "Buckets.geometric",
   Buckets.geometric,
-  {"ratio": arg(1.25, "ratio>1"), "multiple": arg(8, "capacity>=1")},
+  {"ratio": arg(1.25, "geometric_ratio"), "multiple": arg(8, "capacity>=1")},
 )
 target(
   "Buckets.explicit",
@@ -579,9 +579,9 @@ target(
   data.plan_capacities,
   {
     "lengths": arg(lambda: np.array([3, 1, 2]), "host_ints"),
-    "token_budget": arg(8, "int>=0"),
+    "token_budget": arg(8, "size>=1"),
     "batch_size": arg(None, "int>=0", none_ok=True),
-    "ratios": arg((1.25,), "floats"),
+    "ratios": arg((1.25,), "ratios"),
     "max_padding": arg(0.2, "rate"),
     "window": arg(4, "int>=0"),
     "seed": arg(0, "int>=0"),
