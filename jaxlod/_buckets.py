@@ -92,6 +92,11 @@ def _check_ratio(ratio) -> float:
     raise TypeError(f"Expected `ratio` to be a float, got {ratio!r}.")
   if not 1.0 < float(ratio) < float("inf"):
     raise ValueError(f"Expected a finite `ratio` > 1, got {ratio}.")
+  if float(ratio) > MAX_CAPACITY:  # every capacity past the first: beyond int32
+    raise ValueError(
+      f"Expected `ratio` <= {MAX_CAPACITY} (a larger one puts every capacity but "
+      f"the first beyond int32), got {ratio}."
+    )
   return float(ratio)
 
 
@@ -205,6 +210,13 @@ class Buckets:
     Consecutive capacities grow by at least `ratio` (after rounding up to a
     multiple of `multiple`), so padding waste is at most about ``ratio - 1``
     of the real size plus the rounding.
+
+    Raises:
+      TypeError: for a `ratio` that is not a float or a `multiple` that is
+        not an int.
+      ValueError: for a `ratio` not in ``(1, 2**31 - 1]`` (a larger one puts
+        every capacity but the first beyond int32) or a `multiple` not in
+        ``[1, 2**31 - 1]``.
     """
     multiple = _as_capacity("multiple", multiple, 1)
     return cls("geometric", (_check_ratio(ratio), multiple))

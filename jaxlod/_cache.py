@@ -33,12 +33,20 @@ def enable_compilation_cache(
   Args:
     directory: where the cache lives. Default: the ``JAXLOD_COMPILATION_CACHE``
       environment variable when set (``0``, ``off`` or empty turn the cache
-      off), else `default_cache_dir`.
+      off), else `default_cache_dir`. A directory that does not exist yet
+      is created; an empty path is refused (it is not "off").
     min_compile_time_s: programs that compile faster than this are not
       stored (``jax_persistent_cache_min_compile_time_secs``).
 
   Returns:
     The cache directory in use, or `None` when the cache is off.
+
+  Raises:
+    TypeError: for a `directory` that is not a str, a path or None.
+    ValueError: for a `min_compile_time_s` below 0, an empty `directory`
+      (it is no way to turn the cache off: call nothing, or set the
+      variable to ``off``), or a `directory` (or variable) naming something
+      that exists and is not a directory.
 
   Example:
     >>> import jax, jaxlod
@@ -56,6 +64,8 @@ def enable_compilation_cache(
     raise TypeError(
       f"Expected `directory` to be a str, a path or None, got {directory!r}."
     )
+  if directory is not None:
+    _check_directory(directory, "`directory`")
   current = jax.config.jax_compilation_cache_dir
   if current:
     return current
@@ -63,8 +73,28 @@ def enable_compilation_cache(
     setting = os.environ.get(ENV)
     if setting is not None and setting.strip().lower() in _OFF:
       return None
+    if setting:
+      _check_directory(setting, f"the {ENV} environment variable")
     directory = setting or default_cache_dir()
   directory = str(Path(directory).expanduser())
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
   return directory
+
+
+def _check_directory(directory: str | os.PathLike, name: str) -> None:
+  """`directory` is not empty (`Path` reads "" as the current directory) and
+  is a directory or does not exist yet (JAX creates it)."""
+  text = os.fspath(directory)
+  if isinstance(text, str) and not text.strip():
+    raise ValueError(
+      f"Expected {name} to be a directory path, got {text!r} (an empty path is "
+      f"the current directory; to turn the cache off, leave {ENV} empty or "
+      f"'off' and pass no `directory`)."
+    )
+  path = Path(text).expanduser()
+  if path.exists() and not path.is_dir():
+    raise ValueError(
+      f"Expected {name} to be a directory or a path that does not exist yet, "
+      f"got {text!r}, which exists and is not a directory."
+    )

@@ -1022,15 +1022,19 @@ def fill_value(
   host, so an int beyond int32 fills uint32 or float data exactly. Fills
   of float data are not checked (NaN and infinities are fills there). A
   traced value cannot be read: for integer data its dtype must be integer.
+  A complex fill for real data and a bool fill for numbers are refused by
+  their dtype (`check_fill_kind`), traced or not.
 
   Raises:
     TypeError: for a value that is not a number or an array of numbers
-      (`expected` describes one), or a traced float for integer data.
+      (`expected` describes one), a traced float for integer data, a
+      complex value for real data or a bool for numbers.
     ValueError: naming `name`, `dtype` and the first value that does not fit.
   """
   dtype = jax.dtypes.canonicalize_dtype(dtype)
   if not (isinstance(value, jax.Array) or _holds_tracers(value)):
     value = _host_array(value, name, expected)
+  check_fill_kind(value, dtype, name)
   exact = dtype == np.bool_ or is_integer_dtype(dtype)
   if exact and is_concrete(value) and not _holds_tracers(value):
     _check_exact(np.asarray(value), dtype, name)
@@ -1432,11 +1436,9 @@ def check_shards(
 
 
 def check_eps(eps: Any) -> float:
-  """The cosine attention's ``eps``: a static float >= 0."""
-  eps = static_float(eps, "eps")
-  if not eps >= 0:
-    raise ValueError(f"Expected `eps` >= 0, got {eps}.")
-  return eps
+  """The cosine attention's ``eps``: a static float > 0, finite and nonzero
+  in float32 (`finite_float32`)."""
+  return finite_float32(eps, "eps", positive=True)
 
 
 def check_rate(rate: float, name: str, *, closed: bool = True) -> float:
@@ -1868,3 +1870,54 @@ def check_no_bools(value: Any, name: str) -> None:
       raise TypeError(
         f"Expected `{name}` to hold ints, got the bool {item!r} at index {i}."
       )
+
+
+# -- fill values' kinds, float settings that become float32 ------------------------
+
+
+def check_fill_kind(value: Any, dtype: Any, name: str) -> None:
+  """A fill value of a kind the data's `dtype` holds: no complex fill for real
+  data (a cast drops the imaginary part), no bool fill for numbers (a bool
+  pads with 0 or 1). Reads only the dtype, so a traced value is checked too.
+
+  Raises:
+    TypeError: naming `name`, the fill's dtype and the data's.
+  """
+  kind = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.issubdtype(
+    dtype, jnp.complexfloating
+  ):
+    raise TypeError(
+      f"Expected `{name}` to be a real number for values of dtype {dtype.name} "
+      f"(the imaginary part would be dropped), got {np.dtype(kind).name}."
+    )
+  if kind == np.bool_ and dtype != np.bool_:
+    raise TypeError(
+      f"Expected `{name}` to be a number for values of dtype {dtype.name} (a bool "
+      f"would pad with 0 or 1), got bool."
+    )
+
+
+def finite_float32(value: Any, name: str, *, positive: bool = False) -> float:
+  """A static float that stays finite in float32, the dtype it is computed in
+  (or wider); `positive`: also at least float32's smallest normal number
+  (a smaller one rounds, or flushes, to 0).
+
+  Raises:
+    TypeError: for a value that is not a static float (`static_float`).
+    ValueError: naming `name` and the value.
+  """
+  value = static_float(value, name)
+  f32 = np.finfo(np.float32)
+  if not abs(value) <= float(f32.max):  # NaN too
+    raise ValueError(
+      f"Expected `{name}` to be finite in float32 (|{name}| <= {float(f32.max):g}), "
+      f"got {value}."
+    )
+  if positive and not value >= float(f32.tiny):
+    raise ValueError(
+      f"Expected `{name}` > 0 and at least {float(f32.tiny):g} (the smallest normal "
+      f"float32: a smaller one becomes 0 in float32), got {value}."
+    )
+  return value

@@ -133,6 +133,9 @@ A_LOD = ("LoDTensor", lod)
 SHORT = ("short_rows", lambda: np.zeros((7, 2), np.float32))
 UNKNOWN = ("unknown", lambda: "nope")
 EMPTY = ("empty", list)
+BEYOND_FLOAT32 = ("beyond_float32", lambda: 1e300)
+COMPLEX = ("complex", lambda: 1j)
+BOOL = ("bool", lambda: True)
 RAGGED = ("ragged", lambda: [[1.0, 2.0], [3.0]])
 # NumPy reads a bool among numbers as 0 or 1.
 MIXED_BOOLS = ("mixed_bools", lambda: [True, 2])
@@ -205,6 +208,8 @@ BAD: dict[str, list[Bad]] = {
   "int": [STR, NONE, OBJECT, FLOAT, VECTOR],
   "mapping": [STR, NONE, OBJECT, INT],
   "floats": [STR, NONE, OBJECT, STRINGS],
+  # `plan_capacities`' geometric ratios: each as `Buckets.geometric`'s.
+  "ratios": [STR, NONE, OBJECT, STRINGS, ("beyond_int32", lambda: (1e300,))],
   # A static int >= 0 or >= 1.
   "int>=0": [STR, NONE, OBJECT, FLOAT, NEGATIVE, VECTOR],
   "int>=1": [STR, NONE, OBJECT, FLOAT, NEGATIVE, ZERO, VECTOR],
@@ -222,8 +227,32 @@ BAD: dict[str, list[Bad]] = {
   "level": [STR, NONE, OBJECT, FLOAT, ("out_of_range", lambda: 7)],
   # Static floats with a domain.
   "float>=0": [STR, NONE, OBJECT, VECTOR, NEGATIVE, NAN],
+  # Static floats computed in float32 (or wider): finite there; `eps` also
+  # nonzero there (1e-50 becomes 0).
+  "float32>=0": [STR, NONE, OBJECT, VECTOR, NEGATIVE, NAN, BEYOND_FLOAT32],
+  "float32>0": [
+    STR,
+    NONE,
+    OBJECT,
+    VECTOR,
+    NEGATIVE,
+    NAN,
+    ZERO,
+    BEYOND_FLOAT32,
+    ("below_float32", lambda: 1e-50),
+  ],
   "rate": [STR, NONE, OBJECT, VECTOR, NEGATIVE, ("above_one", lambda: 1.5), NAN],
   "ratio>1": [STR, NONE, OBJECT, VECTOR, ("one", lambda: 1.0), NAN],
+  # `Buckets.geometric`'s: beyond int32, every capacity but the first is.
+  "geometric_ratio": [
+    STR,
+    NONE,
+    OBJECT,
+    VECTOR,
+    ("one", lambda: 1.0),
+    NAN,
+    BEYOND_FLOAT32,
+  ],
   "bool": [STR, NONE, OBJECT, BOOLS],
   # One of a few names (a pool type, a policy, a kind of size).
   "choice": [UNKNOWN, NONE, INT],
@@ -237,7 +266,8 @@ BAD: dict[str, list[Bad]] = {
     ("bool", lambda: np.bool_),
   ],
   "tuple": [STR, NONE, OBJECT, INT, ("list", lambda: [8])],
-  "path": [OBJECT, INT],
+  # A directory: not empty (it meant the current one), not an existing file.
+  "path": [OBJECT, INT, ("empty", lambda: ""), ("file", lambda: __file__)],
   # Functions, and sequences of them (steps, layers).
   "callable": [STR, NONE, OBJECT, INT],
   "callables": [STR, NONE, OBJECT, INT, EMPTY, ("strings", lambda: ["a"])],
@@ -304,7 +334,16 @@ BAD: dict[str, list[Bad]] = {
     ("features", lambda: [np.ones((2, 2)), np.ones((1, 3))]),
   ],
   # A pad value: a scalar or an array that broadcasts to the features.
-  "pad_value": [STR, NONE, OBJECT, ("wide", lambda: np.zeros((5, 5))), A_LOD],
+  # Real values drop a complex pad's imaginary part; a bool pads with 0 or 1.
+  "pad_value": [
+    STR,
+    NONE,
+    OBJECT,
+    ("wide", lambda: np.zeros((5, 5))),
+    A_LOD,
+    COMPLEX,
+    BOOL,
+  ],
   # A pad value for integer rows: the values' dtype must hold it exactly.
   "int_pad_value": [
     STR,
@@ -316,6 +355,9 @@ BAD: dict[str, list[Bad]] = {
     ("inf", lambda: float("inf")),
     ("beyond_int32", lambda: WIDE),
     ("beyond_int32_array", lambda: np.int64(2**40)),
+    COMPLEX,
+    BOOL,
+    ("numpy_bool", lambda: np.bool_(True)),
   ],
   "buckets": [STR, OBJECT, INT],
   # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.

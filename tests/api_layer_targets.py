@@ -200,7 +200,7 @@ DTYPES = {
 NNX_SIZES = {"hidden": arg(2, "int>=1"), "features": arg(2, "int>=1")}
 for name, linen_ctor, nnx_ctor in (
   ("DotAttention", {}, {}),
-  ("CosineAttention", {"eps": arg(1e-8, "float>=0")}, {"eps": arg(1e-8, "float>=0")}),
+  ("CosineAttention", {"eps": arg(1e-8, "float32>0")}, {"eps": arg(1e-8, "float32>0")}),
   ("GeneralAttention", DTYPES, {**NNX_SIZES, **DTYPES}),
   (
     "AdditiveAttention",

@@ -55,7 +55,7 @@ target("Buckets.pow2", Buckets.pow2, {"minimum": arg(8, "capacity>=1")})
 target(
   "Buckets.geometric",
   Buckets.geometric,
-  {"ratio": arg(1.25, "ratio>1"), "multiple": arg(8, "capacity>=1")},
+  {"ratio": arg(1.25, "geometric_ratio"), "multiple": arg(8, "capacity>=1")},
 )
 target(
   "Buckets.explicit",
@@ -426,7 +426,7 @@ target(
     "eos_id": arg(1, "size>=0"),
     "max_length": arg(3, "size>=1"),
     "beam_size": arg(2, "size>=1"),
-    "length_penalty": arg(0.6, "float>=0"),
+    "length_penalty": arg(0.6, "float32>=0"),
     "num_results": arg(None, "size>=1", none_ok=True),
     "ladder": arg(None, "ladder", none_ok=True),
   },
@@ -508,7 +508,7 @@ target(
 target(
   "ops.cosine_scores",
   ops.cosine_scores,
-  {"query": QUERY, "memory": arg(memory, "memory"), "eps": arg(1e-8, "float>=0")},
+  {"query": QUERY, "memory": arg(memory, "memory"), "eps": arg(1e-8, "float32>0")},
 )
 
 
@@ -579,9 +579,9 @@ target(
   data.plan_capacities,
   {
     "lengths": arg(lambda: np.array([3, 1, 2]), "host_ints"),
-    "token_budget": arg(8, "int>=0"),
+    "token_budget": arg(8, "size>=1"),
     "batch_size": arg(None, "int>=0", none_ok=True),
-    "ratios": arg((1.25,), "floats"),
+    "ratios": arg((1.25,), "ratios"),
     "max_padding": arg(0.2, "rate"),
     "window": arg(4, "int>=0"),
     "seed": arg(0, "int>=0"),

@@ -74,3 +74,35 @@ def test_a_directory_set_already_is_kept(tmp_path):
 def test_negative_min_compile_time_is_refused():
   with pytest.raises(ValueError, match=r"`min_compile_time_s` >= 0, got -1"):
     jaxlod.enable_compilation_cache("/nonexistent", min_compile_time_s=-1)
+
+
+@pytest.mark.parametrize("directory", ["", "  "])
+def test_an_empty_directory_is_refused(directory):
+  """`Path("")` is the current directory: the cache landed there."""
+  with pytest.raises(
+    ValueError,
+    match=r"Expected `directory` to be a directory path, got '\s*' \(an empty path "
+    r"is the current directory; to turn the cache off",
+  ):
+    jaxlod.enable_compilation_cache(directory)
+
+
+def test_a_file_is_refused_as_the_directory(tmp_path):
+  file = tmp_path / "file"
+  file.write_text("")
+  with pytest.raises(
+    ValueError,
+    match=rf"Expected `directory` to be a directory or a path that does not exist "
+    rf"yet, got '{file}', which exists and is not a directory\.",
+  ):
+    jaxlod.enable_compilation_cache(file)
+
+
+def test_a_file_in_the_environment_is_refused(tmp_path):
+  file = tmp_path / "file"
+  file.write_text("")
+  with pytest.raises(subprocess.CalledProcessError) as info:
+    run(str(file))
+  assert "Expected the JAXLOD_COMPILATION_CACHE environment variable to be a " in (
+    info.value.stderr
+  )

@@ -310,3 +310,23 @@ def test_a_bool_among_batch_sizes_or_sort_indices_raises():
     _checks.check_batch_sizes([2, True], 3)
   with pytest.raises(TypeError, match=r"`sorted_indices` to hold ints, got the bool"):
     _checks.check_sort_indices([1, False], None, 2)
+
+
+@given(st.floats(min_value=0.0, max_value=1e30, allow_subnormal=True))
+def test_cosine_eps_is_refused_or_gives_finite_scores_and_gradients(eps):
+  """`eps` 0 or below float32's smallest normal gave NaN at padding slots."""
+  memory = ops.lod_memory(LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[2, 1]]))
+  query = jnp.ones((2, 2))
+  if eps < np.finfo(np.float32).tiny:
+    with pytest.raises(ValueError, match=r"Expected `eps` > 0 and at least"):
+      ops.cosine_scores(query, memory, eps)
+    return
+  scores = jax.jit(ops.cosine_scores, static_argnums=2)(query, memory, eps)
+  grads = jax.grad(lambda q: ops.cosine_scores(q, memory, eps).sum())(query)
+  assert np.all(np.isfinite(scores)) and np.all(np.isfinite(grads))
+
+
+@pytest.mark.parametrize("value", [1e300, -1e300, float("inf"), float("nan")])
+def test_finite_float32_names_the_argument(value):
+  with pytest.raises(ValueError, match=r"Expected `alpha` to be finite in float32"):
+    _checks.finite_float32(value, "alpha")

@@ -263,6 +263,11 @@ def run_beam(init, bias, max_lengths, settings):
     (dict(length_penalty=float("nan")), ValueError, r"`length_penalty` >= 0 .*nan"),
     (dict(length_penalty=float("inf")), ValueError, r"finite `length_penalty` .*inf"),
     (
+      dict(length_penalty=1e300),
+      ValueError,
+      r"Expected `length_penalty` to be finite in float32 .*, got 1e\+300\.",
+    ),
+    (
       dict(length_penalty=jnp.array(0.6)),
       TypeError,
       r"Expected `length_penalty` to be a static float, got Array\(0\.6",

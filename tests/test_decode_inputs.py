@@ -1,4 +1,4 @@
-"""Decoding never drops a source silently: NaN scores and rows of -inf rank
+"""Decoding never drops a source silently: NaN and +inf scores and rows of -inf rank
 last (and fail a checkify check), ids outside the vocabulary raise."""
 
 import functools
@@ -52,6 +52,28 @@ def test_nan_scores_fail_under_checkify():
     err.throw()
   err, _ = checkify.checkify(jax.jit(decode))(jnp.asarray([0.0, 0.0]))
   err.throw()
+
+
+def inf_step(carry, tokens, statics):
+  """As `step`, with +inf (no log-probability) where the flag is set."""
+  carry, log_probs = step(carry, tokens, jnp.zeros_like(statics))
+  return carry, jnp.where(statics[:, :1] > 0, jnp.inf, log_probs)
+
+
+def test_inf_scores_rank_last_and_fail_under_checkify():
+  def run(flags):
+    statics = jnp.asarray(flags, jnp.float32)[:, None]
+    init = jnp.zeros((2, 1))
+    return beam_search(inf_step, init, SETTINGS, static_inputs=statics)
+
+  err, hyps = checkify.checkify(jax.jit(run))(jnp.asarray([1.0, 0.0]))
+  with pytest.raises(checkify.JaxRuntimeError, match=r"without NaN or \+inf"):
+    err.throw()
+  scores = hyps.scores.to_list()
+  assert np.all(np.isfinite(scores[0])) and np.all(scores[0] < -1e30)
+  assert int(hyps.ids.faults) == 0
+  clean = decode([0, 0]).scores.to_list()[1]  # eager: rounds apart from jit
+  np.testing.assert_allclose(scores[1], clean, rtol=1e-5, atol=1e-6)
 
 
 def model_and_params():

@@ -337,3 +337,45 @@ def test_int_pad_values_are_kept_exactly_or_refused(dtype, pad):
     name = np.dtype(dtype).name
     with pytest.raises(ValueError, match=rf"`pad_value` to be .* dtype {name}"):
       x.to_padded(pad_value=pad)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("pad", [1j, np.complex64(2 + 0j), np.array([1j])])
+@pytest.mark.parametrize("op", sorted(PADS))
+def test_complex_pad_values_of_real_rows_are_refused(op, pad, jit):
+  """A cast dropped the imaginary part (a ComplexWarning at most)."""
+  x = LoDTensor.from_lengths(np.array([7.0, 2, 7, 4, 9], np.float32), [[3, 2]])
+  if op == "sequence_enumerate":  # int ids only
+    x = _ids(np.int32)
+  call = jax.jit(lambda p: PADS[op](x, p)) if jit else lambda p: PADS[op](x, p)
+  with pytest.raises(
+    TypeError,
+    match=r"Expected `pad_value` to be a real number for values of dtype \w+ "
+    r"\(the imaginary part would be dropped\), got complex",
+  ):
+    call(jnp.asarray(pad) if jit else pad)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("pad", [True, np.bool_(False), np.array([True])])
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.float32])
+@pytest.mark.parametrize("op", sorted(PADS))
+def test_bool_pad_values_of_number_rows_are_refused(op, dtype, pad, jit):
+  """NumPy reads True as 1: int ids were padded with 1."""
+  if op == "sequence_enumerate" and dtype == np.float32:
+    pytest.skip("sequence_enumerate takes int ids only")
+  x = _ids(dtype)
+  call = jax.jit(lambda p: PADS[op](x, p)) if jit else lambda p: PADS[op](x, p)
+  name = np.dtype(dtype).name
+  with pytest.raises(
+    TypeError,
+    match=rf"Expected `pad_value` to be a number for values of dtype {name} \(a "
+    r"bool would pad with 0 or 1\), got bool\.",
+  ):
+    call(jnp.asarray(pad) if jit else pad)
+
+
+def test_bool_rows_take_bool_pad_values():
+  x = LoDTensor.from_lengths(np.array([True, False, True]), [[2, 1]])
+  assert x.to_padded(pad_value=True)[0].tolist() == [[True, False], [True, True]]
+  assert ops.sequence_pad(x, np.bool_(False))[0].dtype == np.bool_

@@ -86,6 +86,20 @@ def test_choice_is_the_fewest_capacities_within_the_padding():
     ([4], {"token_budget": 8, "batch_size": 0}, ValueError, "`batch_size`"),
     ([4], {"token_budget": []}, ValueError, "at least one `token_budget`"),
     ([4], {"token_budget": "8"}, TypeError, "`token_budget"),
+    (
+      [4],
+      {"token_budget": 2**40},
+      ValueError,
+      r"Expected `token_budget` in \[1, 2147483647\] .*, got 1099511627776\.",
+    ),
+    ([4], {"token_budget": [8, 2**31]}, ValueError, r"`token_budget\[1\]` in \["),
+    (
+      [4],
+      {"token_budget": 8, "ratios": (1.25, 1e300)},
+      ValueError,
+      r"Expected `ratios\[1\]` to be a geometric ratio: Expected `ratio` <= "
+      r"2147483647 .*, got 1e\+300\.",
+    ),
   ],
 )
 def test_bad_input(lengths, kwargs, error, match):

@@ -15,6 +15,7 @@ from jaxlod._checks import (
   host_numbers,
   is_integer_dtype,
   static_float,
+  static_int,
 )
 from jaxlod.data._batcher import Batcher
 
@@ -184,6 +185,26 @@ def _measure(
   )
 
 
+def _geometric(ratio: float, name: str) -> Buckets:
+  """`Buckets.geometric(ratio)`, its errors naming `name` (``ratios[i]``)."""
+  try:
+    return Buckets.geometric(ratio)
+  except ValueError as error:
+    raise ValueError(f"Expected `{name}` to be a geometric ratio: {error}") from None
+
+
+def _measure_named(policy: tuple, sizes: list[np.ndarray], budget: int) -> Candidate:
+  """`_measure`, a capacity beyond int32 named by the argument behind it."""
+  name, buckets, argument = policy
+  try:
+    return _measure(name, buckets, sizes, budget)
+  except ValueError as error:
+    raise ValueError(
+      f"Expected `{argument or 'token_budget'}` to give capacities that fit int32 "
+      f"(candidate {name}, token_budget={budget}): {error}"
+    ) from None
+
+
 def plan_capacities(
   lengths: Any,
   *,
@@ -221,7 +242,10 @@ def plan_capacities(
 
   Raises:
     ValueError: for no examples, negative lengths, fields of different
-      sizes, a budget below the longest example, or an out-of-range setting.
+      sizes, a budget below the longest example or beyond int32 (it is a
+      tokens capacity), a ratio `Buckets.geometric` refuses, capacities
+      beyond int32 (naming `ratios[i]` or `token_budget`), or an
+      out-of-range setting.
     TypeError: for non-integer lengths or settings of the wrong type.
 
   Example:
@@ -252,7 +276,8 @@ def plan_capacities(
     raise ValueError("Expected at least one `token_budget`, got none.")
   longest = int(array.max(initial=0))
   for i, b in enumerate(budgets):
-    check_int(f"token_budget[{i}]" if len(budgets) > 1 else "token_budget", b, 1)
+    name = f"token_budget[{i}]" if len(budgets) > 1 else "token_budget"
+    static_int(check_int(name, b, 1), name, 1)  # a tokens capacity: int32
     if b < longest:
       raise ValueError(
         f"Expected `token_budget` of at least the longest example ({longest}), got {b}."
@@ -266,13 +291,14 @@ def plan_capacities(
     static_float(r, f"ratios[{i}]")
     for i, r in enumerate(check_sequence(ratios, "ratios", "a sequence of floats"))
   ]
-  policies = [("fixed", None), ("pow2", Buckets.pow2())] + [
-    (f"geometric({r:g})", Buckets.geometric(r)) for r in ratios
+  policies = [("fixed", None, ""), ("pow2", Buckets.pow2(), "")] + [
+    (f"geometric({r:g})", _geometric(r, f"ratios[{i}]"), f"ratios[{i}]")
+    for i, r in enumerate(ratios)
   ]
   candidates = []
   for budget in budgets:
     sizes = _batch_sizes(array, budget, batch_size or budget, window, seed)
-    candidates += [_measure(name, p, sizes, budget) for name, p in policies]
+    candidates += [_measure_named(p, sizes, budget) for p in policies]
   within = [c for c in candidates if c.padding <= max_padding]
   if within:
     choice = min(within, key=lambda c: (c.capacities, c.padding, -c.token_budget))

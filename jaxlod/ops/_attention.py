@@ -234,6 +234,11 @@ def cosine_scores(
   can hold. The scores are computed in float32 or wider (in float16 the
   default `eps` rounds to 0 and ``|v|^2`` overflows past 256) and returned
   in the inputs' dtype.
+
+  Raises:
+    TypeError: for an `eps` that is not a static float.
+    ValueError: for an `eps` below float32's smallest normal number (0
+      included: NaN at padding slots) or not finite in float32.
   """
   query = check_query(query, memory)
   eps = check_eps(eps)

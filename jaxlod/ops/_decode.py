@@ -26,6 +26,7 @@ from jaxlod._checks import (
   check_sequence,
   check_settings,
   check_step_out,
+  finite_float32,
   host_numbers,
   is_float_dtype,
   is_lod,
@@ -74,9 +75,10 @@ class DecodeSettings:
       static length capacity of the results; a per-source ``max_lengths``
       array of `beam_search` may lower it per source.
     beam_size: slots per source; 1 decodes greedily.
-    length_penalty: the exponent ``alpha >= 0`` of GNMT's length penalty
-      ``((5 + steps) / 6) ** alpha`` dividing each hypothesis' summed
-      log-probability; 0 ranks (and scores) by summed log-probability.
+    length_penalty: the exponent ``alpha >= 0`` (finite in float32) of
+      GNMT's length penalty ``((5 + steps) / 6) ** alpha`` dividing each
+      hypothesis' summed log-probability; 0 ranks (and scores) by summed
+      log-probability.
     num_results: hypotheses kept per source, best first, in ``[1,
       beam_size]``; `None`: `beam_size` (Paddle's ``beam_search_decode``).
     ladder: static source counts of the loop's phases (see `rank_table`):
@@ -128,7 +130,8 @@ class DecodeSettings:
         f"Expected a finite `length_penalty` >= 0 (the early exit's bound needs a "
         f"penalty that grows with the length), got {float(penalty)}."
       )
-    set_("length_penalty", float(penalty))
+    # The scores are float32 or wider: 1e300 became inf there, every score -0.
+    set_("length_penalty", finite_float32(penalty, "length_penalty"))
     if self.ladder is not None:
       if isinstance(self.ladder, str) or not isinstance(self.ladder, Sequence):
         raise TypeError(
@@ -262,13 +265,16 @@ def _floored(log_probs: jax.Array, live: jax.Array, max_length: int) -> jax.Arra
   value over the longest hypothesis (as does any finite entry below it):
   the source comes back with its hypotheses, scored near the dtype's
   minimum, never with none, and `jax.experimental.checkify` reports it
-  (NaN in any row, a row of ``-inf`` in a live slot's).
+  (NaN in any row, a row of ``-inf`` in a live slot's). ``+inf`` is no
+  log-probability (``log p <= 0``) and is treated as NaN.
   """
   log_probs = log_probs.astype(jnp.promote_types(log_probs.dtype, jnp.float32))
-  nan = jnp.isnan(log_probs)
+  # +inf is no log-probability (it would win every comparison): as NaN.
+  nan = jnp.isnan(log_probs) | (log_probs == jnp.inf)
   require(
     ~jnp.any(nan),
-    "Expected `step_fn` to return log_probs without NaN (NaN scores are ranked last).",
+    "Expected `step_fn` to return log_probs without NaN or +inf (they are ranked "
+    "last).",
   )
   stuck = ~jnp.any(nan | (log_probs > -jnp.inf), axis=1, keepdims=True)
   require(
@@ -359,8 +365,9 @@ def beam_search(
   with scores equal up to rounding.
 
   No real source comes back without hypotheses. A ``-inf`` log-probability
-  masks its token out, but a live hypothesis needs a continuation: a NaN,
-  and every entry of a live hypothesis' row with no entry above ``-inf``,
+  masks its token out, but a live hypothesis needs a continuation: a NaN
+  or ``+inf`` (no log-probability exceeds 0), and every entry of a live
+  hypothesis' row with no entry above ``-inf``,
   becomes a floor score far below any real log-probability (``finfo(dtype).
   min / (max_length + 2)`` of the scores' dtype, float32 or wider, so that
   sums of them stay finite), and the source comes back with its
@@ -400,8 +407,8 @@ def beam_search(
       through `jax.experimental.checkify`) for a `max_lengths` below 1 or
       above ``settings.max_length``.
     jax.experimental.checkify.JaxRuntimeError: only under checkify (the loop
-      is traced even eagerly), for `log_probs` holding NaN or a live
-      hypothesis' row of ``-inf``; without it, they are ranked last.
+      is traced even eagerly), for `log_probs` holding NaN or ``+inf`` or a
+      live hypothesis' row of ``-inf``; without it, they are ranked last.
 
   Not differentiable (the loop is a `lax.while_loop`).
 
