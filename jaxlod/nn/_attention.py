@@ -179,7 +179,8 @@ class CosineAttention(Attention):
   parameters.
 
   Attributes:
-    eps: added to each squared norm (default 1e-8).
+    eps: added to each squared norm (default 1e-8); a float32 normal
+      number (`jaxlod.ops.cosine_scores` says why), else a `ValueError`.
 
   Example:
     >>> import numpy as np, jax

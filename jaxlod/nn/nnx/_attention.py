@@ -166,7 +166,8 @@ class CosineAttention(Attention):
   """Cosine attention (see `jaxlod.nn.CosineAttention`). No parameters.
 
   Args:
-    eps: added to each squared norm (default 1e-8).
+    eps: added to each squared norm (default 1e-8); a float32 normal
+      number (`jaxlod.ops.cosine_scores` says why), else a `ValueError`.
 
   Example:
     >>> import numpy as np
