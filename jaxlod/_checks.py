@@ -1675,6 +1675,21 @@ def check_rnn_layer(layer: Any, name: str, owner: Any) -> Any:
   return layer
 
 
+def check_attention_layer(attention: Any, owner: Any) -> Any:
+  """An `AttentionDecoder`'s `attention`: callable, of `owner`'s API
+  (`check_twin`), and not one of Flax's own layers, whose calls differ."""
+  check_callable(attention, "attention")
+  check_twin(attention, "attention", owner)
+  if type(attention).__module__.startswith(_ARRAY_LAYERS):
+    raise TypeError(
+      "Expected `attention` to be an attention of jaxlod (DotAttention, "
+      "GeneralAttention, AdditiveAttention, CosineAttention) or a module of "
+      "yours ``attention(query, memory, lengths) -> (context, weights)``, got "
+      f"Flax's {type(attention).__name__}."
+    )
+  return attention
+
+
 def check_decoder(decoder: Any, owner: Any) -> Any:
   """A `Seq2Seq`'s `decoder` is an `AttentionDecoder` of `owner`'s API."""
   # `jaxlod.nn` imports this module: import its decoders' base at call time.

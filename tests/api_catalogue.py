@@ -285,6 +285,9 @@ BAD: dict[str, list[Bad]] = {
     ("dense", lambda: [LINEN_DENSE[1]()]),
     ("linear", lambda: [NNX_LINEAR[1]()]),
   ],
+  # An AttentionDecoder's attention: not one of Flax's layers, whose calls
+  # differ, nor a module of the other twin.
+  "attention": [STR, NONE, OBJECT, INT, LINEN_DENSE, NNX_LINEAR],
   # A Seq2Seq's decoder: an AttentionDecoder of the twin's API.
   "decoder": [
     STR,

@@ -263,7 +263,7 @@ for twin, (module, cell, init_of, run) in TWINS.items():
     run,
     {
       "cell": arg(cell, "module"),
-      "attention": arg(lambda module=module: module.DotAttention(), "module"),
+      "attention": arg(lambda module=module: module.DotAttention(), "attention"),
       "input_feeding": arg(False, "bool"),
       "remat": arg(True, "bool"),
       "ladder": arg(None, "ladder", none_ok=True),

@@ -485,7 +485,7 @@ class DecoderCalls:
     tgt = _checks.check_targets(tgt)
     memory = _checks.check_memory_lod(memory)
     _checks.check_callable(self.cell, "cell")
-    _checks.check_callable(self.attention, "attention")
+    _checks.check_attention_layer(self.attention, self)
     _checks.check_bools(
       input_feeding=self.input_feeding,
       remat=self.remat,
