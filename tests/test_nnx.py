@@ -934,6 +934,36 @@ def test_errors_seq2seq_decoder_must_be_an_attention_decoder():
     )
 
 
+def test_errors_seq2seq_decoder_cell_needs_its_width():
+  """The output layer's width comes from the decoder cell's `hidden_features`:
+  a cell of yours without it is named, not a bare AttributeError."""
+
+  class Wrapped(nnx.Module):  # a cell without `hidden_features`
+    def __init__(self, cell):
+      self.cell = cell
+
+    def __call__(self, carry, x):
+      return self.cell(carry, x)
+
+    def initialize_carry(self, shape, rngs=None):
+      return self.cell.initialize_carry(shape, rngs)
+
+  rngs = nnx.Rngs(0)
+  with pytest.raises(
+    TypeError,
+    match=r"`decoder.cell` to have an int `hidden_features` .* got Wrapped with None\.",
+  ):
+    Seq2Seq(
+      src_vocab=8,
+      tgt_vocab=9,
+      embed_dim=5,
+      encoder=DynamicRNN(nnx.LSTMCell(5, 4, rngs=rngs)),
+      decoder=AttentionDecoder(Wrapped(nnx.LSTMCell(5, 4, rngs=rngs)), DotAttention()),
+      features=4,
+      rngs=rngs,
+    )
+
+
 @pytest.mark.parametrize(
   ("kwargs", "match"),
   [

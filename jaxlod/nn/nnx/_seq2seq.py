@@ -115,7 +115,13 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
     fed = features if decoder.input_feeding else 0
     template = initialize_carry(decoder.cell, (1, embed_dim + fed))
     self.carry_bridge = CarryBridge(features, template, rngs=rngs) if bridge else None
-    hidden = decoder.cell.hidden_features
+    hidden = getattr(decoder.cell, "hidden_features", None)
+    if not isinstance(hidden, int):
+      raise TypeError(
+        "Expected `decoder.cell` to have an int `hidden_features` (the width of "
+        f"its outputs, as Flax's NNX cells have), got {type(decoder.cell).__name__} "
+        f"with {hidden!r}."
+      )
     self.output = nnx.Linear(hidden + features, tgt_vocab, rngs=rngs)
 
   def dropout_rows(self, values: jax.Array) -> jax.Array:
