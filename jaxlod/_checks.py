@@ -1736,15 +1736,20 @@ def _refuse_mixed_bools(value: list | tuple, name: str) -> None:
   stack = [((), value)]
   while stack:
     path, items = stack.pop()
-    for i, item in enumerate(items):
-      if isinstance(item, bool | np.bool_):
-        at = "".join(f"[{j}]" for j in (*path, i))
-        raise TypeError(
-          f"Expected `{name}` to hold numbers, got the bool {item!r} at "
-          f"`{name}{at}` among them (NumPy would read it as {int(item)})."
-        )
-      if isinstance(item, list | tuple):
-        stack.append(((*path, i), item))
+    i = _first_bool(items)
+    if i is not None:
+      at = "".join(f"[{j}]" for j in (*path, i))
+      raise TypeError(
+        f"Expected `{name}` to hold numbers, got the bool {items[i]!r} at "
+        f"`{name}{at}` among them (NumPy would read it as {int(items[i])})."
+      )
+    nested = (j for j, item in enumerate(items) if isinstance(item, list | tuple))
+    stack.extend(((*path, j), items[j]) for j in nested)
+
+
+def _first_bool(items: list | tuple) -> int | None:
+  """The index of the first bool among `items` (NumPy reads ``True`` as 1)."""
+  return next((i for i, v in enumerate(items) if isinstance(v, bool | np.bool_)), None)
 
 
 def _ragged(value: Any, name: str) -> str:
@@ -1801,14 +1806,12 @@ def level_array(values: Any, name: str, level: int, where: str) -> np.ndarray:
       f"Expected LoD level {level} ({name}) to be a 1-D sequence of ints, got the "
       f"scalar {_got(values)}; pass one sequence per level, e.g. [[2, 1]].{where}"
     )
-  if isinstance(values, list | tuple):
-    flags = [i for i, v in enumerate(values) if isinstance(v, bool | np.bool_)]
-    if flags:
-      i = flags[0]
-      raise TypeError(
-        f"Expected LoD level {level} ({name}) to hold ints, got the bool "
-        f"{values[i]!r} at index {i}.{where}"
-      )
+  i = _first_bool(values) if isinstance(values, list | tuple) else None
+  if i is not None:
+    raise TypeError(
+      f"Expected LoD level {level} ({name}) to hold ints, got the bool "
+      f"{values[i]!r} at index {i}.{where}"
+    )
   return array
 
 
@@ -1878,13 +1881,11 @@ def check_no_bools(value: Any, name: str) -> None:
   Raises:
     TypeError: naming `name` and the index of the first bool.
   """
-  if not isinstance(value, list | tuple):
-    return
-  for i, item in enumerate(value):
-    if isinstance(item, bool | np.bool_):
-      raise TypeError(
-        f"Expected `{name}` to hold ints, got the bool {item!r} at index {i}."
-      )
+  i = _first_bool(value) if isinstance(value, list | tuple) else None
+  if i is not None:
+    raise TypeError(
+      f"Expected `{name}` to hold ints, got the bool {value[i]!r} at index {i}."
+    )
 
 
 # -- fill values' kinds, float settings that become float32 ------------------------
