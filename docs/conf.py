@@ -143,6 +143,9 @@ napoleon_use_rtype = False
 # An attribute's docstring entry states its shape; its annotation would add
 # JAX's internal class path.
 napoleon_attr_annotations = False
+# A name in single backticks in a docstring (`x`, `config.steps`) reads as
+# code, as in the Markdown pages, not as reST's default italic title.
+default_role = "literal"
 # The page's contents name a method `to_list()`, not `LoDTensor.to_list()`.
 toc_object_entries_show_parents = "hide"
 
