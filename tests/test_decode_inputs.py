@@ -238,3 +238,34 @@ def test_no_source_is_left_without_hypotheses(beam_size, data):
       steps = list(zip(path[:-1], path[1:], strict=True))
       if score > FLOOR:
         assert all(allowed[s, a, b] for a, b in steps), (s, path, score)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_a_length_penalty_past_float32_raises(dtype):
+  """The search scores in float32 (or wider) whatever the step's dtype. At
+  ``max_length`` 3, ``(8 / 6) ** 400`` is inf there: a hypothesis of that
+  length would score 0 and outrank every other; the search refuses it,
+  naming both settings and the dtype."""
+  settings = DecodeSettings(
+    bos_id=0, eos_id=4, max_length=3, beam_size=2, length_penalty=400.0
+  )
+
+  def fixed(carry, tokens, statics):
+    del statics
+    scores = jnp.tile(jnp.arange(VOCAB, dtype=dtype), (tokens.shape[0], 1))
+    return carry, jax.nn.log_softmax(scores)
+
+  with pytest.raises(
+    ValueError, match=r"`length_penalty` \(400.0\) and `max_length` \(3\).*float32"
+  ):
+    beam_search(fixed, jnp.zeros((2, 1)), settings)
+
+
+def test_a_large_length_penalty_within_float32_passes():
+  """``(8 / 6) ** 300`` is finite in float32: the search runs, scores finite."""
+  settings = DecodeSettings(
+    bos_id=0, eos_id=4, max_length=3, beam_size=2, length_penalty=300.0
+  )
+  hyps = beam_search(step, jnp.zeros((2, 1)), settings, static_inputs=jnp.zeros((2, 1)))
+  for scores in hyps.scores.to_list():
+    assert np.all(np.isfinite(scores)) and np.all(np.asarray(scores) < 0)

@@ -78,7 +78,8 @@ class DecodeSettings:
     length_penalty: the exponent ``alpha >= 0`` (finite in float32) of
       GNMT's length penalty ``((5 + steps) / 6) ** alpha`` dividing each
       hypothesis' summed log-probability; 0 ranks (and scores) by summed
-      log-probability.
+      log-probability. `beam_search` refuses a penalty that is inf at
+      `max_length` in its scores' dtype (float32 or wider).
     num_results: hypotheses kept per source, best first, in ``[1,
       beam_size]``; `None`: `beam_size` (Paddle's ``beam_search_decode``).
     ladder: static source counts of the loop's phases (see `rank_table`):
@@ -403,7 +404,8 @@ def beam_search(
   Raises:
     ValueError: at trace time for a step whose carry changes shape or dtype
       or whose `log_probs` are not ``[b, vocab]`` floats, `eos_id` outside
-      the vocabulary, or arguments of the wrong shape; eagerly (under `jit`
+      the vocabulary, arguments of the wrong shape, or a length penalty
+      that is inf at ``settings.max_length`` in the scores' dtype; eagerly (under `jit`
       through `jax.experimental.checkify`) for a `max_lengths` below 1 or
       above ``settings.max_length``.
     jax.experimental.checkify.JaxRuntimeError: only under checkify (the loop
@@ -453,6 +455,7 @@ def beam_search(
     step, flat[0], jnp.zeros((rows,), jnp.int32), flat[1], jnp.ones((rows,), bool)
   )
   dtype = probe[1].dtype
+  _search.check_penalty(alpha, settings.max_length, dtype)
   slots = _search.initial_slots(
     count, beam_size, settings.max_length, n, settings.bos_id, dtype
   )

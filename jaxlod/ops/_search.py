@@ -12,6 +12,7 @@ and masked out of the state), as in `dynamic_rnn`'s phases.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -83,6 +84,23 @@ def penalty(length: jax.Array, alpha: float, dtype) -> jax.Array:
   if alpha == 0:
     return jnp.ones(length.shape, dtype)
   return ((5.0 + length.astype(dtype)) / 6.0) ** alpha
+
+
+def check_penalty(alpha: float, max_length: int, dtype) -> None:
+  """Raises a ValueError when `penalty` at `max_length` (its largest value)
+  is inf in `dtype`: every score of that length would be 0 and outrank the
+  others."""
+  if alpha == 0:
+    return
+  exponent = alpha * math.log10((5.0 + max_length) / 6.0)
+  largest = float(jnp.finfo(dtype).max)
+  if exponent >= math.log10(largest):
+    raise ValueError(
+      f"Expected `length_penalty` ({alpha}) and `max_length` ({max_length}) to keep "
+      f"the length penalty ((5 + length) / 6) ** length_penalty finite in the "
+      f"scores' dtype {jnp.dtype(dtype).name} (at most {largest:.4g}), got about "
+      f"1e{exponent:.0f}: lower `length_penalty` or `max_length`."
+    )
 
 
 def scores(slots: Slots, alpha: float) -> jax.Array:
