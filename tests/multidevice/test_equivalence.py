@@ -28,8 +28,10 @@ from jaxlod.nn import (
   ensemble_generate,
 )
 from jaxlod.ops import DecodeSettings
-from jaxlod.parallel import data_parallel, generate, shard_batch
+from jaxlod.parallel import data_parallel, generate, shard_batch, unstack
 from tests.helpers import assert_close
+from tests.test_nn_rngs import SETTINGS as DROP_SETTINGS
+from tests.test_nn_rngs import drop_seq2seq
 
 SHARDS = 4
 HIDDEN = 6
@@ -309,6 +311,40 @@ def test_beam_search_equals_one_device(mesh):
   )
   flat = [h.tolist() for hyps in per_source for hs in hyps.ids.to_list() for h in hs]
   assert flat == [h.tolist() for hs in got_ids for h in hs]
+
+
+def test_generate_draws_per_shard_from_the_folded_keys(mesh):
+  """With `rngs`, the device of shard ``s`` decodes as one device does with
+  each key folded with ``s``: every shard holds the same two sources, and
+  the shards' dropout masks, so their hypotheses, differ."""
+  model, params = drop_seq2seq()
+  examples = [(np.array([3, 1, 4]),), (np.array([1, 5]),)] * SHARDS
+  buckets = Buckets.fixed(tokens=8, sequences=2, time=6)
+  batcher = Batcher(examples, buckets, shards=SHARDS, shuffle=False, prefetch=0)
+  batch = next(batcher.iterate())
+  key = jax.random.key(7)
+  shards = generate(
+    (model, params),
+    shard_batch(batch, mesh).fields[0],
+    mesh,
+    settings=DROP_SETTINGS,
+    rngs={"dropout": key},
+  )
+
+  @jax.jit
+  def one_device(src, key):
+    return ensemble_generate(
+      [(model, params)], src, DROP_SETTINGS, rngs={"dropout": key}
+    )
+
+  got = []
+  for s, (hyps, src) in enumerate(zip(shards, unstack(batch.fields[0]), strict=True)):
+    want = one_device(src, jax.random.fold_in(key, s))
+    ids = [[h.tolist() for h in hs] for hs in hyps.ids.to_list()]
+    assert ids == [[h.tolist() for h in hs] for hs in want.ids.to_list()]
+    assert_close(hyps.scores.to_list(), want.scores.to_list())
+    got.append(ids)
+  assert len({str(ids) for ids in got}) > 1
 
 
 def test_shards_must_match_the_devices(mesh):
