@@ -1663,31 +1663,42 @@ def check_rnn_layer(layer: Any, name: str, owner: Any) -> Any:
   It must be callable, of `owner`'s API (`check_twin`), and not one of
   Flax's own layers or cells, which take arrays.
   """
-  check_callable(layer, name)
-  check_twin(layer, name, owner)
-  if type(layer).__module__.startswith(_ARRAY_LAYERS):
-    raise TypeError(
-      f"Expected `{name}` to be a jaxlod RNN layer (a DynamicRNN, "
-      "Bidirectional, StackedRNN or HierarchicalEncoder) or a module of "
-      f"yours over LoDTensors, got Flax's {type(layer).__name__}, which takes "
-      "arrays (a recurrent cell goes in a DynamicRNN)."
-    )
-  return layer
+  return _check_jaxlod_layer(
+    layer,
+    name,
+    owner,
+    "a jaxlod RNN layer (a DynamicRNN, Bidirectional, StackedRNN or "
+    "HierarchicalEncoder) or a module of yours over LoDTensors",
+    ", which takes arrays (a recurrent cell goes in a DynamicRNN)",
+  )
 
 
 def check_attention_layer(attention: Any, owner: Any) -> Any:
   """An `AttentionDecoder`'s `attention`: callable, of `owner`'s API
   (`check_twin`), and not one of Flax's own layers, whose calls differ."""
-  check_callable(attention, "attention")
-  check_twin(attention, "attention", owner)
-  if type(attention).__module__.startswith(_ARRAY_LAYERS):
+  return _check_jaxlod_layer(
+    attention,
+    "attention",
+    owner,
+    "an attention of jaxlod (DotAttention, GeneralAttention, AdditiveAttention, "
+    "CosineAttention) or a module of yours ``attention(query, memory, lengths) "
+    "-> (context, weights)``",
+  )
+
+
+def _check_jaxlod_layer(
+  value: Any, name: str, owner: Any, expected: str, tail: str = ""
+) -> Any:
+  """`value`, given to `owner` as `name`: callable, of `owner`'s API
+  (`check_twin`), and not one of Flax's own layers (the message: `expected`,
+  then `tail` after the Flax class's name)."""
+  check_callable(value, name)
+  check_twin(value, name, owner)
+  if type(value).__module__.startswith(_ARRAY_LAYERS):
     raise TypeError(
-      "Expected `attention` to be an attention of jaxlod (DotAttention, "
-      "GeneralAttention, AdditiveAttention, CosineAttention) or a module of "
-      "yours ``attention(query, memory, lengths) -> (context, weights)``, got "
-      f"Flax's {type(attention).__name__}."
+      f"Expected `{name}` to be {expected}, got Flax's {type(value).__name__}{tail}."
     )
-  return attention
+  return value
 
 
 def check_decoder(decoder: Any, owner: Any) -> Any:
