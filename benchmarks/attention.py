@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
+from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 
 HIDDEN = 256

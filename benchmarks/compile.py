@@ -58,7 +58,7 @@ import rnn  # noqa: E402  (the workloads, batches and arms of benchmarks/rnn.py)
 
 import jaxlod  # noqa: E402
 import jaxlod.ops  # noqa: E402
-from jaxlod.examples._timing import machine_info, measure_interleaved, write_report  # noqa: E402
+from jaxlod.examples.timing import machine_info, measure_interleaved, write_report  # noqa: E402
 
 
 def ladders(count: int) -> dict[str, tuple[int, ...] | None]:

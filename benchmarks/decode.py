@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
+from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 from jaxlod.ops import DecodeSettings
 

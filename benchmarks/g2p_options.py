@@ -1,6 +1,6 @@
 """Host rank tables and decode compaction in the G2P example, side by side.
 
-The default G2P config (`jaxlod.examples._g2p_model.Config()`) in one
+The default G2P config (`jaxlod.examples.g2p_model.Config()`) in one
 process, each option timed against the run without it:
 
 * ``train_step``: the example's jitted training step (`m.train_step`) on
@@ -34,7 +34,7 @@ stops on ``</s>``, so its time depends on the model; ``dev_per`` and
 arms then continue from them.
 
 Time: the median of interleaved calls of the arms (shuffled order each
-round; `jaxlod.examples._timing.measure_interleaved`); ``compile_s`` is an
+round; `jaxlod.examples.timing.measure_interleaved`); ``compile_s`` is an
 arm's first call less its median (the decoding arms: compiled ahead of time
 on one batch). ``ratio`` is the option's median time over the median time
 without it, ``paired_ratio`` the median over the rounds of the two arms'
@@ -70,10 +70,10 @@ except ImportError:  # Run from a checkout without installing it.
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import jaxlod  # noqa: F401
 from jaxlod.data import Batcher
-from jaxlod.examples import _g2p_data as data
-from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
-from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
+from jaxlod.examples import g2p_data as data
+from jaxlod.examples import g2p_model as m
+from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 
 SLOWER_THAN = 1.03
 SCORE_TOLERANCE = 1e-5
@@ -323,7 +323,7 @@ def run(train_steps: int, repeats: int, decode_repeats: int) -> dict[str, Any]:
       "host_tables_in_decoding": decode["host_tables_paired_ratio"] <= SLOWER_THAN,
     },
     "setup": {
-      "config": "jaxlod.examples._g2p_model.Config() (the default preset)",
+      "config": "jaxlod.examples.g2p_model.Config() (the default preset)",
       "train_steps_before_timing": train_steps,
       "training_ladder": list(m.training_ladder(config)),
       "batch_words": config.batch_words,

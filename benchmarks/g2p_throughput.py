@@ -36,9 +36,9 @@ import numpy as np
 
 from jaxlod import enable_compilation_cache
 from jaxlod.data import Batcher
-from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
-from jaxlod.examples._timing import machine_info, write_report
+from jaxlod.examples import g2p_model as m
+from jaxlod.examples.timing import machine_info, write_report
 
 CELLS = {
   "LSTMCell": nn.LSTMCell,

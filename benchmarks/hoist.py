@@ -45,7 +45,7 @@ import rnn  # noqa: E402  (the workloads, batches and arms of benchmarks/rnn.py)
 
 import jaxlod  # noqa: E402
 import jaxlod.ops  # noqa: E402
-from jaxlod.examples._timing import machine_info, write_report  # noqa: E402
+from jaxlod.examples.timing import machine_info, write_report  # noqa: E402
 
 # -- the cells, split into an input projection and a recurrence ----------------------
 

@@ -82,8 +82,8 @@ except ImportError:  # Run from a checkout without installing it.
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import jaxlod
 import jaxlod.ops
-from jaxlod.examples._timing import machine_info as _machine_info
-from jaxlod.examples._timing import measure_interleaved, write_report
+from jaxlod.examples.timing import machine_info as _machine_info
+from jaxlod.examples.timing import measure_interleaved, write_report
 
 try:
   import torch

@@ -76,9 +76,9 @@ try:
 except ImportError:  # Run from a checkout without installing it.
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxlod.data import Batcher
-from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
-from jaxlod.examples._timing import machine_info, measure_interleaved, write_report
+from jaxlod.examples import g2p_model as m
+from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 from jaxlod.parallel import shard_batch
 
 SHARD_COUNTS = (2, 4, 8)

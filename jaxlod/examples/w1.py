@@ -26,7 +26,7 @@ import optax
 from tqdm import tqdm
 
 from jaxlod import Buckets, LoDTensor, enable_compilation_cache
-from jaxlod.examples._timing import measure_interleaved
+from jaxlod.examples.timing import measure_interleaved
 from jaxlod.ops import dynamic_rnn, rank_table
 
 BATCH, FEATURES, HIDDEN, TIME = 64, 256, 256, 128

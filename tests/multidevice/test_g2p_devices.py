@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxlod.examples import _g2p_model as m
 from jaxlod.examples import g2p
+from jaxlod.examples import g2p_model as m
 
 FLAGS = ["--preset", "tiny", "--quiet", "--examples", "0"]
 

@@ -36,7 +36,7 @@ from jaxlod.nn import (
 from jaxlod.ops import DecodeSettings, sequence_cross_entropy
 from jaxlod.parallel import data_parallel, generate, shard_batch
 
-# Ids of the target vocabulary's markers (see `_g2p_data.phone_vocab`).
+# Ids of the target vocabulary's markers (see `g2p_data.phone_vocab`).
 BOS_ID, EOS_ID = 0, 1
 NUM_LETTERS = 26
 # Longest CMUdict word kept (28 letters) and pronunciation plus `</s>` (29).
