@@ -6,11 +6,11 @@ depth, batch size (``batch_words`` words, ``batch_tokens`` tokens a field)
 and LSTM cell (flax's ``LSTMCell``, which the example uses; its fused twin
 ``OptimizedLSTMCell``; or ``LSTMCell`` computing in bfloat16 from float32
 parameters, which a CPU with bfloat16 matrix units might run faster),
-stepping through the batches of its own `jaxlod.data.Batcher`
-built as `g2p.train` builds it. The arms run in one process, interleaved:
-each round, in a shuffled order, every arm takes ``--steps`` steps (each
-waits for its loss, as the example does), and the round's time gives its
-steps, words and tokens a second. Reported per arm: the median over the
+stepping through the batches of its own `jaxlod.data.Batcher` (the
+example's, `g2p.training_batcher`). The arms run in one process,
+interleaved: each round, in a shuffled order, every arm takes ``--steps``
+steps (each waits for its loss, as the example does), and the round's time
+gives its steps, words and tokens a second. Reported per arm: the median over the
 rounds, ``compile_s`` (its first call), and ``words_ratio``, its words a
 second over the ``fast`` preset's shape's in the same rounds (median of the
 per-round ratios): how many more training words an hour buys.
@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import enable_compilation_cache
-from jaxlod.data import Batcher
 from jaxlod.examples import g2p
 from jaxlod.examples import g2p_model as m
 from jaxlod.examples.timing import machine_info, write_report
@@ -70,14 +69,7 @@ def _arm(corpus, hidden, layers, words, tokens, cell):
   num_phones = len(corpus.phones)
   step_fn = m.train_step(config, num_phones, cell=CELLS[cell])
   state = list(m.init_state(config, num_phones))
-  batcher = Batcher(
-    corpus.train,
-    m.batch_buckets(words, tokens),
-    seed=0,
-    ladder=m.training_ladder(config),
-    tables=(True, True, False),
-  )
-  batches = batcher.iterate()
+  batches = g2p.training_batcher(config, corpus).iterate()
   lengths = np.array([len(s) + len(t) for s, _, t in corpus.train])
   key = jax.random.key(1)
   count = [0]

