@@ -12,24 +12,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _buckets, _checks
+from jaxlod import _buckets, _checks, _host_checks
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
   as_array,
   check_dtype,
   check_fits_device,
-  check_integer_level,
   check_lengths_fit,
-  check_offsets,
   check_pad_value,
-  check_padded_lengths,
-  check_segment_ids,
   check_sequence,
   host_array,
   host_numbers,
   is_concrete,
   is_float_dtype,
   static_int,
+)
+from jaxlod._host_checks import (
+  check_integer_level,
+  check_offsets,
+  check_padded_lengths,
+  check_segment_ids,
 )
 
 
@@ -942,7 +944,7 @@ class LoDTensor:
       ...
       ValueError: LoD level 0, index 0: a sequence of length 4, more than the time ...
     """
-    _checks.check_stored_lod(self)
+    _host_checks.check_stored_lod(self)
     check_sound(self)
 
   def to_list(self) -> list:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from flax import serialization
 
-from jaxlod import _checks
+from jaxlod import _host_checks
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._attention import Memory
 from jaxlod.ops._decode import Hypotheses
@@ -98,7 +98,7 @@ def register_state(
         for name in data
       },
     )
-    _checks.check_restored_shapes(target, restored, where)
+    _host_checks.check_restored_shapes(target, restored, where)
     if check_restored is not None:
       check_restored(restored, saved, where)
     return restored
@@ -107,9 +107,11 @@ def register_state(
 
 
 register_export(LoDTensor, "jaxlod.LoDTensor")
-register_state(LoDTensor, _checks.check_lod_restore, _checks.check_restored_lod)
+register_state(
+  LoDTensor, _host_checks.check_lod_restore, _host_checks.check_restored_lod
+)
 register_export(RankTable, "jaxlod.ops.RankTable")
-register_state(RankTable, _checks.check_same_static)
+register_state(RankTable, _host_checks.check_same_static)
 jax.export.register_namedtuple_serialization(
   Memory, serialized_name="jaxlod.ops.Memory"
 )

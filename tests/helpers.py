@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 
-from jaxlod import Buckets, LoDTensor, _checks
+from jaxlod import Buckets, LoDTensor, _host_checks
 
 # The modules whose `__all__` is jaxlod's public API.
 PUBLIC_MODULES = [
@@ -157,6 +157,6 @@ def last_level(x: LoDTensor) -> list[np.ndarray]:
 def assert_valid(x: LoDTensor) -> None:
   """The LoD invariants (DESIGN.md), faults or not: those of
   `LoDTensor.validate`, and zeros in the rows past the last offset."""
-  _checks.check_stored_lod(x)
+  _host_checks.check_stored_lod(x)
   real = int(np.asarray(x.offsets[-1])[-1])
   assert not np.any(np.asarray(x.values)[real:]), np.asarray(x.values)[real:]

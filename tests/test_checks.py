@@ -1,4 +1,5 @@
-"""Tests of the argument and value checks (jaxlod/_checks.py)."""
+"""Tests of the argument and value checks (jaxlod/_checks.py, _host_checks.py and
+_layer_checks.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from jax import export
 from jax.experimental import checkify
 
-from jaxlod import Buckets, Capacity, LoDTensor, _checks, ops, unchecked
+from jaxlod import Buckets, Capacity, LoDTensor, _checks, _host_checks, ops, unchecked
 from jaxlod.ops import rank_table
 
 
@@ -247,16 +248,16 @@ def test_check_fits_names_the_size():
 
 
 def test_check_offsets_is_paddles_check_lod():
-  assert [o.tolist() for o in _checks.check_offsets([[0, 2], [0, 1, 3]], 3)] == [
+  assert [o.tolist() for o in _host_checks.check_offsets([[0, 2], [0, 1, 3]], 3)] == [
     [0, 2],
     [0, 1, 3],
   ]
   with pytest.raises(ValueError, match=r"LoD level 1, index 2: offsets must be"):
-    _checks.check_offsets([[0, 2], [0, 3, 1]], 1)
+    _host_checks.check_offsets([[0, 2], [0, 3, 1]], 1)
   with pytest.raises(ValueError, match=r"must equal the number of rows of `values`"):
-    _checks.check_offsets([[0, 2]], 3)
+    _host_checks.check_offsets([[0, 2]], 3)
   with pytest.raises(ValueError, match=r"Expected integer offsets at LoD level 0"):
-    _checks.check_integer_level("offsets", 0, [0.0, 1.5])
+    _host_checks.check_integer_level("offsets", 0, [0.0, 1.5])
 
 
 def test_pool_and_pad_value_checks():
@@ -307,9 +308,9 @@ def test_check_rows_and_step_out():
 
 def test_a_bool_among_batch_sizes_or_sort_indices_raises():
   with pytest.raises(TypeError, match=r"`batch_sizes` to hold ints, got the bool True"):
-    _checks.check_batch_sizes([2, True], 3)
+    _host_checks.check_batch_sizes([2, True], 3)
   with pytest.raises(TypeError, match=r"`sorted_indices` to hold ints, got the bool"):
-    _checks.check_sort_indices([1, False], None, 2)
+    _host_checks.check_sort_indices([1, False], None, 2)
 
 
 @given(st.floats(min_value=0.0, max_value=1e30, allow_subnormal=True))

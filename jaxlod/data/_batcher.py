@@ -9,7 +9,8 @@ import jax
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import check_bool, check_int, check_shards, check_tables
+from jaxlod._checks import check_bool
+from jaxlod._host_checks import check_int, check_shards, check_tables
 from jaxlod.data import _state
 from jaxlod.data._packing import (
   Batch,

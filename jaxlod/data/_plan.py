@@ -9,14 +9,14 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
-  check_int,
-  check_rate,
   check_sequence,
   host_numbers,
   is_integer_dtype,
   static_float,
   static_int,
 )
+from jaxlod._host_checks import check_int
+from jaxlod._layer_checks import check_rate
 from jaxlod.data._batcher import Batcher
 
 

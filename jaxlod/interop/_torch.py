@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _checks
+from jaxlod import _checks, _host_checks
 from jaxlod._buckets import Buckets
 from jaxlod._lod import LoDTensor
 
@@ -105,9 +105,11 @@ def from_packed_sequence(
     raise ValueError(
       "Expected `packed.data` to have rank >= 1 ([rows, *features]), got a scalar."
     )
-  sizes = _checks.check_batch_sizes(_to_numpy(packed.batch_sizes, torch), data.shape[0])
+  sizes = _host_checks.check_batch_sizes(
+    _to_numpy(packed.batch_sizes, torch), data.shape[0]
+  )
   count = int(sizes[0]) if sizes.size else 0
-  ranks = _checks.check_sort_indices(
+  ranks = _host_checks.check_sort_indices(
     _to_numpy(packed.sorted_indices, torch),
     _to_numpy(packed.unsorted_indices, torch),
     count,
@@ -164,7 +166,7 @@ def to_packed_sequence(x: LoDTensor) -> PackedSequence:
   x = _checks.check_lod(x, "x", levels=(1,))
   offsets = x.row_splits()[0]
   lengths = np.diff(offsets)
-  _checks.check_packable(lengths, "to_packed_sequence")
+  _host_checks.check_packable(lengths, "to_packed_sequence")
   order = np.argsort(-lengths, kind="stable")
   steps = np.arange(lengths[order[0]])
   running = steps[:, None] < lengths[order][None, :]

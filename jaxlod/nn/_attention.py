@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _checks
+from jaxlod import _layer_checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.ops import _attention as core
@@ -53,7 +53,7 @@ class DotAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.dot_scores``: the query must be as wide as the memory."""
-    return core.dot_scores(query, _checks.without_keys(memory, "DotAttention"))
+    return core.dot_scores(query, _layer_checks.without_keys(memory, "DotAttention"))
 
 
 class GeneralAttention(Attention):
@@ -87,8 +87,8 @@ class GeneralAttention(Attention):
   @nn.compact
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
-    _checks.check_layer_dtypes(self.dtype, self.param_dtype)
-    memory = _checks.without_keys(memory, "GeneralAttention")
+    _layer_checks.check_layer_dtypes(self.dtype, self.param_dtype)
+    memory = _layer_checks.without_keys(memory, "GeneralAttention")
     features = memory.values.shape[-1]
     project = nn.Dense(
       features,
@@ -135,8 +135,8 @@ class AdditiveAttention(Attention):
   param_dtype: Any = jnp.float32
 
   def setup(self):
-    _checks.check_sizes(units=self.units)
-    _checks.check_layer_dtypes(self.dtype, self.param_dtype)
+    _layer_checks.check_sizes(units=self.units)
+    _layer_checks.check_layer_dtypes(self.dtype, self.param_dtype)
 
     def dense(features, use_bias):
       return nn.Dense(
@@ -195,5 +195,5 @@ class CosineAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.cosine_scores``: the query must be as wide as the memory."""
-    memory = _checks.without_keys(memory, "CosineAttention")
+    memory = _layer_checks.without_keys(memory, "CosineAttention")
     return core.cosine_scores(query, memory, self.eps)

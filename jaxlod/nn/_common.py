@@ -3,7 +3,7 @@
 The twins differ only in how they hold parameters; the bodies of their
 calls (the mixins below), the merging of directions, the embedding of id
 LoDTensors and the decoding of encoder-decoder members live here once, and
-their argument checks in `jaxlod._checks`.
+their argument checks in `jaxlod._layer_checks`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _checks
+from jaxlod import _checks, _layer_checks
 from jaxlod._checks import check_integer, check_lod, check_pool_type, is_lod
 from jaxlod._lod import LoDTensor
 from jaxlod.ops import _attention as core
@@ -84,9 +84,9 @@ def stack_rates(
 ) -> list[float]:
   """`StackedRNN`'s dropout rates: before layer ``i`` for ``i < layers``, then
   after the last."""
-  _checks.check_rate(input_dropout, "input_dropout")
-  _checks.check_rate(dropout_rate, "dropout_rate")
-  _checks.check_rate(output_dropout, "output_dropout")
+  _layer_checks.check_rate(input_dropout, "input_dropout")
+  _layer_checks.check_rate(dropout_rate, "dropout_rate")
+  _layer_checks.check_rate(output_dropout, "output_dropout")
   return [input_dropout] + [dropout_rate] * (layers - 1) + [output_dropout]
 
 
@@ -103,11 +103,13 @@ def check_seq2seq(
 ) -> None:
   """The arguments `Seq2Seq`'s twins (`owner`) check before building their
   layers."""
-  _checks.check_sizes(src_vocab=src_vocab, tgt_vocab=tgt_vocab, embed_dim=embed_dim)
-  _checks.check_rnn_layer(encoder, "encoder", owner)
-  _checks.check_decoder(decoder, owner)
+  _layer_checks.check_sizes(
+    src_vocab=src_vocab, tgt_vocab=tgt_vocab, embed_dim=embed_dim
+  )
+  _layer_checks.check_rnn_layer(encoder, "encoder", owner)
+  _layer_checks.check_decoder(decoder, owner)
   _checks.check_bools(bridge=bridge, deterministic=deterministic)
-  _checks.check_rate(dropout, "dropout", closed=False)
+  _layer_checks.check_rate(dropout, "dropout", closed=False)
 
 
 def override(layer: Any, **values: Any) -> list[Any]:
@@ -154,8 +156,8 @@ def run_directions(
   x = check_lod(x, "x")
   (return_carry,) = override(layer, return_carry=return_carry)
   _checks.check_bool(return_carry, "return_carry")
-  _checks.check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)
-  _checks.check_rnn_layer(layer.backward_rnn, "backward_rnn", layer)
+  _layer_checks.check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)
+  _layer_checks.check_rnn_layer(layer.backward_rnn, "backward_rnn", layer)
   if layer.merge_fn is not None:
     _checks.check_callable(layer.merge_fn, "merge_fn")
   # Only a given table is passed on: an RNN of the documented call signature
@@ -165,7 +167,7 @@ def run_directions(
     rnn(x, initial_carry=carry, reverse=reverse, return_carry=True, **key, **extra)
     for rnn, carry, reverse, key in zip(
       (layer.forward_rnn, layer.backward_rnn),
-      _checks.split_pair(initial_carry),
+      _layer_checks.split_pair(initial_carry),
       (False, True),
       keys,
       strict=True,
@@ -189,8 +191,8 @@ def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
       f"sequences; level 1: sequences of rows), got {x.num_levels}."
     )
   check_pool_type(layer.pool_type)
-  _checks.check_rnn_layer(layer.inner, "inner", layer)
-  _checks.check_rnn_layer(layer.outer, "outer", layer)
+  _layer_checks.check_rnn_layer(layer.inner, "inner", layer)
+  _layer_checks.check_rnn_layer(layer.outer, "outer", layer)
   inner = check_lod(layer.inner(x, return_carry=False), "the inner output")
   return layer.outer(sequence_pool(inner, layer.pool_type), return_carry=return_carry)
 
@@ -254,7 +256,7 @@ def generate(
   same hypotheses; one member decodes with its own log-probabilities.
   """
   check_lod(src, "src")
-  _checks.check_settings(settings)
+  _layer_checks.check_settings(settings)
   _checks.check_table(src_table, "src_table", optional=True)
   steps, carries, memories, encoded = [], [], [], []
   for member in members:
@@ -387,7 +389,7 @@ class DecoderCalls:
       [count_capacity], keys [count_capacity, time_capacity, units] |
       None)``.
     """
-    memory = _checks.check_memory_lod(memory)
+    memory = _layer_checks.check_memory_lod(memory)
     keys = getattr(self.attention, "keys", None)
     return core.lod_memory(memory, None if keys is None else keys(memory))
 
@@ -415,7 +417,7 @@ class DecoderCalls:
     the step input is ``x_t`` (`input_features` wide), with the memory's
     features added under input feeding (``cell.initialize_carry`` with a
     fixed key: Flax's cells start from zeros)."""
-    memory = _checks.check_memory_lod(memory)
+    memory = _layer_checks.check_memory_lod(memory)
     fed = memory.feature_shape[-1] if self.input_feeding else 0
     shape = (memory.capacity.sequences[-1], input_features + fed)
     return self.initialize_carry(shape)
@@ -437,7 +439,7 @@ class DecoderCalls:
       `initial_carry` (or the default), paired with a zero context
       ``[count_capacity, features]`` when `input_feeding`.
     """
-    memory = _checks.check_memory_lod(memory)
+    memory = _layer_checks.check_memory_lod(memory)
     if initial_carry is None:
       initial_carry = self.zero_carry(memory, input_features)
     if not self.input_feeding:
@@ -482,10 +484,10 @@ class DecoderCalls:
         rejects; from `dynamic_rnn`, for a `table` of other lengths or whose
         ladder is not `ladder`.
     """
-    tgt = _checks.check_targets(tgt)
-    memory = _checks.check_memory_lod(memory)
+    tgt = _layer_checks.check_targets(tgt)
+    memory = _layer_checks.check_memory_lod(memory)
     _checks.check_callable(self.cell, "cell")
-    _checks.check_attention_layer(self.attention, self)
+    _layer_checks.check_attention_layer(self.attention, self)
     _checks.check_bools(
       input_feeding=self.input_feeding,
       remat=self.remat,
@@ -493,7 +495,7 @@ class DecoderCalls:
     )
     # `dynamic_rnn` checks the carry's leading dimensions (naming `init_carry`).
     _checks.check_leaves(initial_carry, "initial_carry")
-    _checks.check_counts(tgt, memory)
+    _layer_checks.check_counts(tgt, memory)
     self.check_input_width(tgt, memory)
     carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry)
     padded = self.precompute(memory)
@@ -537,7 +539,7 @@ class Seq2SeqCalls:
     table = _checks.check_table(table, optional=True)
     extra = {} if table is None else {"table": table}
     src = embed_ids(self.src_embed, src, "src", self.src_vocab)
-    return _checks.check_encoded(self.encoder(src, **extra))
+    return _layer_checks.check_encoded(self.encoder(src, **extra))
 
   def initial_state(self, memory: LoDTensor) -> Any:
     """The decoder's starting carry for `memory` (bridged or zeros).
@@ -555,7 +557,7 @@ class Seq2SeqCalls:
     """The bridged initial cell carry, or `None` (the cell's zeros)."""
     if not self.bridge:
       return None
-    pooled = sequence_pool(_checks.check_memory_lod(memory), "average")
+    pooled = sequence_pool(_layer_checks.check_memory_lod(memory), "average")
     template = self.decoder.zero_carry(memory, self.embed_dim)
     return self.carry_bridge(pooled, template)
 
@@ -577,7 +579,7 @@ class Seq2SeqCalls:
     Returns:
       ``(carry, logits [b, tgt_vocab], weights [b, source_capacity])``.
     """
-    embedded = self.tgt_embed(_checks.check_tokens(tokens))
+    embedded = self.tgt_embed(_layer_checks.check_tokens(tokens))
     carry, y, weights = self.decoder.step(carry, embedded, memory)
     return carry, self.output(y), weights
 

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _checks
+from jaxlod import _checks, _layer_checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn._decoder import AttentionDecoder
@@ -232,8 +232,8 @@ def ensemble_generate(
       raise TypeError(
         f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got {got}."
       )
-  _checks.check_vocabs([model.tgt_vocab for model, _ in members])
-  rngs = _checks.check_rngs(rngs) or {}
+  _layer_checks.check_vocabs([model.tgt_vocab for model, _ in members])
+  rngs = _layer_checks.check_rngs(rngs) or {}
   pure = [
     model.bind(variables, rngs=_member_rngs(rngs, k)).member()
     for k, (model, variables) in enumerate(members)

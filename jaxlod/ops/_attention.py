@@ -22,16 +22,18 @@ from jaxlod._checks import (
   as_array,
   check_bool,
   check_callable,
-  check_eps,
   check_fits_device,
-  check_keys,
   check_lod,
+  check_rank,
+  is_integer_dtype,
+)
+from jaxlod._layer_checks import (
+  check_eps,
+  check_keys,
   check_memory,
   check_memory_lod,
   check_query,
-  check_rank,
   check_width,
-  is_integer_dtype,
 )
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._rank import RankTable

@@ -24,17 +24,16 @@ from jaxlod._checks import (
   check_integer,
   check_rows,
   check_sequence,
-  check_settings,
   check_step_out,
   finite_float32,
   host_numbers,
   is_float_dtype,
   is_lod,
-  ladder_sizes,
   require,
   require_each,
   static_int,
 )
+from jaxlod._layer_checks import check_settings, ladder_sizes
 from jaxlod._lod import Capacity, LoDTensor, with_faults
 from jaxlod.ops import _search
 from jaxlod.ops._rank import default_ladder, normalize_ladder

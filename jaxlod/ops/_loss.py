@@ -8,13 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlod._checks import (
-  check_float,
-  check_integer,
-  check_lod,
-  require,
-  static_float,
-)
+from jaxlod._checks import check_float, check_integer, check_lod, require, static_float
 from jaxlod._lod import LoDTensor
 
 

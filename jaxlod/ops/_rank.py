@@ -10,13 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._checks import (
-  check_index_leaves,
-  check_lod,
-  ladder_sizes,
-  static_float,
-  static_int,
-)
+from jaxlod._checks import check_index_leaves, check_lod, static_float, static_int
+from jaxlod._layer_checks import ladder_sizes
 from jaxlod._lod import LoDTensor, check_sound, is_concrete
 
 

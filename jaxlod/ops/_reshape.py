@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _checks, _lod
+from jaxlod import _checks, _host_checks, _lod
 from jaxlod._checks import is_concrete
 from jaxlod._lod import LoDTensor
 from jaxlod.ops import _segment
@@ -246,7 +246,7 @@ def _from_lengths(lengths: Any) -> tuple[list[jax.Array], int, list[int], int]:
     raise ValueError("Expected `lengths` to name at least one LoD level, got none.")
   offsets = _lod.lengths_to_offsets(levels, "lengths")
   # The last level's total is checked against `x` below, not here.
-  offsets = _checks.check_offsets(offsets, int(offsets[-1][-1]))
+  offsets = _host_checks.check_offsets(offsets, int(offsets[-1][-1]))
   time = [int(np.max(np.diff(o), initial=0)) for o in offsets]
   arrays = [jnp.asarray(o, jnp.int32) for o in offsets]
   return arrays, offsets[0].size - 1, time, int(offsets[-1][-1])

@@ -21,11 +21,10 @@ from jaxlod._checks import (
   check_leaves,
   check_lod,
   check_rank,
-  check_rngs,
   check_sequence,
-  check_settings,
   check_table,
 )
+from jaxlod._layer_checks import check_rngs, check_settings
 from jaxlod._lod import LoDTensor
 from jaxlod._vma import vary, varying_axes
 from jaxlod.data import Batch

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlod import _checks
+from jaxlod import _layer_checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.ops import _attention as core
@@ -43,7 +43,7 @@ class DotAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.dot_scores``."""
-    return core.dot_scores(query, _checks.without_keys(memory, "DotAttention"))
+    return core.dot_scores(query, _layer_checks.without_keys(memory, "DotAttention"))
 
 
 class GeneralAttention(Attention):
@@ -81,18 +81,20 @@ class GeneralAttention(Attention):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
-    _checks.check_sizes(hidden=hidden, features=features)
-    _checks.check_layer_dtypes(dtype, param_dtype)
+    _layer_checks.check_sizes(hidden=hidden, features=features)
+    _layer_checks.check_layer_dtypes(dtype, param_dtype)
     self.query = nnx.Linear(
       hidden, features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
-    memory = _checks.without_keys(memory, "GeneralAttention")
-    _checks.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
+    memory = _layer_checks.without_keys(memory, "GeneralAttention")
+    _layer_checks.check_width(
+      "query", query.shape[-1], self.query.in_features, "`hidden`"
+    )
     features = memory.values.shape[-1]
-    _checks.check_width("memory", features, self.query.out_features, "`features`")
+    _layer_checks.check_width("memory", features, self.query.out_features, "`features`")
     return core.general_scores(query, memory, self.query)
 
 
@@ -136,8 +138,8 @@ class AdditiveAttention(Attention):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
-    _checks.check_sizes(hidden=hidden, features=features, units=units)
-    _checks.check_layer_dtypes(dtype, param_dtype)
+    _layer_checks.check_sizes(hidden=hidden, features=features, units=units)
+    _layer_checks.check_layer_dtypes(dtype, param_dtype)
     common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
     self.key = _linear(features, units, False, **common)
     self.query = _linear(hidden, units, True, **common)
@@ -148,15 +150,19 @@ class AdditiveAttention(Attention):
     return core.map_rows(self._key, memory)
 
   def _key(self, values: jax.Array) -> jax.Array:
-    _checks.check_width("memory", values.shape[-1], self.key.in_features, "`features`")
+    _layer_checks.check_width(
+      "memory", values.shape[-1], self.key.in_features, "`features`"
+    )
     return self.key(values)
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.additive_scores``, computing the keys when the memory
     has none."""
     features = memory.values.shape[-1]
-    _checks.check_width("memory", features, self.key.in_features, "`features`")
-    _checks.check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
+    _layer_checks.check_width("memory", features, self.key.in_features, "`features`")
+    _layer_checks.check_width(
+      "query", query.shape[-1], self.query.in_features, "`hidden`"
+    )
     if memory.keys is None:
       memory = memory._replace(keys=self.key(memory.values))
     return core.additive_scores(query, memory, self.query, self.energy)
@@ -180,9 +186,9 @@ class CosineAttention(Attention):
   """
 
   def __init__(self, eps: float = core.COSINE_EPS):
-    self.eps = _checks.check_eps(eps)
+    self.eps = _layer_checks.check_eps(eps)
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.cosine_scores``."""
-    memory = _checks.without_keys(memory, "CosineAttention")
+    memory = _layer_checks.without_keys(memory, "CosineAttention")
     return core.cosine_scores(query, memory, self.eps)

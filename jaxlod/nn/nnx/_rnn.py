@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxlod import _checks
+from jaxlod import _checks, _layer_checks
 from jaxlod._checks import check_lod
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
@@ -63,7 +63,7 @@ def initialize_carry(
   Flax's cells draw their default (zero) carry from an RNG stream; a fixed
   one keeps the default carry deterministic and the module stateless.
   """
-  _checks.check_cell(cell, "initialize_carry(input_shape, rngs)")
+  _layer_checks.check_cell(cell, "initialize_carry(input_shape, rngs)")
   return cell.initialize_carry(input_shape, nnx.Rngs(0) if rngs is None else rngs)
 
 
@@ -108,13 +108,13 @@ class DynamicRNN(nnx.Module):
     remat: bool = False,
     ladder: Sequence[int] | None = None,
   ):
-    _checks.check_cell(cell)
+    _layer_checks.check_cell(cell)
     _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=remat)
     self.cell = cell
     self.reverse = reverse
     self.return_carry = return_carry
     self.remat = remat
-    self.ladder = _checks.check_ladder(ladder)
+    self.ladder = _layer_checks.check_ladder(ladder)
 
   def __call__(
     self,
@@ -136,7 +136,7 @@ class DynamicRNN(nnx.Module):
       initial_carry = initialize_carry(self.cell, shape, rngs)
     else:
       # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
-      _checks.check_cell(self.cell)
+      _layer_checks.check_cell(self.cell)
       _checks.check_leaves(initial_carry, "initial_carry")
     cell = functional_call(self.cell)
     return _common.run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
@@ -185,8 +185,8 @@ class Bidirectional(nnx.Module):
     merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     return_carry: bool = False,
   ):
-    _checks.check_rnn_layer(forward_rnn, "forward_rnn", self)
-    _checks.check_rnn_layer(backward_rnn, "backward_rnn", self)
+    _layer_checks.check_rnn_layer(forward_rnn, "forward_rnn", self)
+    _layer_checks.check_rnn_layer(backward_rnn, "backward_rnn", self)
     if merge_fn is not None:
       _checks.check_callable(merge_fn, "merge_fn")
     _checks.check_bool(return_carry, "return_carry")
@@ -254,7 +254,7 @@ class StackedRNN(_common.StackCalls, nnx.Module):
     return_carry: bool = False,
     rngs: nnx.Rngs | None = None,
   ):
-    _checks.check_layers(layers, self)
+    _layer_checks.check_layers(layers, self)
     rates = _common.stack_rates(
       len(layers), input_dropout, dropout_rate, output_dropout
     )
@@ -300,8 +300,8 @@ class HierarchicalEncoder(nnx.Module):
     pool_type: str = "last",
     return_carry: bool = False,
   ):
-    _checks.check_rnn_layer(inner, "inner", self)
-    _checks.check_rnn_layer(outer, "outer", self)
+    _layer_checks.check_rnn_layer(inner, "inner", self)
+    _layer_checks.check_rnn_layer(outer, "outer", self)
     _checks.check_pool_type(pool_type)
     _checks.check_bool(return_carry, "return_carry")
     self.inner = inner
