@@ -85,6 +85,15 @@ def worker(preset: str, core: int | None, warmup: int, steps: int) -> None:
   print(json.dumps({"seconds": seconds, "steps_per_s": steps / seconds}), flush=True)
 
 
+def _message(proc: subprocess.Popen, key: str) -> dict[str, Any]:
+  """The next JSON line of `proc`'s stdout that holds `key` (other lines, if
+  a library prints any, are skipped)."""
+  for line in proc.stdout:
+    if line.startswith("{") and key in (message := json.loads(line)):
+      return message
+  raise RuntimeError(f"a worker exited with {proc.wait()} before sending {key!r}")
+
+
 def run_arm(cores: list[int | None], args: argparse.Namespace) -> list[float]:
   """Starts one worker per entry of `cores` (`None`: unpinned, XLA's
   default threads), times them together: their steps a second."""
@@ -107,15 +116,12 @@ def run_arm(cores: list[int | None], args: argparse.Namespace) -> list[float]:
         )
       )
     for proc in procs:
-      line = proc.stdout.readline()
-      if not line:
-        raise RuntimeError(f"a worker exited with {proc.wait()} before it was ready")
+      _message(proc, "ready")
     for proc in procs:
       proc.stdin.write("go\n")
       proc.stdin.flush()
-    rates = []
+    rates = [_message(proc, "steps_per_s")["steps_per_s"] for proc in procs]
     for proc in procs:
-      rates.append(json.loads(proc.stdout.readline())["steps_per_s"])
       proc.wait(timeout=60)
     return rates
   finally:
