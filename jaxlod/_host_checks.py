@@ -5,9 +5,9 @@ Paddle's CheckLoD on offsets given by users (`check_offsets`) and stored in a
 built tensor (`check_stored_lod`); padded batches, segment ids and PyTorch
 PackedSequence fields turned into LoD; the state of a LoDTensor read back by
 `flax.serialization`; the fields of a batch's examples and `Batcher`'s
-settings. Everything here reads NumPy arrays on the host and raises
-`TypeError` or `ValueError` naming the argument, the index and the values.
-The checks of device arguments live in `jaxlod._checks`.
+settings. Everything here reads its data on the host and raises `TypeError`
+or `ValueError` naming the argument, the index and the values. The array
+and value checks these build on live in `jaxlod._checks`.
 """
 
 from __future__ import annotations

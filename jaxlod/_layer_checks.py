@@ -3,7 +3,7 @@ ladders, settings, and the layers given to layers (`jaxlod.nn` and
 `jaxlod.nn.nnx`, and the ops they call).
 
 The checks raise at trace time, naming the argument, the expected and the
-actual value. The checks of the ops' array arguments live in
+actual value. The array and value checks these build on live in
 `jaxlod._checks`.
 """
 
