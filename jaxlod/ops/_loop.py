@@ -193,10 +193,12 @@ def _first_saved(leaves: Sequence[Any], slots: Sequence[Slot]) -> list:
 # Cheap elementwise and layout primitives: with saved residuals the backward
 # pass recomputes these from the values it keeps (e.g. ``1 - y`` of a
 # sigmoid's derivative) rather than storing their outputs for every row.
+# ``one_minus_square`` is tanh's derivative ``1 - y**2`` as one primitive
+# (JAX 0.11.2 and 0.12; no such primitive before).
 _CHEAP = frozenset({
   "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "select_n", "copy",
   "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-  "expand_dims", "slice", "split", "integer_pow", "square",
+  "expand_dims", "slice", "split", "integer_pow", "square", "one_minus_square",
 })  # fmt: skip
 
 
