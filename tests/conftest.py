@@ -8,14 +8,25 @@ import os
 # backend; child processes inherit it. The notebooks run with the default,
 # since they show timings (tests/test_notebooks.py).
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# Tests compare results with their references at float32 (and exactly at
+# bfloat16), which GPUs meet only when XLA rounds every value to its dtype
+# (it may keep a bfloat16 value in float32 inside a fused computation) and
+# multiplies float32 matrices at full precision (not TF32: see below).
+EXACT_PRECISION = "--xla_allow_excess_precision=false"
+os.environ["XLA_FLAGS"] = " ".join(
+  filter(None, [os.environ.get("XLA_FLAGS", ""), FAST_COMPILE, EXACT_PRECISION])
+)
 
 # isort: split
 import gc  # noqa: E402
 
+import jax  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 import jaxlod  # noqa: E402
+
+# Float32 matrix products at full precision on every backend (a no-op on CPU).
+jax.config.update("jax_default_matmul_precision", "highest")
 
 # A test worker holds millions of long-lived objects (traced and compiled
 # programs), which every full collection walks again: the objects of the

@@ -132,9 +132,12 @@ def test_notebook_runs(name, monkeypatch):
   path = NOTEBOOKS / name
   assert path.exists(), f"notebooks/{name} is missing"
   # The kernel compiles as a user's would (tests/conftest.py sets a faster
-  # compilation for the tests), since the notebooks print timings.
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  flags = [f for f in flags if not f.startswith("--xla_backend_optimization_level")]
+  # compilation and exact precision for the tests), since the notebooks print
+  # timings.
+  test_flags = ("--xla_backend_optimization_level", "--xla_allow_excess_precision")
+  flags = [
+    f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(test_flags)
+  ]
   monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
   execute(path, TIME_LIMIT_S, save_to=EXECUTED / name)
   # The site renders these outputs: nothing of this machine's may show (the
