@@ -423,17 +423,20 @@ def _torch_to_flax(w: Workload, tensors: dict[str, np.ndarray]) -> dict:
   return params
 
 
-def torch_arm(w: Workload, params: Any, batch: Batch) -> Arm:
+def torch_arm(w: Workload, params: Any, batch: Batch, device: str = "cpu") -> Arm:
+  """The torch arm on `device` (``"cpu"`` or ``"cuda"``, where the packed
+  sequence runs through cuDNN)."""
   module_type = torch.nn.LSTM if w.cell == "lstm" else torch.nn.GRU
   module = module_type(w.features, w.hidden, batch_first=True)
   weights = _flax_to_torch_weights(w, params)
   module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()})
+  module.to(device)
   packed = torch.nn.utils.rnn.pack_padded_sequence(
     torch.from_numpy(batch.padded),
     torch.from_numpy(batch.lengths),
     batch_first=True,
     enforce_sorted=False,
-  )
+  ).to(device)
 
   def forward(params):
     del params  # Copied into `module` above.
@@ -447,20 +450,26 @@ def torch_arm(w: Workload, params: Any, batch: Batch) -> Arm:
     h = state[0] if w.cell == "lstm" else state
     loss = outputs.data.square().sum() + h.sum()
     loss.backward()
+    # The gradients stay where they are; `loss.item()` waits for them on CUDA.
     return loss.item(), {k: v.grad for k, v in module.named_parameters()}
 
   def compare(result):
     outputs, state = result
     y, _ = torch.nn.utils.rnn.pad_packed_sequence(outputs, batch_first=True)
     carry = (state[1][0], state[0][0]) if w.cell == "lstm" else state[0]
-    carry = jax.tree.map(lambda t: t.numpy(), carry)
-    return real_rows_of_padded(y.numpy(), batch.lengths), carry
+    carry = jax.tree.map(lambda t: t.cpu().numpy(), carry)
+    return real_rows_of_padded(y.cpu().numpy(), batch.lengths), carry
 
   def flax_grads(grads):
-    return _torch_to_flax(w, {k: v.numpy() for k, v in grads.items()})
+    return _torch_to_flax(w, {k: v.cpu().numpy() for k, v in grads.items()})
 
-  # torch on CPU is synchronous: results are ready when the call returns.
-  return Arm(forward, train, (), compare, {}, lambda r: r, flax_grads)
+  def sync(result):
+    # torch on CPU is synchronous: results are ready when the call returns.
+    if device != "cpu":
+      torch.cuda.synchronize(device)
+    return result
+
+  return Arm(forward, train, (), compare, {}, sync, flax_grads)
 
 
 # -- measurement ------------------------------------------------------------------
@@ -561,7 +570,9 @@ def compile_check(w: Workload, arm: Arm, params: Any, batch: Batch, train_s: flo
 # -- one workload -----------------------------------------------------------------
 
 
-def build_arms(w: Workload, params: Any, batch: Batch) -> dict[str, Arm | None]:
+def build_arms(
+  w: Workload, params: Any, batch: Batch, torch_device: str = "cpu"
+) -> dict[str, Arm | None]:
   cell = make_cell(w)
   return {
     "jaxlod": jaxlod_arm(cell, batch, remat=False),
@@ -569,7 +580,9 @@ def build_arms(w: Workload, params: Any, batch: Batch) -> dict[str, Arm | None]:
     "flax_capacity": flax_arm(cell, batch, w.time_capacity),
     "flax_exact": flax_arm(cell, batch, batch.longest),
     "floor": floor_arm(cell, batch),
-    "torch_packed": torch_arm(w, params, batch) if torch is not None else None,
+    "torch_packed": (
+      torch_arm(w, params, batch, torch_device) if torch is not None else None
+    ),
     "phased_scans": phased_scans_arm(cell, batch),
   }
 
@@ -629,10 +642,12 @@ def batch_stats(w: Workload, batch: Batch) -> dict[str, Any]:
   }
 
 
-def run_workload(w: Workload, repeats: int) -> dict[str, Any]:
+def run_workload(
+  w: Workload, repeats: int, torch_device: str = "cpu"
+) -> dict[str, Any]:
   batch = make_batch(w, np.random.default_rng(0))
   params = init_params(make_cell(w), w)
-  arms = build_arms(w, params, batch)
+  arms = build_arms(w, params, batch, torch_device)
   timings = {
     mode: time_arms(arms, params, mode, repeats) for mode in ("forward", "train")
   }
@@ -660,10 +675,19 @@ def run_workload(w: Workload, repeats: int) -> dict[str, Any]:
 # -- command line -----------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
+def default_torch_device() -> str:
+  """``"cuda"`` when JAX runs on a GPU and torch sees one, else ``"cpu"``:
+  each framework on its best device."""
+  gpu = jax.default_backend() == "gpu"
+  return "cuda" if gpu and torch is not None and torch.cuda.is_available() else "cpu"
+
+
+def machine_info(torch_device: str = "cpu") -> dict[str, Any]:
   return _machine_info(
     torch=torch and torch.__version__,
     torch_threads=torch and torch.get_num_threads(),
+    torch_device=torch
+    and (torch.cuda.get_device_name(torch_device) if torch_device != "cpu" else "cpu"),
   )
 
 
@@ -692,6 +716,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     help="torch.set_num_threads (default: the machine's cores); on a busy "
     "machine fewer threads avoid stalls at torch's thread barriers",
   )
+  parser.add_argument(
+    "--torch-device",
+    choices=("cpu", "cuda"),
+    default=None,
+    help="the torch arm's device (default: cuda when JAX runs on a GPU and "
+    "torch sees one, else cpu)",
+  )
   args = parser.parse_args(argv)
   args.workloads = workload_names(parser, args)
   if args.torch_threads < 1:
@@ -703,13 +734,22 @@ def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   if not hasattr(jaxlod.ops, "dynamic_rnn"):
     sys.exit("jaxlod.ops.dynamic_rnn is not available; nothing to benchmark.")
+  torch_device = args.torch_device or default_torch_device()
   if torch is not None:
     torch.set_num_threads(args.torch_threads)
+    if torch_device == "cuda" and not torch.cuda.is_available():
+      sys.exit("--torch-device cuda: torch sees no CUDA device.")
   start = time.perf_counter()
-  report = {"machine": machine_info(), "repeats": args.repeats, "workloads": {}}
+  report = {
+    "machine": machine_info(torch_device),
+    "repeats": args.repeats,
+    "workloads": {},
+  }
   for name in args.workloads:
     print(f"{name}: {WORKLOADS[name].description}", file=sys.stderr)
-    report["workloads"][name] = run_workload(WORKLOADS[name], args.repeats)
+    report["workloads"][name] = run_workload(
+      WORKLOADS[name], args.repeats, torch_device
+    )
   report["wall_s"] = time.perf_counter() - start
   write_report(report, args.json)
 

@@ -1,7 +1,8 @@
 """The committed benchmark runs hold the keys their issues name.
 
 `notebooks/04_performance.ipynb` plots these files; this checks they are
-there and complete, so the notebook's plots run in CI.
+there and complete, so the notebook's plots run in CI. The runs on one GPU
+(`results/h100/`, benchmarks/README.md) are checked alike.
 """
 
 import json
@@ -26,19 +27,30 @@ RNN_MODE_KEYS = {
 }
 
 
-def _load(name: str) -> dict:
-  path = RESULTS / f"{name}.json"
+# The folders under results/ of runs on a GPU, beside the CPU runs ("").
+GPU_FOLDERS = ("h100",)
+FOLDERS = pytest.mark.parametrize("folder", ("", *GPU_FOLDERS))
+
+
+def _load(name: str, folder: str = "") -> dict:
+  path = RESULTS / folder / f"{name}.json"
   if not path.is_file():
     pytest.fail(
       f"{path} is missing: run `python benchmarks/{name}.py --json "
-      f"benchmarks/results/{name}.json`."
+      f"{path.relative_to(RESULTS.parents[1])}`."
     )
-  return json.loads(path.read_text())
+  report = json.loads(path.read_text())
+  if folder in GPU_FOLDERS:
+    assert report["machine"]["backend"] == "gpu", path
+  return report
 
 
-def test_rnn_results_have_every_workload_and_key():
-  rnn = _load("rnn")
+@FOLDERS
+def test_rnn_results_have_every_workload_and_key(folder):
+  rnn = _load("rnn", folder)
   assert {"cpu_count", "load_average_at_start"} <= set(rnn["machine"])
+  if folder in GPU_FOLDERS:  # torch's arm ran on the GPU too (cuDNN).
+    assert rnn["machine"]["torch_device"] == rnn["machine"]["device_kind"]
   assert set(rnn["workloads"]) == {"W1", "W2", "W3"}
   for name, workload in rnn["workloads"].items():
     for mode in ("train", "forward"):
@@ -56,8 +68,9 @@ def test_rnn_results_have_every_workload_and_key():
     assert "jaxlod_train_fixed_capacity_100_batches" in workload["compiles"]
 
 
-def test_attention_results():
-  attention = _load("attention")
+@FOLDERS
+def test_attention_results(folder):
+  attention = _load("attention", folder)
   for arm in ("jaxlod", "padded_expansion"):
     assert {"temp_bytes", "peak_rss_bytes", "step_s"} <= set(attention[arm])
   assert attention["memory_ratio"] == pytest.approx(
@@ -65,8 +78,9 @@ def test_attention_results():
   )
 
 
-def test_decode_results():
-  decode = _load("decode")
+@FOLDERS
+def test_decode_results(folder):
+  decode = _load("decode", folder)
   assert {"jaxlod_s", "batchwide_s", "speedup", "identical"} <= set(decode)
   assert decode["speedup"] == pytest.approx(decode["batchwide_s"] / decode["jaxlod_s"])
   assert isinstance(decode["identical"], bool)
