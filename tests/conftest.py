@@ -25,7 +25,8 @@ from hypothesis import settings  # noqa: E402
 
 import jaxlod  # noqa: E402
 
-# Float32 matrix products at full precision on every backend (a no-op on CPU).
+# Float32 matrix products at full precision on every backend (XLA:CPU computes
+# them so already; GPUs would use TF32).
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # A test worker holds millions of long-lived objects (traced and compiled
