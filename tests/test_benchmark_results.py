@@ -113,6 +113,23 @@ def test_g2p_throughput_results():
     assert arm["words_per_s"] > arm["steps_per_s"] > 0
 
 
+def test_g2p_members_results():
+  report = _load("g2p_members")
+  arms = report["arms"]
+  one, apart = arms["one process"], arms["one process per core"]
+  assert one["processes"] == 1
+  assert apart["processes"] == len(report["cores"]) == len(apart["steps_per_s_each"])
+  for arm in (one, apart):
+    assert len(arm["per_round_together"]) == report["rounds"]
+    assert arm["steps_per_s_together"] > 0
+  # The ratio is the median of per-round ratios, so it lies within theirs.
+  ratios = [
+    a / o
+    for a, o in zip(apart["per_round_together"], one["per_round_together"], strict=True)
+  ]
+  assert min(ratios) - 1e-2 <= report["ratio"] <= max(ratios) + 1e-2
+
+
 def test_compile_results_hold_the_frontier():
   report = _load("compile")
   assert set(report["workloads"]) == {"W1", "W3"}
