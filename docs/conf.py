@@ -43,9 +43,9 @@ STAGED_NOTEBOOKS = DOCS / "notebooks"
 # The figure of the landing page, drawn at build time (generated).
 SCHEDULE_FIGURE = DOCS / "_generated" / "schedule.png"
 
-# The modules whose `__all__` the API reference documents: the list of
-# tests/helpers.py, which tests/test_docs_site.py compares with this one and
-# with the names of docs/api/.
+# The modules whose `__all__` is jaxlod's public API, which the API reference
+# documents (tests/helpers.py reads this list; tests/test_docs_site.py
+# compares it with the names of docs/api/).
 PUBLIC_MODULES = [
   "jaxlod",
   "jaxlod.ops",

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import hypothesis.strategies as st
 import jax
 import numpy as np
 
 from jaxlod import Buckets, LoDTensor, _host_checks
 
-# The modules whose `__all__` is jaxlod's public API.
-PUBLIC_MODULES = [
-  "jaxlod",
-  "jaxlod.ops",
-  "jaxlod.nn",
-  "jaxlod.nn.nnx",
-  "jaxlod.data",
-  "jaxlod.parallel",
-  "jaxlod.interop",
-]
+
+def _public_modules() -> list[str]:
+  """docs/conf.py's `PUBLIC_MODULES`, the modules whose `__all__` is
+  jaxlod's public API (read, not imported: importing conf.py sets up Sphinx)."""
+  tree = ast.parse((pathlib.Path(__file__).parent.parent / "docs/conf.py").read_text())
+  (value,) = [
+    node.value
+    for node in tree.body
+    if isinstance(node, ast.Assign)
+    and any(getattr(t, "id", None) == "PUBLIC_MODULES" for t in node.targets)
+  ]
+  return ast.literal_eval(value)
+
+
+PUBLIC_MODULES = _public_modules()
 
 # float32 tolerances of the house style; the one place to loosen them.
 RTOL = 1e-5
