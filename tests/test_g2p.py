@@ -283,6 +283,51 @@ def test_the_encoder_is_a_stacked_rnn_with_dropout():
   assert hash(model) == hash(m.build_model(two_layers, 5, train=True))
 
 
+def test_input_feeding_widens_the_decoder_cell_and_is_a_model_field(tmp_path):
+  """`--input-feeding`: the decoder's cell takes the phoneme embedding and
+  the previous context (2 x hidden wide, the bidirectional memory); a
+  checkpoint saved before the setting existed resumes as off, and a run
+  with it on refuses a checkpoint without it."""
+  _, config = g2p.parse_args(["--preset", "tiny", "--input-feeding"])
+  assert config == dataclasses.replace(TINY, input_feeding=True)
+  assert g2p.parse_args(["--preset", "tiny"])[1] == TINY
+  assert m.build_model(config, 5).decoder.input_feeding
+  (src, tgt, _), _ = _tiny_batch()
+
+  def cell_kernel(c):
+    model = m.build_model(c, 5)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), src, tgt))
+    return params["params"]["decoder"]["cell"]["ii"]["kernel"].shape
+
+  width = TINY.embed_dim + 2 * TINY.hidden
+  assert cell_kernel(config) == (width, TINY.hidden)
+  assert cell_kernel(TINY) == (TINY.embed_dim, TINY.hidden)
+  saved = dataclasses.asdict(TINY)
+  del saved["input_feeding"]
+  g2p.check_resumable(saved, TINY, tmp_path)
+  with pytest.raises(ValueError, match=r"input_feeding=False \(requested True\)"):
+    g2p.check_resumable(saved, config, tmp_path)
+
+
+@pytest.mark.slow
+def test_an_input_feeding_model_trains_and_predicts(tmp_path):
+  """The example's loop trains and checkpoints an input-feeding model, and
+  `predict` (the Batcher and the evaluation decoder) gives what
+  `Seq2Seq.generate` gives for the same words."""
+  config = dataclasses.replace(TINY, input_feeding=True)
+  corpus = g2p.load_corpus(config)
+  start = m.init_state(config, len(corpus.phones))
+  params, _, history = g2p.train(config, corpus, *start, 0, tmp_path, True)
+  assert [h[0] for h in history] == [6, 12]
+  changed = jax.tree.map(lambda a, b: bool((a != b).any()), params, start[0])
+  assert all(jax.tree.leaves(changed))
+  trained = g2p.load_trained(tmp_path)
+  assert trained.config == config and trained.steps == [config.steps]
+  words = [w for w, _ in corpus.splits["dev"][:6]]
+  best = _generate_best(trained, words)
+  assert g2p.predict(trained.params, config, corpus, words, config.beam) == best
+
+
 def test_the_step_loss_is_the_mean_token_cross_entropy(tiny_step, tiny_state):
   """The step's loss: `sequence_cross_entropy` (label smoothing, dropout on)
   over the real target tokens, the same with the host tables as without."""

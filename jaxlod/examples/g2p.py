@@ -694,6 +694,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     action=argparse.BooleanOptionalAction,
     help="keep the vowels' stress digits (default: stripped, 39 phonemes)",
   )
+  parser.add_argument(
+    "--input-feeding",
+    action=argparse.BooleanOptionalAction,
+    help="feed the decoder's previous attention context into its cell with "
+    "the input (default: the preset's; no preset does)",
+  )
   parser.add_argument("--beam", type=int, help="beam size of the evaluations")
   parser.add_argument(
     "--members",
@@ -745,6 +751,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
   flags = {
     "steps": args.steps,
     "stress": args.stress,
+    "input_feeding": args.input_feeding,
     "beam": args.beam,
     "members": args.members,
     "seed": args.seed,
@@ -903,8 +910,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   ensemble = f"; {config.members} members, seeds {config.seed} to {last}"
   print(
     f"model: embed {config.embed_dim}, encoder {config.encoder_layers} x BiLSTM "
-    f"{config.hidden}, LSTM decoder {config.hidden}, additive attention "
-    f"{config.attention_units}: {count:,} parameters"
+    f"{config.hidden}, LSTM decoder {config.hidden}"
+    + (" fed its attention context" if config.input_feeding else "")
+    + f", additive attention {config.attention_units}: {count:,} parameters"
     + (average if config.ema_decay else "")
     + (ensemble if config.members > 1 else "")
   )

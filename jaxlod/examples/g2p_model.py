@@ -59,6 +59,9 @@ class Config:
     hidden: LSTM width of each encoder direction and of the decoder.
     attention_units: width of the additive attention's scoring layer.
     encoder_layers: stacked bidirectional LSTM layers.
+    input_feeding: the decoder's cell takes the previous step's attention
+      context with the phoneme's embedding (`jaxlod.nn.AttentionDecoder`'s
+      ``input_feeding``), a wider cell input of ``embed_dim + 2 * hidden``.
     dropout: dropout rate on the encoder's inputs, between its layers and on
       its outputs (0 disables it).
     decoder_dropout: dropout rate on the target embeddings and the decoder's
@@ -100,6 +103,7 @@ class Config:
   hidden: int = 128
   attention_units: int = 128
   encoder_layers: int = 1
+  input_feeding: bool = False
   dropout: float = 0.0
   decoder_dropout: float = 0.0
   label_smoothing: float = 0.0
@@ -128,6 +132,7 @@ MODEL_FIELDS = (
   "hidden",
   "attention_units",
   "encoder_layers",
+  "input_feeding",
   "ema_decay",
   "max_words",
   "batch_words",
@@ -243,6 +248,7 @@ def build_model(
     decoder=AttentionDecoder(
       cell(config.hidden),
       AdditiveAttention(config.attention_units),
+      input_feeding=config.input_feeding,
       ladder=ladder,
     ),
   )
