@@ -283,11 +283,9 @@ def test_the_encoder_is_a_stacked_rnn_with_dropout():
   assert hash(model) == hash(m.build_model(two_layers, 5, train=True))
 
 
-def test_input_feeding_widens_the_decoder_cell_and_is_a_model_field(tmp_path):
+def test_input_feeding_widens_the_decoder_cell():
   """`--input-feeding`: the decoder's cell takes the phoneme embedding and
-  the previous context (2 x hidden wide, the bidirectional memory); a
-  checkpoint saved before the setting existed resumes as off, and a run
-  with it on refuses a checkpoint without it."""
+  the previous context (2 x hidden wide, the bidirectional memory)."""
   _, config = g2p.parse_args(["--preset", "tiny", "--input-feeding"])
   assert config == dataclasses.replace(TINY, input_feeding=True)
   assert g2p.parse_args(["--preset", "tiny"])[1] == TINY
@@ -302,11 +300,6 @@ def test_input_feeding_widens_the_decoder_cell_and_is_a_model_field(tmp_path):
   width = TINY.embed_dim + 2 * TINY.hidden
   assert cell_kernel(config) == (width, TINY.hidden)
   assert cell_kernel(TINY) == (TINY.embed_dim, TINY.hidden)
-  saved = dataclasses.asdict(TINY)
-  del saved["input_feeding"]
-  g2p.check_resumable(saved, TINY, tmp_path)
-  with pytest.raises(ValueError, match=r"input_feeding=False \(requested True\)"):
-    g2p.check_resumable(saved, config, tmp_path)
 
 
 @pytest.mark.slow
@@ -445,14 +438,25 @@ def test_ensemble_scores_are_the_members_mean_log_probabilities():
       np.testing.assert_allclose(scores[i][rank], want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_checkpoint_without_ema_decay_resumes_as_zero(tmp_path):
-  """Checkpoints saved before the setting existed had no average."""
+@pytest.mark.parametrize(
+  ("field", "value", "message"),
+  [
+    ("ema_decay", 0.999, r"ema_decay=0.0 \(requested 0.999\)"),
+    ("input_feeding", True, r"input_feeding=False \(requested True\)"),
+  ],
+)
+def test_a_checkpoint_without_a_model_field_resumes_as_its_default(
+  field, value, message, tmp_path
+):
+  """A checkpoint saved before a model setting existed had its default: it
+  resumes with the default and refuses another value, naming both."""
   config = m.PRESETS["default"]
+  assert field in m.MODEL_FIELDS
   saved = dataclasses.asdict(config)
-  del saved["ema_decay"]
+  del saved[field]
   g2p.check_resumable(saved, config, tmp_path)
-  with pytest.raises(ValueError, match=r"ema_decay=0.0 \(requested 0.999\)"):
-    g2p.check_resumable(saved, dataclasses.replace(config, ema_decay=0.999), tmp_path)
+  with pytest.raises(ValueError, match=message):
+    g2p.check_resumable(saved, dataclasses.replace(config, **{field: value}), tmp_path)
 
 
 @pytest.mark.slow
