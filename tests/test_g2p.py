@@ -380,6 +380,57 @@ def test_member_config():
     m.member_config(config, 3)
 
 
+def test_member_config_of_both_directions_flips_the_odd_members():
+  config = dataclasses.replace(TINY, members=3, both_directions=True)
+  got = [m.member_config(config, k) for k in range(3)]
+  assert [c.right_to_left for c in got] == [False, True, False]
+  assert [c.seed for c in got] == [0, 1, 2]
+  assert not any(c.both_directions for c in got)
+  assert got[0] == TINY
+  flipped = dataclasses.replace(config, right_to_left=True)
+  got = [m.member_config(flipped, k).right_to_left for k in range(3)]
+  assert got == [True, False, True]
+  # Without both_directions, every member writes one way.
+  same = dataclasses.replace(config, both_directions=False, right_to_left=True)
+  assert all(m.member_config(same, k).right_to_left for k in range(3))
+
+
+def test_right_to_left_trains_on_reversed_pronunciations():
+  corpus = g2p.load_corpus(TINY)
+  right_to_left = dataclasses.replace(TINY, right_to_left=True)
+  backward = g2p.training_examples(right_to_left, corpus)
+  assert g2p.training_examples(TINY, corpus) is corpus.train
+  assert len(backward) == len(corpus.train) == len(corpus.splits["train"])
+  for (src, _, tgt_out), (src2, in2, out2), (_, phones) in zip(
+    corpus.train, backward, corpus.splits["train"], strict=True
+  ):
+    np.testing.assert_array_equal(src2, src)
+    assert corpus.phones.decode(in2) == (data.BOS, *phones[::-1])
+    assert corpus.phones.decode(out2) == (*phones[::-1], data.EOS)
+    assert corpus.phones.decode(tgt_out) == (*phones, data.EOS)
+  assert g2p.reading_order(TINY, ("K", "AE")) == ("K", "AE")
+  assert g2p.reading_order(right_to_left, ("K", "AE")) == ("AE", "K")
+
+
+def test_a_right_to_left_model_predicts_its_hypotheses_reversed(
+  tiny_state, tiny_decoder
+):
+  corpus = g2p.load_corpus(TINY)
+  params, _ = tiny_state
+  words = ["cab", "abacus", "bead"]
+  forward = g2p.predict(params, TINY, corpus, words, TINY.beam, decode=tiny_decoder)
+  backward = g2p.predict(
+    params,
+    dataclasses.replace(TINY, right_to_left=True),
+    corpus,
+    words,
+    TINY.beam,
+    decode=tiny_decoder,
+  )
+  assert any(len(set(h)) > 1 for h in forward)
+  assert backward == [h[::-1] for h in forward]
+
+
 def _word_batch(words):
   """Source words on the capacities of the tiny preset's decoding batches,
   with their rank table (as `g2p.predict` decodes them)."""
@@ -443,6 +494,7 @@ def test_ensemble_scores_are_the_members_mean_log_probabilities():
   [
     ("ema_decay", 0.999, r"ema_decay=0.0 \(requested 0.999\)"),
     ("input_feeding", True, r"input_feeding=False \(requested True\)"),
+    ("right_to_left", True, r"right_to_left=False \(requested True\)"),
   ],
 )
 def test_a_checkpoint_without_a_model_field_resumes_as_its_default(

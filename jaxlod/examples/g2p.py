@@ -105,6 +105,24 @@ def decoder(
   return m.parallel_decoder(config, num_phones, beam, mesh)
 
 
+def reading_order(config: m.Config, phones: tuple[str, ...]) -> tuple[str, ...]:
+  """A hypothesis of `config`'s model, first phoneme first: reversed with
+  `config.right_to_left`."""
+  return phones[::-1] if config.right_to_left else phones
+
+
+def training_examples(
+  config: m.Config, corpus: Corpus
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """The ``(src, tgt_in, tgt_out)`` ids `config`'s model trains on:
+  `corpus.train`, or with `config.right_to_left` the same words with their
+  pronunciations reversed."""
+  if not config.right_to_left:
+    return corpus.train
+  pairs = [(word, phones[::-1]) for word, phones in corpus.splits["train"]]
+  return data.encode_pairs(pairs, corpus.letters, corpus.phones)
+
+
 def predict(
   params: Any,
   config: m.Config,
@@ -130,14 +148,14 @@ def predict(
     for batch in batcher.epoch(0):
       hyps = decode(params, batch.fields[0], batch.tables[0]).to_list()
       for i, (best,) in zip(batch.indices, hyps, strict=True):
-        out[i] = corpus.phones.decode(best)
+        out[i] = reading_order(config, corpus.phones.decode(best))
     return out
   # Every process gets every shard's hypotheses; the plan maps them to words.
   for batch, shards in zip(batcher.epoch(0), batcher.plan_shards(0), strict=True):
     ids_of_shards = decode(params, batch.fields[0], batch.tables[0])
     for indices, ids in zip(shards, ids_of_shards, strict=True):
       for i, (best,) in zip(indices, ids.to_list(), strict=True):
-        out[i] = corpus.phones.decode(best)
+        out[i] = reading_order(config, corpus.phones.decode(best))
   return out
 
 
@@ -427,7 +445,7 @@ def transcribe(
     ids, scores = hyps.ids.to_list(), hyps.scores.to_list()
     for i, word_ids, word_scores in zip(batch.indices, ids, scores, strict=True):
       out[i] = [
-        (trained.phones.decode(h), float(s))
+        (reading_order(trained.config, trained.phones.decode(h)), float(s))
         for h, s in zip(word_ids, word_scores, strict=True)
       ]
   return out
@@ -510,11 +528,11 @@ def training_batcher(
   config: m.Config, corpus: Corpus, shards: int | None = None
 ) -> Batcher:
   """The training batches of `config` (its batch size, token budget, ladder
-  and seed): `corpus.train`'s ``(letters, decoder inputs, targets)``, with the
-  rank tables of the first two fields built on the host (`HOST_TABLES`),
-  dealt to `shards` shards (`None`: one batch a step)."""
+  and seed): the ``(letters, decoder inputs, targets)`` of
+  `training_examples`, with the rank tables of the first two fields built on
+  the host (`HOST_TABLES`), dealt to `shards` shards (`None`: one batch a step)."""
   return Batcher(
-    corpus.train,
+    training_examples(config, corpus),
     m.batch_buckets(config.batch_words, config.batch_tokens),
     seed=config.seed,
     ladder=m.training_ladder(config),
@@ -700,6 +718,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     help="feed the decoder's previous attention context into its cell with "
     "the input (default: the preset's; no preset does)",
   )
+  parser.add_argument(
+    "--right-to-left",
+    action=argparse.BooleanOptionalAction,
+    help="the decoder writes each pronunciation last phoneme first (default: "
+    "first phoneme first)",
+  )
+  parser.add_argument(
+    "--both-directions",
+    action=argparse.BooleanOptionalAction,
+    help="the odd members of an ensemble write in the other direction; the "
+    "ensemble rescores its members' n-best lists with all of them",
+  )
   parser.add_argument("--beam", type=int, help="beam size of the evaluations")
   parser.add_argument(
     "--members",
@@ -752,6 +782,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
     "steps": args.steps,
     "stress": args.stress,
     "input_feeding": args.input_feeding,
+    "right_to_left": args.right_to_left,
+    "both_directions": args.both_directions,
     "beam": args.beam,
     "members": args.members,
     "seed": args.seed,
@@ -907,11 +939,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   count = sum(x.size for x in jax.tree.leaves(states[0][1]))
   average = f", scored by their average (decay {config.ema_decay})"
   last = config.seed + config.members - 1
-  ensemble = f"; {config.members} members, seeds {config.seed} to {last}"
+  ensemble = f"; {config.members} members, seeds {config.seed} to {last}" + (
+    ", the odd ones in the other direction" if config.both_directions else ""
+  )
   print(
     f"model: embed {config.embed_dim}, encoder {config.encoder_layers} x BiLSTM "
     f"{config.hidden}, LSTM decoder {config.hidden}"
     + (" fed its attention context" if config.input_feeding else "")
+    + (" writing right to left" if config.right_to_left else "")
     + f", additive attention {config.attention_units}: {count:,} parameters"
     + (average if config.ema_decay else "")
     + (ensemble if config.members > 1 else "")

@@ -62,6 +62,12 @@ class Config:
     input_feeding: the decoder's cell takes the previous step's attention
       context with the phoneme's embedding (`jaxlod.nn.AttentionDecoder`'s
       ``input_feeding``), a wider cell input of ``embed_dim + 2 * hidden``.
+    right_to_left: the decoder writes each pronunciation last phoneme first
+      (it trains on reversed pronunciations; its hypotheses are turned back
+      before they are scored or printed).
+    both_directions: with several members, the odd ones write in the other
+      direction than `right_to_left` (`member_config`); such an ensemble
+      decodes by rescoring the members' n-best lists, not by one beam search.
     dropout: dropout rate on the encoder's inputs, between its layers and on
       its outputs (0 disables it).
     decoder_dropout: dropout rate on the target embeddings and the decoder's
@@ -104,6 +110,8 @@ class Config:
   attention_units: int = 128
   encoder_layers: int = 1
   input_feeding: bool = False
+  right_to_left: bool = False
+  both_directions: bool = False
   dropout: float = 0.0
   decoder_dropout: float = 0.0
   label_smoothing: float = 0.0
@@ -133,6 +141,7 @@ MODEL_FIELDS = (
   "attention_units",
   "encoder_layers",
   "input_feeding",
+  "right_to_left",
   "ema_decay",
   "max_words",
   "batch_words",
@@ -312,14 +321,22 @@ def eval_params(config: Config, params: Any, opt_state: Any) -> Any:
 
 def member_config(config: Config, k: int) -> Config:
   """The one-model config of member `k` of `config`'s ensemble: seed
-  ``seed + k``; a run of it is that member's training.
+  ``seed + k``, and with `both_directions` the other direction than
+  `right_to_left` when `k` is odd; a run of it is that member's training.
 
   Raises:
     ValueError: for `k` outside ``[0, members)``.
   """
   if not 0 <= k < config.members:
     raise ValueError(f"Expected a member in [0, {config.members}), got {k}.")
-  return dataclasses.replace(config, seed=config.seed + k, members=1)
+  flipped = config.both_directions and k % 2 == 1
+  return dataclasses.replace(
+    config,
+    seed=config.seed + k,
+    members=1,
+    right_to_left=config.right_to_left != flipped,
+    both_directions=False,
+  )
 
 
 def optimizer(config: Config) -> optax.GradientTransformation:
