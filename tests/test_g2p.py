@@ -981,3 +981,120 @@ def test_predict_command_line(trained_tiny):
     check=False,
   )
   assert (empty.returncode, empty.stdout) == (0, ""), empty.stderr
+
+
+# -- ensembles of both directions ----------------------------------------------
+
+BOTH = dataclasses.replace(TINY, members=2, both_directions=True)
+
+
+def _forced_logp(config, params, words, pronunciations):
+  """Each word's teacher-forced log-probability of its pronunciation read in
+  `config`'s direction, ``</s>`` included, from the model's logits."""
+  letters, phones = data.letter_vocab(), data.phone_vocab()
+  src = LoDTensor.from_sequences([letters.encode(w) for w in words])
+  ordered = [p[::-1] if config.right_to_left else p for p in pronunciations]
+  tgt_out = [list(phones.encode(p)) + [m.EOS_ID] for p in ordered]
+  tgt_in = LoDTensor.from_sequences([[m.BOS_ID] + out[:-1] for out in tgt_out])
+  logits = m.build_model(config, len(phones)).apply(params, src, tgt_in)
+  return [
+    float(jax.nn.log_softmax(x, axis=-1)[np.arange(len(out)), out].sum())
+    for x, out in zip(logits.to_list(), tgt_out, strict=True)
+  ]
+
+
+@pytest.fixture(scope="module")
+def both_members(tiny_state):
+  """The two members of `BOTH`: left to right (the tiny state) and right to
+  left (seed 1), untrained."""
+  second = m.member_config(BOTH, 1)
+  return [
+    (m.member_config(BOTH, 0), tiny_state[0]),
+    (second, m.init_state(second, NUM_PHONES)[0]),
+  ]
+
+
+def test_rescore_is_the_members_mean_forced_log_probability(both_members):
+  letters, phones = data.letter_vocab(), data.phone_vocab()
+  words = ["cab", "a", "bead"]
+  candidates = [
+    [("K", "AE", "B"), ("K", "AH"), ("K", "AE", "B")],
+    [("EY",), ()],
+    [("B", "IY", "D")],
+  ]
+  got = g2p.rescore(both_members, letters, phones, words, candidates)
+  distinct = [list(dict.fromkeys(pool)) for pool in candidates]
+  assert [sorted(c for c, _ in hyps) for hyps in got] == [sorted(d) for d in distinct]
+  for word, hyps in zip(words, got, strict=True):
+    scores = [s for _, s in hyps]
+    assert scores == sorted(scores, reverse=True)
+    for phonemes, score in hyps:
+      logps = [_forced_logp(c, p, [word], [phonemes])[0] for c, p in both_members]
+      steps = len(phonemes) + 1
+      want = np.mean(logps) / ((5 + steps) / 6) ** m.LENGTH_PENALTY
+      np.testing.assert_allclose(score, want, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="one list of candidates per word, got 1"):
+    g2p.rescore(both_members, letters, phones, words, candidates[:1])
+
+
+@pytest.fixture(scope="module")
+def both_workdir(tmp_path_factory, both_members, tiny_state):
+  """A workdir of `BOTH`'s two members, saved as its training saves them."""
+  workdir = tmp_path_factory.mktemp("both")
+  vocabs = (data.letter_vocab(), data.phone_vocab())
+  for k, (config, params) in enumerate(both_members):
+    opt_state = m.init_state(config, NUM_PHONES)[1]
+    g2p.save_checkpoint(
+      workdir / f"member_{k}", TINY.steps, params, opt_state, config, vocabs=vocabs
+    )
+  return workdir
+
+
+def test_an_ensemble_of_both_directions_rescores_its_members_hypotheses(
+  both_workdir, both_members, capsys
+):
+  trained = g2p.load_trained(both_workdir)
+  assert trained.config == BOTH and len(trained.params) == 2
+  with pytest.raises(ValueError, match="no joint beam search"):
+    m.searcher(trained.config, NUM_PHONES, 2)
+  words = ["cab", "abacus", "bead", "zebra"]
+  got = g2p.transcribe(trained, words, beam=3, nbest=2)
+  # The pool: each member's 3 best alone, in reading order.
+  pools = [[] for _ in words]
+  for config, params in both_members:
+    alone = g2p.Trained(config, trained.letters, trained.phones, params, [])
+    for pool, hyps in zip(pools, g2p.transcribe(alone, words, 3, 3), strict=True):
+      pool.extend(h for h, _ in hyps)
+  ranked = g2p.rescore(both_members, trained.letters, trained.phones, words, pools)
+  assert got == [hyps[:2] for hyps in ranked]
+  assert all(len(hyps) == 2 for hyps in got)
+  # The evaluations and `predict` give the best of each.
+  corpus = g2p.load_corpus(TINY)
+  best = [hyps[0][0] for hyps in got]
+  assert g2p.predict(trained.params, trained.config, corpus, words, 3) == best
+  assert g2p.predict_main(["--workdir", str(both_workdir), "--beam", "3", *words]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines == [f"{w}\t{' '.join(b)}" for w, b in zip(words, best, strict=True)]
+
+
+def test_members_in_directions_of_no_ensemble_are_refused(tmp_path, both_members):
+  vocabs = (data.letter_vocab(), data.phone_vocab())
+  (forward, params), (backward, _) = both_members
+  opt_state = m.init_state(forward, NUM_PHONES)[1]
+  for k, config in enumerate([forward, forward, backward]):
+    member = dataclasses.replace(config, seed=k)
+    workdir = tmp_path / f"member_{k}"
+    g2p.save_checkpoint(workdir, 1, params, opt_state, member, None, vocabs)
+  with pytest.raises(
+    ValueError,
+    match="its members write left to right, left to right, right to left; an "
+    "ensemble of both directions has its odd members in the other direction",
+  ):
+    g2p.load_trained(tmp_path)
+
+
+def test_direction_flags():
+  _, config = g2p.parse_args(["--preset", "full", "--both-directions"])
+  assert config == dataclasses.replace(m.PRESETS["full"], both_directions=True)
+  _, config = g2p.parse_args(["--right-to-left", "--no-both-directions"])
+  assert config.right_to_left and not config.both_directions

@@ -138,7 +138,13 @@ def predict(
   With a `mesh`, each device decodes its own shard of every batch
   (`m.parallel_decoder`); one model only. `decode` is `decoder(config,
   len(corpus.phones), beam, mesh)` built earlier (its compilation reused);
-  `None`: a new one."""
+  `None`: a new one. An ensemble of both directions (`params` a tuple)
+  rescores its members' hypotheses (`transcribe`), `decode` unused."""
+  if config.members > 1 and config.both_directions:
+    if mesh is not None:
+      raise ValueError("An ensemble of both directions decodes on one device.")
+    trained = Trained(config, corpus.letters, corpus.phones, params, [])
+    return [hyps[0][0] for hyps in transcribe(trained, words, beam)]
   if decode is None:
     decode = decoder(config, len(corpus.phones), beam, mesh)
   shards = None if mesh is None else mesh.size
@@ -336,10 +342,12 @@ def load_trained(workdir: pathlib.Path) -> Trained:
   ``--members 1``), or the ensemble of its ``member_K`` directories.
 
   The checkpoint holds the config and the vocabularies (one saved before the
-  example saved them has the vocabularies of its config).
+  example saved them has the vocabularies of its config). An ensemble whose
+  odd members write in the other direction has ``both_directions``.
 
   Raises:
-    ValueError: when `workdir` holds no checkpoint of this example.
+    ValueError: when `workdir` holds no checkpoint of this example, or
+      members whose directions no ensemble has.
   """
   dirs, steps = [workdir], [latest_step(workdir)]
   if steps[0] is None:
@@ -352,10 +360,22 @@ def load_trained(workdir: pathlib.Path) -> Trained:
       f"{workdir} holds no checkpoint of this example: train a model with "
       f"`python -m jaxlod.examples.g2p --workdir {workdir}`."
     )
-  saved = _restore_json(dirs[0], steps[0], "config")
+  pairs = zip(dirs, steps, strict=True)
+  saved = [_restore_json(d, step, "config") for d, step in pairs]
   fields = {f.name for f in dataclasses.fields(m.Config)}
-  config = m.Config(**{k: v for k, v in saved.items() if k in fields})
-  config = dataclasses.replace(config, members=1)
+  config = m.Config(**{k: v for k, v in saved[0].items() if k in fields})
+  # A member saved before the example had directions wrote left to right.
+  flipped = [c.get("right_to_left", False) != config.right_to_left for c in saved]
+  if any(flipped) and flipped != [k % 2 == 1 for k in range(len(dirs))]:
+    ways = ", ".join(
+      "right to left" if c.get("right_to_left", False) else "left to right"
+      for c in saved
+    )
+    raise ValueError(
+      f"{workdir}: its members write {ways}; an ensemble of both directions "
+      "has its odd members in the other direction (--both-directions)."
+    )
+  config = dataclasses.replace(config, members=len(dirs), both_directions=any(flipped))
   vocab = _restore_json(dirs[0], steps[0], "vocab")
   if vocab is None:
     letters, phones = data.letter_vocab(), data.phone_vocab(config.stress)
@@ -363,10 +383,9 @@ def load_trained(workdir: pathlib.Path) -> Trained:
     letters, phones = data.Vocab(vocab["letters"]), data.Vocab(vocab["phones"])
   params = []
   for k, (d, step) in enumerate(zip(dirs, steps, strict=True)):
-    member = dataclasses.replace(config, seed=config.seed + k)
+    member = m.member_config(config, k)
     state = restore_checkpoint(d, step, member, len(phones))
     params.append(m.eval_params(member, *state))
-  config = dataclasses.replace(config, members=len(dirs))
   return Trained(
     config, letters, phones, params[0] if len(dirs) == 1 else tuple(params), steps
   )
@@ -422,33 +441,126 @@ def _word_batcher(
   )
 
 
-def transcribe(
-  trained: Trained, words: Sequence[str], search: Callable
+def _search(
+  params: Any,
+  config: m.Config,
+  letters: data.Vocab,
+  phones: data.Vocab,
+  words: Sequence[str],
+  search: Callable,
 ) -> list[list[tuple[tuple[str, ...], float]]]:
-  """Each word's hypotheses, best first, as ``(phonemes, score)``.
+  """Each word's hypotheses by `search` (``m.searcher(config, ...)``), in
+  reading order (`reading_order`), best first, as ``(phonemes, score)``."""
+  out: list[list[tuple[tuple[str, ...], float]]] = [[] for _ in words]
+  for batch in _word_batcher(letters, config, words, None).epoch(0):
+    hyps = search(params, batch.fields[0], batch.tables[0])
+    ids, scores = hyps.ids.to_list(), hyps.scores.to_list()
+    for i, word_ids, word_scores in zip(batch.indices, ids, scores, strict=True):
+      out[i] = [
+        (reading_order(config, phones.decode(h)), float(s))
+        for h, s in zip(word_ids, word_scores, strict=True)
+      ]
+  return out
+
+
+def rescore(
+  members: Sequence[tuple[m.Config, Any]],
+  letters: data.Vocab,
+  phones: data.Vocab,
+  words: Sequence[str],
+  candidates: Sequence[Sequence[tuple[str, ...]]],
+) -> list[list[tuple[tuple[str, ...], float]]]:
+  """Each word's candidate pronunciations scored by every member, best first.
+
+  A candidate's score is the mean over `members` (``(config, params)``
+  pairs) of its teacher-forced log-probability, ``</s>`` included, each
+  member reading it in its own direction (`m.forced_scorer`), over the beam
+  search's length penalty (`m.penalized`): what an ensemble's joint beam
+  search scores a hypothesis by. Each word's duplicates count once; ties
+  keep the order of `candidates`.
+
+  Args:
+    members: the models, each with its config (its direction).
+    letters: the source vocabulary.
+    phones: the target vocabulary.
+    words: lower-case words of `letters`.
+    candidates: per word, pronunciations (phonemes first to last) of at
+      most ``len(word) + m.LENGTH_MARGIN`` phonemes.
+
+  Returns:
+    Per word, in `words`' order, ``(phonemes, score)`` for each distinct
+    candidate, best first.
+
+  Raises:
+    ValueError: for `candidates` of another length than `words`.
+  """
+  if len(candidates) != len(words):
+    raise ValueError(
+      f"Expected one list of candidates per word, got {len(candidates)} lists "
+      f"for {len(words)} words."
+    )
+  flat = [(i, c) for i, pool in enumerate(candidates) for c in dict.fromkeys(pool)]
+  total = np.zeros(len(flat))
+  for config, params in members:
+    pairs = [(words[i], reading_order(config, c)) for i, c in flat]
+    batcher = Batcher(
+      data.encode_pairs(pairs, letters, phones),
+      m.scoring_buckets(config.decode_words),
+      shuffle=False,
+      window=max(len(pairs), 1),
+      tables=(HOST_TABLES, HOST_TABLES, False),
+    )
+    # The model does not depend on the seed or the direction: one compilation.
+    single = dataclasses.replace(config, seed=0, right_to_left=False)
+    score = m.forced_scorer(single, len(phones))
+    for batch in batcher.epoch(0):
+      logp = np.asarray(score(params, *batch.fields, *batch.tables[:2]))
+      total[batch.indices] += logp[: len(batch.indices)]
+  steps = np.array([len(c) + 1 for _, c in flat])
+  scores = m.penalized(total / len(members), steps)
+  out: list[list[tuple[tuple[str, ...], float]]] = [[] for _ in words]
+  for (i, c), score in zip(flat, scores, strict=True):
+    out[i].append((c, float(score)))
+  return [sorted(pool, key=lambda x: -x[1]) for pool in out]
+
+
+def transcribe(
+  trained: Trained, words: Sequence[str], beam: int, nbest: int = 1
+) -> list[list[tuple[tuple[str, ...], float]]]:
+  """Each word's `nbest` best pronunciations, best first, as ``(phonemes,
+  score)``.
+
+  One model, or an ensemble of one direction, decodes by beam search
+  (`m.searcher`; an ensemble over the mean of its members'
+  log-probabilities). An ensemble of both directions
+  (``config.both_directions``) has no joint search: each member finds its
+  `beam` best alone, and every member rescores them all (`rescore`).
 
   Args:
     trained: the model (`load_trained`).
     words: lower-case words of ``trained.letters`` (`check_words`).
-    search: ``m.searcher(trained.config, len(trained.phones), beam, nbest)``.
+    beam: the beam size, at least `nbest`.
+    nbest: hypotheses kept per word.
 
   Returns:
-    One list per word, in `words`' order, of the search's `nbest`
-    hypotheses.
+    One list per word, in `words`' order, of at most `nbest` hypotheses.
   """
-  out: list[list[tuple[tuple[str, ...], float]]] = [[] for _ in words]
+  config, letters, phones = trained.config, trained.letters, trained.phones
   if not words:
-    return out
-  batcher = _word_batcher(trained.letters, trained.config, words, None)
-  for batch in batcher.epoch(0):
-    hyps = search(trained.params, batch.fields[0], batch.tables[0])
-    ids, scores = hyps.ids.to_list(), hyps.scores.to_list()
-    for i, word_ids, word_scores in zip(batch.indices, ids, scores, strict=True):
-      out[i] = [
-        (reading_order(trained.config, trained.phones.decode(h)), float(s))
-        for h, s in zip(word_ids, word_scores, strict=True)
-      ]
-  return out
+    return []
+  if not (config.members > 1 and config.both_directions):
+    search = m.searcher(config, len(phones), beam, nbest)
+    return _search(trained.params, config, letters, phones, words, search)
+  single = dataclasses.replace(config, members=1, both_directions=False)
+  search = m.searcher(single, len(phones), beam, beam)
+  members = [(m.member_config(config, k), p) for k, p in enumerate(trained.params)]
+  pools: list[list[tuple[str, ...]]] = [[] for _ in words]
+  for member, params in members:
+    found = _search(params, member, letters, phones, words, search)
+    for pool, hyps in zip(pools, found, strict=True):
+      pool.extend(h for h, _ in hyps)
+  ranked = rescore(members, letters, phones, words, pools)
+  return [hyps[:nbest] for hyps in ranked]
 
 
 def predict_main(argv: Sequence[str] | None = None) -> int:
@@ -504,8 +616,7 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
   for message in messages:
     print(f"{parser.prog}: left out {message}", file=sys.stderr)
   beam = max(trained.config.beam, nbest) if args.beam is None else args.beam
-  search = m.searcher(trained.config, len(trained.phones), beam, nbest)
-  results = transcribe(trained, [w for _, w in kept], search)
+  results = transcribe(trained, [w for _, w in kept], beam, nbest)
   for (i, _), hyps in zip(kept, results, strict=True):
     for phones, score in hyps[:nbest]:
       line = f"{words[i].strip()}\t{' '.join(phones)}"
@@ -966,7 +1077,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       # A checkpoint of an older version of the example: the same batches.
       resuming = resuming[:-1] + "; no Batcher state saved: batches by step)"
     if config.members > 1:
-      print(f"member {k} (seed {member.seed})")
+      way = ", right to left" if member.right_to_left else ""
+      print(f"member {k} (seed {member.seed}{way})")
     print(f"checkpoints: {member_workdir}{resuming}")
     params, opt_state, history = train(
       member,
@@ -1007,7 +1119,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # An ensemble decodes on one device, with a decoder of its own.
     ensemble = isinstance(decode_params, tuple)
     on = None if ensemble else mesh
-    search = decoder(config, num_phones, config.beam) if ensemble else decode
+    search = decode
+    if ensemble:
+      # An ensemble of both directions rescores (`predict`), with no decoder.
+      both = config.both_directions
+      search = None if both else decoder(config, num_phones, config.beam)
     for split in ("dev", "test"):
       per, wer, rows = evaluate(
         decode_params, run_config, corpus, split, mesh=on, decode=search

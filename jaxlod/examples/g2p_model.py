@@ -33,7 +33,7 @@ from jaxlod.nn import (
   StackedRNN,
   ensemble_generate,
 )
-from jaxlod.ops import DecodeSettings, sequence_cross_entropy
+from jaxlod.ops import DecodeSettings, sequence_cross_entropy, sequence_pool
 from jaxlod.parallel import data_parallel, generate, shard_batch
 
 # Ids of the target vocabulary's markers (see `g2p_data.phone_vocab`).
@@ -502,6 +502,46 @@ def search_settings(
   )
 
 
+def scoring_buckets(words: int) -> tuple[Buckets, Buckets, Buckets]:
+  """Capacities of a `forced_scorer` batch's ``(src, tgt_in, tgt_out)``:
+  at most `words` words, and pronunciations as long as a hypothesis of the
+  beam search can be, with ``<s>`` or ``</s>``."""
+  tgt = Buckets.fixed(
+    tokens=10 * words, sequences=words, time=TIME_CAPACITY + LENGTH_MARGIN + 1
+  )
+  return batch_buckets(words), tgt, tgt
+
+
+@functools.cache
+def forced_scorer(config: Config, num_phones: int) -> Callable:
+  """The jitted teacher-forced scorer ``(params, src, tgt_in, tgt_out,
+  src_table=None, tgt_table=None) -> logp``, ``logp [count_capacity]``
+  float32: each word's summed log-probability of its `tgt_out` (``</s>``
+  included) under `config`'s model, dropout off; empty slots score 0.
+
+  The fields are those of `jaxlod.ops.sequence_cross_entropy`'s loss
+  (``tgt_in`` is ``<s>`` and the phonemes, ``tgt_out`` the phonemes and
+  ``</s>``), on `scoring_buckets`; the tables are the rank tables of `src`
+  and `tgt_in`, or `None`. One scorer per set of arguments in a process
+  (cached), as `searcher`.
+  """
+  model = build_model(config, num_phones)
+
+  @jax.jit
+  def score(params, src, tgt_in, tgt_out, src_table=None, tgt_table=None):
+    logits = model.apply(params, src, tgt_in, src_table=src_table, tgt_table=tgt_table)
+    return -sequence_pool(sequence_cross_entropy(logits, tgt_out), "sum")
+
+  return score
+
+
+def penalized(logp: np.ndarray, steps: np.ndarray) -> np.ndarray:
+  """Scores as the beam search ranks its hypotheses: summed log-probability
+  over GNMT's length penalty ``((5 + steps) / 6) ** LENGTH_PENALTY``, with
+  `steps` counting ``</s>`` (`jaxlod.ops.DecodeSettings`)."""
+  return logp / ((5.0 + steps) / 6.0) ** LENGTH_PENALTY
+
+
 def max_lengths(src: LoDTensor) -> jax.Array:
   """Each word's most tokens, ``[count_capacity]``: its letters plus
   `LENGTH_MARGIN`."""
@@ -579,7 +619,18 @@ def searcher(
   compile once per capacity.
 
   With ``config.members > 1``, `params` is a tuple of the members' parameter
-  trees, decoded together (`ensemble_search`)."""
+  trees, decoded together (`ensemble_search`).
+
+  Raises:
+    ValueError: for an ensemble of both directions, which no one search
+      decodes (``g2p.transcribe`` rescores its members' hypotheses).
+  """
+  if config.members > 1 and config.both_directions:
+    raise ValueError(
+      "An ensemble of both directions (`both_directions`) has no joint beam "
+      "search: each member searches alone and all of them rescore the "
+      "hypotheses (`jaxlod.examples.g2p.transcribe`)."
+    )
   if config.members > 1:
     search = ensemble_search(config, num_phones, beam, num_results)
     return lambda params, src, src_table=None: search(tuple(params), src, src_table)
