@@ -46,8 +46,6 @@ def worker(preset: str, core: int | None, warmup: int, steps: int) -> None:
   ``ready``, waits for a line on stdin, then prints its timing as JSON."""
   if core is not None:
     os.sched_setaffinity(0, {core})
-  import jax
-  import numpy as np
 
   from jaxlod import enable_compilation_cache
   from jaxlod.examples import g2p
@@ -59,19 +57,13 @@ def worker(preset: str, core: int | None, warmup: int, steps: int) -> None:
   step_fn = m.train_step(config, len(corpus.phones))
   params, opt_state = m.init_state(config, len(corpus.phones))
   batches = g2p.training_batcher(config, corpus).iterate()
-  key = jax.random.key(1)
 
   def run(count: int, first: int) -> None:
     nonlocal params, opt_state
     for i in range(first, first + count):
       batch = next(batches)
       params, opt_state, loss = step_fn(
-        params,
-        opt_state,
-        np.float32(m.learning_rate(config, i)),
-        jax.random.fold_in(key, i),
-        batch.fields,
-        batch.tables,
+        params, opt_state, *m.step_args(config, i), batch.fields, batch.tables
       )
       float(loss)
 

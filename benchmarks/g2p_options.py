@@ -95,19 +95,13 @@ def _train_batcher(config: m.Config, corpus: g2p.Corpus, **kwargs: Any) -> Batch
   return Batcher(corpus.train, buckets, **{**settings, **kwargs})
 
 
-def _step_args(config: m.Config, step: int) -> tuple[np.float32, jax.Array]:
-  """The learning rate and dropout key of step `step`, as `g2p.train`'s."""
-  rng = jax.random.fold_in(jax.random.key(config.seed + 1), step)
-  return np.float32(m.learning_rate(config, step)), rng
-
-
 def pretrain(config: m.Config, corpus: g2p.Corpus, steps: int) -> tuple[Any, Any]:
   """``(params, opt_state)`` after the first `steps` steps of the default run."""
   params, opt_state = m.init_state(config, len(corpus.phones))
   step_fn = m.train_step(config, len(corpus.phones))
   with contextlib.closing(_train_batcher(config, corpus).iterate()) as batches:
     for k, batch in zip(range(steps), batches, strict=False):
-      lr, rng = _step_args(config, k)
+      lr, rng = m.step_args(config, k)
       params, opt_state, _ = step_fn(
         params, opt_state, lr, rng, batch.fields, batch.tables
       )
@@ -129,7 +123,7 @@ def train_step_times(
   def call(arm: str):
     s = states[arm]
     k = s["k"]
-    lr, rng = _step_args(config, start + k)
+    lr, rng = m.step_args(config, start + k)
     batch = batches[k]
     params, opt_state, loss = step_fn(
       *s["state"], lr, rng, batch.fields, arms[arm](batch)

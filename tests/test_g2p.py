@@ -213,6 +213,18 @@ def test_learning_rate_warms_up_then_decays():
   assert float(m.learning_rate(short, 25)) == pytest.approx(peak / 4)
 
 
+def test_step_args_are_the_schedule_and_the_step_s_dropout_key():
+  config = m.PRESETS["full"]
+  for step in (0, 250, 500, 39_999):
+    lr, rng = m.step_args(config, step)
+    assert lr.dtype == np.float32 and lr == np.float32(m.learning_rate(config, step))
+    want = jax.random.fold_in(jax.random.key(config.seed + 1), step)
+    np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(want))
+  assert m.step_args(config, 0)[0] == 0 and m.step_args(config, 500)[0] == 2e-3
+  other = jax.random.key_data(m.step_args(config, 1)[1])
+  assert not np.array_equal(jax.random.key_data(m.step_args(config, 0)[1]), other)
+
+
 def test_training_ladder_halves_the_batch_words():
   config = m.Config()
   assert m.training_ladder(config) == (64, 32, 16, 8)

