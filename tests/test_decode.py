@@ -15,7 +15,13 @@ import pytest
 from jax.experimental import checkify
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.ops import DecodeSettings, Hypotheses, beam_search, ensemble_step
+from jaxlod.ops import (
+  DecodeSettings,
+  Hypotheses,
+  beam_search,
+  ensemble_step,
+  length_normalized,
+)
 
 # -- a tiny recurrent model: vocab 4 (eos 0, bos 3), one row per source ------------
 
@@ -70,8 +76,8 @@ def penalty(steps: int, alpha: float) -> np.float32:
   return np.float32(((np.float32(5) + np.float32(steps)) / np.float32(6)) ** alpha)
 
 
-def every_hypothesis(table, max_length: int, alpha: float):
-  """Every hypothesis (tokens, steps, logp) and its normalized score."""
+def every_logp(table, max_length: int):
+  """Every hypothesis as (tokens, steps, logp)."""
   out = []
   for n in range(max_length + 1):
     for tokens in itertools.product(range(1, VOCAB), repeat=n):
@@ -80,10 +86,18 @@ def every_hypothesis(table, max_length: int, alpha: float):
         logp = np.float32(logp + table[tokens[:i]][v])
       if n < max_length:  # ended by eos
         logp, steps = np.float32(logp + table[tokens][EOS]), n + 1
-      elif n == max_length:  # truncated
+      else:  # truncated
         steps = n
-      out.append((tokens, np.float32(logp / penalty(steps, alpha))))
+      out.append((tokens, steps, logp))
   return out
+
+
+def every_hypothesis(table, max_length: int, alpha: float):
+  """Every hypothesis as (tokens, its normalized score)."""
+  return [
+    (tokens, np.float32(logp / penalty(steps, alpha)))
+    for tokens, steps, logp in every_logp(table, max_length)
+  ]
 
 
 def reference_beam(table, k, max_length, alpha, num_results, early_exit=True):
@@ -353,6 +367,45 @@ def test_every_returned_score_is_the_exhaustive_score(alpha):
     exhaustive = dict(every_hypothesis(TABLES[i], MAX_LENGTHS[i], alpha))
     for tokens, score in out[i]:
       np.testing.assert_allclose(score, exhaustive[tokens], rtol=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+def test_length_normalized_is_the_reference_score(alpha):
+  logp = np.array([[-1.5, 0.0, -7.25], [-0.5, -3.0, -40.0]], np.float32)
+  steps = np.array([1, 4, 9])
+  got = length_normalized(logp, steps, alpha)
+  assert got.shape == (2, 3) and got.dtype == jnp.float32
+  want = [[logp[r, c] / penalty(steps[c], alpha) for c in range(3)] for r in range(2)]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  # NumPy's float64 and integers score in float32; bfloat16 stays bfloat16.
+  assert length_normalized(logp.astype(np.float64), 3, alpha).dtype == jnp.float32
+  assert length_normalized(np.array([-2, 0]), 3, alpha).dtype == jnp.float32
+  half = length_normalized(jnp.asarray(logp, jnp.bfloat16), steps, alpha)
+  assert half.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+  "alpha, error, match",
+  [
+    (-0.5, ValueError, r"finite `length_penalty` >= 0 .*got -0.5"),
+    (float("inf"), ValueError, r"finite `length_penalty` >= 0 .*got inf"),
+    (1e300, ValueError, r"length_penalty"),
+    (True, TypeError, r"`length_penalty` to be a static float, got True"),
+    (jnp.float32(0.6), TypeError, r"`length_penalty` to be a static float"),
+  ],
+)
+def test_length_normalized_rejects_bad_penalties(alpha, error, match):
+  with pytest.raises(error, match=match):
+    length_normalized(np.float32(-1.0), 2, alpha)
+
+
+def test_length_normalized_ranks_as_beam_search():
+  out = as_lists(run_beam(INIT, BIAS, jnp.array(MAX_LENGTHS), beam(4, 0.6, 4)))
+  for i in range(COUNT):
+    exhaustive = {t: (lp, n) for t, n, lp in every_logp(TABLES[i], MAX_LENGTHS[i])}
+    for tokens, score in out[i]:
+      logp, steps = exhaustive[tokens]
+      np.testing.assert_allclose(length_normalized(logp, steps, 0.6), score, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_results", [3, 121])

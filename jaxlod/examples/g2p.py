@@ -50,6 +50,7 @@ from jaxlod import enable_compilation_cache
 from jaxlod.data import Batcher
 from jaxlod.examples import g2p_data as data
 from jaxlod.examples import g2p_model as m
+from jaxlod.ops import length_normalized
 from jaxlod.parallel import replicate, shard_batch
 
 # Build the rank tables of every batch on the host (`jaxlod.data.Batcher`)
@@ -477,9 +478,9 @@ def rescore(
   A candidate's score is the mean over `members` (``(config, params)``
   pairs) of its teacher-forced log-probability, ``</s>`` included, each
   member reading it in its own direction (`m.forced_scorer`), over the beam
-  search's length penalty (`m.penalized`): what an ensemble's joint beam
-  search scores a hypothesis by. Each word's duplicates count once; ties
-  keep the order of `candidates`.
+  search's length penalty (`jaxlod.ops.length_normalized`): what an
+  ensemble's joint beam search scores a hypothesis by. Each word's
+  duplicates count once; ties keep the order of `candidates`.
 
   Args:
     members: the models, each with its config (its direction).
@@ -519,7 +520,7 @@ def rescore(
       logp = np.asarray(score(params, *batch.fields, *batch.tables[:2]))
       total[batch.indices] += logp[: len(batch.indices)]
   steps = np.array([len(c) + 1 for _, c in flat])
-  scores = m.penalized(total / len(members), steps)
+  scores = np.asarray(length_normalized(total / len(members), steps, m.LENGTH_PENALTY))
   out: list[list[tuple[tuple[str, ...], float]]] = [[] for _ in words]
   for (i, c), score in zip(flat, scores, strict=True):
     out[i].append((c, float(score)))

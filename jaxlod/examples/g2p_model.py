@@ -544,13 +544,6 @@ def forced_scorer(config: Config, num_phones: int) -> Callable:
   return score
 
 
-def penalized(logp: np.ndarray, steps: np.ndarray) -> np.ndarray:
-  """Scores as the beam search ranks its hypotheses: summed log-probability
-  over GNMT's length penalty ``((5 + steps) / 6) ** LENGTH_PENALTY``, with
-  `steps` counting ``</s>`` (`jaxlod.ops.DecodeSettings`)."""
-  return logp / ((5.0 + steps) / 6.0) ** LENGTH_PENALTY
-
-
 def max_lengths(src: LoDTensor) -> jax.Array:
   """Each word's most tokens, ``[count_capacity]``: its letters plus
   `LENGTH_MARGIN`."""

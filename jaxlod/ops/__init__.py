@@ -48,6 +48,7 @@ from jaxlod.ops._pool import (
 from jaxlod.ops._rank import RankTable, default_ladder, normalize_ladder, rank_table
 from jaxlod.ops._reshape import lod_reset, sequence_reshape, sequence_scatter
 from jaxlod.ops._rnn import dynamic_rnn
+from jaxlod.ops._search import length_normalized
 from jaxlod.ops._window import sequence_conv, sequence_enumerate
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
   "dot_scores",
   "ensemble_step",
   "general_scores",
+  "length_normalized",
   "lod_memory",
   "RankTable",
   "array_to_lod",

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxlod._checks import (
   check_callable,
@@ -25,7 +24,6 @@ from jaxlod._checks import (
   check_rows,
   check_sequence,
   check_step_out,
-  finite_float32,
   host_numbers,
   is_float_dtype,
   is_lod,
@@ -118,20 +116,7 @@ class DecodeSettings:
           f"Expected `num_results` <= `beam_size` ({self.beam_size}), got {results}."
         )
       set_("num_results", results)
-    penalty = self.length_penalty
-    if isinstance(penalty, bool) or not isinstance(
-      penalty, int | float | np.floating | np.integer
-    ):
-      raise TypeError(
-        f"Expected `length_penalty` to be a static float, got {penalty!r}."
-      )
-    if not 0 <= float(penalty) < float("inf"):
-      raise ValueError(
-        f"Expected a finite `length_penalty` >= 0 (the early exit's bound needs a "
-        f"penalty that grows with the length), got {float(penalty)}."
-      )
-    # The scores are float32 or wider: 1e300 became inf there, every score -0.
-    set_("length_penalty", finite_float32(penalty, "length_penalty"))
+    set_("length_penalty", _search.check_length_penalty(self.length_penalty))
     if self.ladder is not None:
       if isinstance(self.ladder, str) or not isinstance(self.ladder, Sequence):
         raise TypeError(

@@ -18,8 +18,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxlod._checks import finite_float32
 from jaxlod._vma import vary, varying_axes
 
 NEG_INF = -jnp.inf
@@ -79,17 +81,69 @@ def initial_slots(
   )
 
 
-def penalty(length: jax.Array, alpha: float, dtype) -> jax.Array:
-  """GNMT's length penalty ``((5 + length) / 6) ** alpha`` (Wu et al. 2016)."""
-  if alpha == 0:
-    return jnp.ones(length.shape, dtype)
-  return ((5.0 + length.astype(dtype)) / 6.0) ** alpha
+def length_normalized(
+  logp: jax.typing.ArrayLike, steps: jax.typing.ArrayLike, length_penalty: float
+) -> jax.Array:
+  """Scores as `beam_search` ranks finished hypotheses.
+
+  ``logp / ((5 + steps) / 6) ** length_penalty``: GNMT's length penalty
+  (Wu et al. 2016), computed in `logp`'s floating dtype (float32 for
+  integers and for NumPy's float64 without x64).
+
+  Args:
+    logp: summed log-probabilities, any shape ``[...]``.
+    steps: the hypotheses' tokens, counting ``eos`` where they ended with
+      it (`DecodeSettings`); broadcast against `logp`.
+    length_penalty: the exponent, as `DecodeSettings.length_penalty`: a
+      static float, finite and at least 0.
+
+  Returns:
+    The normalized scores, ``[...]`` (the broadcast shape).
+
+  Raises:
+    TypeError: for a `length_penalty` that is not a static float.
+    ValueError: for a negative or infinite `length_penalty`.
+
+  Example:
+    >>> from jaxlod.ops import length_normalized
+    >>> round(float(length_normalized(-6.0, 7, 0.6)), 4)  # -6 / 2 ** 0.6
+    -3.9585
+  """
+  length_penalty = check_length_penalty(length_penalty)
+  logp = jnp.asarray(logp)
+  if not jnp.issubdtype(logp.dtype, jnp.floating):
+    logp = logp.astype(jnp.float32)
+  steps = jnp.asarray(steps).astype(logp.dtype)
+  if length_penalty == 0:
+    return jnp.broadcast_to(logp, jnp.broadcast_shapes(logp.shape, steps.shape))
+  return logp / ((5.0 + steps) / 6.0) ** length_penalty
+
+
+def check_length_penalty(value: Any) -> float:
+  """`value` as a length penalty: a static float, finite and at least 0.
+
+  Raises:
+    TypeError: for a value that is not a static float.
+    ValueError: for a negative one (the early exit's bound needs a penalty
+      that grows with the length), or one that is inf in float32.
+  """
+  if isinstance(value, bool) or not isinstance(
+    value, int | float | np.floating | np.integer
+  ):
+    raise TypeError(f"Expected `length_penalty` to be a static float, got {value!r}.")
+  if not 0 <= float(value) < float("inf"):
+    raise ValueError(
+      f"Expected a finite `length_penalty` >= 0 (the early exit's bound needs a "
+      f"penalty that grows with the length), got {float(value)}."
+    )
+  # The scores are float32 or wider: 1e300 became inf there, every score -0.
+  return finite_float32(value, "length_penalty")
 
 
 def check_penalty(alpha: float, max_length: int, dtype) -> None:
-  """Raises a ValueError when `penalty` at `max_length` (its largest value)
-  is inf in `dtype`: every score of that length would be 0 and outrank the
-  others."""
+  """Raises a ValueError when the length penalty at `max_length` (its
+  largest value) is inf in `dtype`: every score of that length would be 0
+  and outrank the others."""
   if alpha == 0:
     return
   exponent = alpha * math.log10((5.0 + max_length) / 6.0)
@@ -106,7 +160,7 @@ def check_penalty(alpha: float, max_length: int, dtype) -> None:
 def scores(slots: Slots, alpha: float) -> jax.Array:
   """Normalized scores ``[count, k]`` of ended slots; ``-inf`` elsewhere."""
   steps = slots.length + slots.eos.astype(jnp.int32)
-  value = slots.logp / penalty(steps, alpha, slots.logp.dtype)
+  value = length_normalized(slots.logp, steps, alpha)
   return jnp.where(slots.ended & (slots.logp > NEG_INF), value, NEG_INF)
 
 
@@ -180,7 +234,8 @@ def finished(
 ) -> jax.Array:
   """Per source: no live slot, or no live slot can beat the results.
 
-  A live slot's descendants score at most ``logp / penalty(max_length)``
+  A live slot's descendants score at most
+  ``length_normalized(logp, max_length)``
   (log-probabilities are at most 0 and the penalty grows with the length),
   so once that bound is below the `num_results`-th best ended score, and
   that many slots have ended, going on cannot change the results: the
@@ -191,7 +246,7 @@ def finished(
   ended = scores(slots, alpha)
   worst_kept = lax.top_k(ended, num_results)[0][:, -1]
   best_live = jnp.max(jnp.where(live, slots.logp, NEG_INF), axis=1)
-  bound = best_live / penalty(max_length, alpha, slots.logp.dtype)
+  bound = length_normalized(best_live, max_length, alpha)
   return ~jnp.any(live, axis=1) | (bound < worst_kept)
 
 
