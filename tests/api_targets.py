@@ -449,6 +449,16 @@ target(
   {"steps": arg(lambda: [step_log_probs], "callables")},
 )
 
+target(
+  "ops.length_normalized",
+  ops.length_normalized,
+  {
+    "logp": arg(lambda: np.array([-1.0, -2.5], np.float32), "array"),
+    "steps": arg(lambda: np.array([2, 3]), "int_values"),
+    "length_penalty": arg(0.6, "float32>=0"),
+  },
+)
+
 # jaxlod.ops: attention ---------------------------------------------------------------
 
 target(

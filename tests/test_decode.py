@@ -377,9 +377,8 @@ def test_length_normalized_is_the_reference_score(alpha):
   assert got.shape == (2, 3) and got.dtype == jnp.float32
   want = [[logp[r, c] / penalty(steps[c], alpha) for c in range(3)] for r in range(2)]
   np.testing.assert_allclose(got, want, rtol=1e-6)
-  # NumPy's float64 and integers score in float32; bfloat16 stays bfloat16.
+  # NumPy's float64 scores in float32 (x64 off); bfloat16 stays bfloat16.
   assert length_normalized(logp.astype(np.float64), 3, alpha).dtype == jnp.float32
-  assert length_normalized(np.array([-2, 0]), 3, alpha).dtype == jnp.float32
   half = length_normalized(jnp.asarray(logp, jnp.bfloat16), steps, alpha)
   assert half.dtype == jnp.bfloat16
 
@@ -397,6 +396,15 @@ def test_length_normalized_is_the_reference_score(alpha):
 def test_length_normalized_rejects_bad_penalties(alpha, error, match):
   with pytest.raises(error, match=match):
     length_normalized(np.float32(-1.0), 2, alpha)
+
+
+def test_length_normalized_rejects_bad_arrays():
+  with pytest.raises(TypeError, match=r"`logp` to have a float dtype, got int32"):
+    length_normalized(np.array([-2, 0], np.int32), 3, 0.6)
+  with pytest.raises(TypeError, match=r"`steps` to have an integer dtype, got float"):
+    length_normalized(np.zeros(2, np.float32), np.array([1.0, 2.0]), 0.6)
+  with pytest.raises(ValueError, match=r"`logp` \(2, 3\) and `steps` \(2,\)"):
+    length_normalized(np.zeros((2, 3), np.float32), np.array([1, 2]), 0.6)
 
 
 def test_length_normalized_ranks_as_beam_search():

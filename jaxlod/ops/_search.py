@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlod._checks import finite_float32
+from jaxlod._checks import as_array, check_float, check_integer, finite_float32
 from jaxlod._vma import vary, varying_axes
 
 NEG_INF = -jnp.inf
@@ -87,13 +87,13 @@ def length_normalized(
   """Scores as `beam_search` ranks finished hypotheses.
 
   ``logp / ((5 + steps) / 6) ** length_penalty``: GNMT's length penalty
-  (Wu et al. 2016), computed in `logp`'s floating dtype (float32 for
-  integers and for NumPy's float64 without x64).
+  (Wu et al. 2016), computed in `logp`'s dtype (as JAX stores it: NumPy's
+  float64 becomes float32 without x64).
 
   Args:
-    logp: summed log-probabilities, any shape ``[...]``.
-    steps: the hypotheses' tokens, counting ``eos`` where they ended with
-      it (`DecodeSettings`); broadcast against `logp`.
+    logp: summed log-probabilities, floats of any shape ``[...]``.
+    steps: integers, the hypotheses' tokens, counting ``eos`` where they
+      ended with it (`DecodeSettings`); broadcast against `logp`.
     length_penalty: the exponent, as `DecodeSettings.length_penalty`: a
       static float, finite and at least 0.
 
@@ -101,8 +101,10 @@ def length_normalized(
     The normalized scores, ``[...]`` (the broadcast shape).
 
   Raises:
-    TypeError: for a `length_penalty` that is not a static float.
-    ValueError: for a negative or infinite `length_penalty`.
+    TypeError: for a `length_penalty` that is not a static float, `logp`
+      that is not floats, or `steps` that is not integers.
+    ValueError: for a negative or infinite `length_penalty`, or shapes of
+      `logp` and `steps` that do not broadcast.
 
   Example:
     >>> from jaxlod.ops import length_normalized
@@ -110,13 +112,19 @@ def length_normalized(
     -3.9585
   """
   length_penalty = check_length_penalty(length_penalty)
-  logp = jnp.asarray(logp)
-  if not jnp.issubdtype(logp.dtype, jnp.floating):
-    logp = logp.astype(jnp.float32)
-  steps = jnp.asarray(steps).astype(logp.dtype)
+  logp = as_array(logp, "logp", "an array of log-probabilities")
+  check_float(logp.dtype, "logp")
+  steps = as_array(steps, "steps", "an array of token counts")
+  check_integer(steps.dtype, "steps")
+  try:
+    shape = jnp.broadcast_shapes(logp.shape, steps.shape)
+  except ValueError:
+    raise ValueError(
+      f"Expected `logp` {logp.shape} and `steps` {steps.shape} to broadcast together."
+    ) from None
   if length_penalty == 0:
-    return jnp.broadcast_to(logp, jnp.broadcast_shapes(logp.shape, steps.shape))
-  return logp / ((5.0 + steps) / 6.0) ** length_penalty
+    return jnp.broadcast_to(logp, shape)
+  return logp / ((5.0 + steps.astype(logp.dtype)) / 6.0) ** length_penalty
 
 
 def check_length_penalty(value: Any) -> float:
