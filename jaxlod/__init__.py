@@ -7,13 +7,8 @@ the rank table and the ops built on it.
 
 from jaxlod._buckets import Buckets
 from jaxlod._cache import enable_compilation_cache
-from jaxlod._lod import Capacity, Fault, LoDTensor
-
-# isort: split
-# `_checks` and `_lod` import each other; `_lod` loads first. `_serial`
-# registers LoDTensor and RankTable for serialization.
-from jaxlod import _serial  # noqa: F401
 from jaxlod._checks import unchecked
+from jaxlod._lod import Capacity, Fault, LoDTensor
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import jax
 
+from jaxlod._checks import static_float
+
 ENV = "JAXLOD_COMPILATION_CACHE"
 _OFF = frozenset({"", "0", "off", "false", "no"})
 
@@ -54,9 +56,6 @@ def enable_compilation_cache(
     >>> directory == jax.config.jax_compilation_cache_dir
     True
   """
-  # `_checks` imports `_lod`, which this package imports after this module.
-  from jaxlod._checks import static_float
-
   min_compile_time_s = static_float(min_compile_time_s, "min_compile_time_s")
   if not min_compile_time_s >= 0:
     raise ValueError(f"Expected `min_compile_time_s` >= 0, got {min_compile_time_s}.")

@@ -1,10 +1,12 @@
-"""Argument and value checks shared by jaxlod's builders, ops, nn and data.
+"""The core of jaxlod's argument and value checks; it imports nothing from jaxlod.
 
-The home of validation, with two neighbours that build on it:
-`jaxlod._host_checks` (LoD offsets, converters' inputs, restored pytrees,
-`jaxlod.data`'s examples and settings, all on the host) and
-`jaxlod._layer_checks` (attention memories, cells, ladders, settings and the
-layers given to layers). Checks of static things (types, ranks, dtypes,
+`require` and `require_each`, dtype and integer tests, static ints and
+floats, how a value is printed, and the checks of pytrees of arrays and of
+step functions. Every other check lives beside the concept it guards and
+builds on these: `jaxlod._host` (host values as arrays), `jaxlod._lod_checks`
+(LoD offsets and levels), the ops' checks in their modules, `jaxlod.nn._checks`
+(the layers'), `jaxlod.data._checks` (batches and shards) and the
+converters' in `jaxlod.interop`. Checks of static things (types, ranks, dtypes,
 capacities, pytree structures) raise at trace time and name the argument,
 the expected and the actual value. Checks of values go through `require` or
 `require_each`: eagerly they raise `ValueError`, under `jit` they become
@@ -28,20 +30,12 @@ import functools
 import re
 import string
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
-
-# `_lod` imports this module: its classes are read at call time, `_lod.LoDTensor`.
-from jaxlod import _lod
-
-if TYPE_CHECKING:
-  from jaxlod._lod import Capacity, LoDTensor
-  from jaxlod.ops._attention import Memory
-  from jaxlod.ops._rank import RankTable
 
 
 def is_concrete(*arrays: Any) -> bool:
@@ -191,73 +185,7 @@ def unchecked(fn: Callable[..., Any]) -> Callable[..., Any]:
   return run
 
 
-def check_lengths_fit(
-  lengths: jax.Array,
-  time: int,
-  where: str,
-  limit: str = "the requested time capacity",
-) -> None:
-  """No length exceeds `time` (eager `ValueError`, `checkify` under `jit`).
-
-  Args:
-    lengths: int ``[count]``.
-    time: the static bound.
-    where: the caller, first in the message.
-    limit: names the bound in the message.
-  """
-  longest = jnp.max(jnp.asarray(lengths), initial=0)
-  require(
-    longest <= time,
-    f"{where}: the longest sequence has {{longest}} rows, more than {limit} "
-    f"{time}; data is never truncated.",
-    traced=f"{where}: a sequence is longer than {limit} {time}; data is never "
-    "truncated.",
-    longest=longest,
-  )
-
-
-def check_fits(real: Capacity, capacity: Capacity, where: str) -> None:
-  """Every real size is at most its capacity (eager `ValueError` or checkify).
-
-  Args:
-    real: the real sizes: Python ints (eager) or int32 scalars (jit).
-    capacity: the static capacities.
-    where: the op's name, for messages.
-  """
-  sizes = [("tokens", real.tokens, capacity.tokens)]
-  for level, (r, c) in enumerate(zip(real.sequences, capacity.sequences, strict=True)):
-    sizes.append((f"sequences at level {level}", r, c))
-  for level, (r, c) in enumerate(zip(real.time, capacity.time, strict=True)):
-    sizes.append((f"time (longest sequence) at level {level}", r, c))
-  for what, size, cap in sizes:
-    require(
-      size <= cap,
-      f"{where}: the output needs {what} {{size}}, more than its capacity {cap}; "
-      "data is never truncated. Pass a larger `capacity`.",
-      traced=f"{where}: the output needs more {what} than its capacity {cap}; "
-      "pass a larger `capacity`.",
-      size=size,
-    )
-
-
 # -- arguments of the ops ----------------------------------------------------------
-
-
-def is_lod(x: Any) -> bool:
-  """True for a LoDTensor (an ``is_leaf`` for pytrees of LoDTensors)."""
-  return isinstance(x, _lod.LoDTensor)
-
-
-def check_lod(x: Any, name: str, *, levels: Sequence[int] | None = None) -> LoDTensor:
-  """`x` must be a LoDTensor, with one of the allowed numbers of levels."""
-  if not is_lod(x):
-    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
-  if levels is not None and x.num_levels not in levels:
-    allowed = " or ".join(str(n) for n in levels)
-    raise ValueError(
-      f"Expected `{name}` to have {allowed} LoD level(s), got {x.num_levels}."
-    )
-  return x
 
 
 def is_float_dtype(dtype: Any) -> bool:
@@ -268,93 +196,6 @@ def is_float_dtype(dtype: Any) -> bool:
 def is_integer_dtype(dtype: Any) -> bool:
   """JAX's integer test (``int4`` included); `bool` is not an integer."""
   return bool(jnp.issubdtype(dtype, jnp.integer))
-
-
-def host_numbers(value: Any, name: str, where: str = "") -> np.ndarray:
-  """`value` as a NumPy array of numbers (or bools); strings, objects and
-  Python ints too large for NumPy raise naming `name` (`where`, e.g.
-  ``" in `seqs`, sequence 0"``, ends the type error's message)."""
-  if is_lod(value):
-    raise TypeError(f"Expected `{name}` to be an array, got LoDTensor.")
-  try:
-    array = host_array(value, name)
-  except OverflowError as error:
-    raise ValueError(
-      f"Expected `{name}` to hold integers within int64: {error}."
-    ) from None
-  if isinstance(value, int) and array.dtype == object:
-    raise ValueError(f"Expected `{name}` to fit int64, got {value}.")
-  # JAX's test: NumPy files bfloat16, int4 and the other ml_dtypes as void.
-  if not (array.dtype == np.bool_ or jnp.issubdtype(array.dtype, jnp.number)):
-    got = f"dtype {array.dtype}"
-    if array.dtype == object and array.ndim == 0:
-      got = type(value).__name__
-    raise TypeError(f"Expected `{name}` to hold numbers, got {got}{where}.")
-  return array
-
-
-def as_array(value: Any, name: str, expected: str = "an array") -> jax.Array:
-  """An array argument as a `jax.Array`, checked at the boundary.
-
-  Device arrays and tracers pass unchanged. A LoDTensor, a string, `None`
-  or another object, and arrays of strings or objects raise `TypeError`
-  naming `name` (`expected` describes what it should be); Python ints too
-  large for int64, and host integers beyond the dtype JAX stores them in
-  (`check_fits_device`), raise `ValueError`.
-  """
-  if isinstance(value, jax.Array):
-    return value
-  if _holds_tracers(value):
-    return jnp.asarray(value)  # a list of traced scalars: JAX checks them
-  _check_fits(_host_array(value, name, expected), name)
-  return jnp.asarray(value)  # of the value: Python scalars stay weakly typed
-
-
-def _host_array(value: Any, name: str, expected: str) -> np.ndarray:
-  """An array-like host argument as a NumPy array of numbers (`as_array`'s
-  type checks)."""
-  array_like = hasattr(value, "__array__") or isinstance(
-    value, list | tuple | np.ndarray | np.generic | int | float | complex
-  )
-  if not array_like:
-    raise TypeError(f"Expected `{name}` to be {expected}, got {type(value).__name__}.")
-  return host_numbers(value, name)
-
-
-def _holds_tracers(value: Any) -> bool:
-  """A list or tuple with traced leaves (they have no host values)."""
-  return isinstance(value, list | tuple) and not is_concrete(*jax.tree.leaves(value))
-
-
-def check_fits_device(value: Any, name: str) -> None:
-  """Host integers must fit the dtype JAX stores them in: with x64 off, int64
-  becomes int32 and a value beyond its range would wrap silently.
-
-  Device arrays, tracers and shape structs are already stored (or have no
-  values); they are not checked.
-  """
-  if isinstance(value, jax.Array | jax.ShapeDtypeStruct) or _holds_tracers(value):
-    return
-  _check_fits(host_numbers(value, name), name)
-
-
-def _check_fits(array: np.ndarray, name: str) -> None:
-  """`check_fits_device` of a host array."""
-  if not is_integer_dtype(array.dtype) or array.size == 0:
-    return
-  target = jax.dtypes.canonicalize_dtype(array.dtype)
-  if target == array.dtype:
-    return
-  info = np.iinfo(target)
-  bad = np.flatnonzero((array < info.min) | (array > info.max))
-  if bad.size:
-    where = np.unravel_index(int(bad[0]), array.shape)
-    at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
-    raise ValueError(
-      f"Expected `{name}` to fit {np.dtype(target).name} (the dtype JAX stores "
-      f"it in with jax_enable_x64 off), got {array[where]}{at}; enable x64 "
-      "or use smaller values."
-    )
 
 
 def check_integer(dtype: Any, name: str) -> None:
@@ -443,18 +284,6 @@ def check_rank(shape: Sequence[int], name: str, allowed: Sequence[int], doc: str
     )
 
 
-def check_level(x: LoDTensor, level: int, name: str) -> int:
-  """A level index of `x` in ``[-num_levels, num_levels)``, made non-negative."""
-  if isinstance(level, bool) or not isinstance(level, int | np.integer):
-    raise TypeError(f"Expected `{name}` to be an int, got {level!r}.")
-  if not -x.num_levels <= level < x.num_levels:
-    raise ValueError(
-      f"Expected `{name}` in [{-x.num_levels}, {x.num_levels}) (the LoD levels of "
-      f"the tensor), got {level}."
-    )
-  return int(level) % x.num_levels
-
-
 INT32 = np.iinfo(np.int32)
 
 
@@ -482,228 +311,7 @@ def static_int(
   return int(value)
 
 
-def index_scalar(value: Any, name: str) -> Any:
-  """An integer scalar: a static int, or an integer 0-d array (concrete or
-  traced), returned as it is; a host one must fit int32 (`static_int`,
-  `check_fits_device`)."""
-  if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
-    static_int(value, name)
-    return value
-  if (
-    isinstance(value, np.ndarray | jax.Array)
-    and value.ndim == 0
-    and is_integer_dtype(value.dtype)
-  ):
-    check_fits_device(value, name)
-    return value
-  raise TypeError(
-    f"Expected `{name}` to be an int or an integer scalar array, got "
-    f"{value_text(value)}."
-  )
-
-
-def per_sequence(
-  value: Any, name: str, count_capacity: int, num_sequences: Any, fill: Any = 0
-) -> jax.Array:
-  """A per-sequence argument with leading dimension `count_capacity`.
-
-  Accepts ``[count_capacity, ...]``, or in eager calls ``[num_sequences,
-  ...]`` (the real count), which is padded with `fill` up to the capacity.
-  """
-  array = as_array(value, name)
-  if array.ndim == 0:
-    raise ValueError(
-      f"Expected `{name}` to have leading dimension {count_capacity} (count "
-      f"capacity), got a scalar."
-    )
-  rows = array.shape[0]
-  if rows == count_capacity:
-    return array
-  if is_concrete(num_sequences) and rows == int(num_sequences):
-    pad = [(0, count_capacity - rows)] + [(0, 0)] * (array.ndim - 1)
-    return jnp.pad(array, pad, constant_values=fill)
-  real = f" or {int(num_sequences)} (sequences)" if is_concrete(num_sequences) else ""
-  raise ValueError(
-    f"Expected `{name}` to have leading dimension {count_capacity} (count "
-    f"capacity){real}, got shape {array.shape}."
-  )
-
-
-def fill_value(
-  value: Any, dtype: Any, name: str, expected: str = "a scalar or an array"
-) -> jax.Array:
-  """A fill value (`pad_value`) as an array of `dtype`, the dtype of the data
-  it fills (as JAX stores it).
-
-  Integer and bool data must hold a concrete value exactly: a cast would
-  truncate a fraction, turn NaN into 0, wrap a value out of range or make a
-  negative one large for an unsigned dtype. A host value is cast on the
-  host, so an int beyond int32 fills uint32 or float data exactly. Fills
-  of float data are not checked (NaN and infinities are fills there). A
-  traced value cannot be read: for integer data its dtype must be integer.
-  A complex fill for real data and a bool fill for numbers are refused by
-  their dtype (`check_fill_kind`), traced or not.
-
-  Raises:
-    TypeError: for a value that is not a number or an array of numbers
-      (`expected` describes one), a traced float for integer data, a
-      complex value for real data or a bool for numbers.
-    ValueError: naming `name`, `dtype` and the first value that does not fit.
-  """
-  dtype = jax.dtypes.canonicalize_dtype(dtype)
-  if not (isinstance(value, jax.Array) or _holds_tracers(value)):
-    value = _host_array(value, name, expected)
-  check_fill_kind(value, dtype, name)
-  exact = dtype == np.bool_ or is_integer_dtype(dtype)
-  if exact and is_concrete(value) and not _holds_tracers(value):
-    _check_exact(np.asarray(value), dtype, name)
-  elif exact and not _is_int_or_bool(jnp.result_type(value)):
-    raise TypeError(
-      f"Expected `{name}` to have an integer dtype under jit (the values' dtype "
-      f"is {dtype.name}; a traced value cannot be checked), got "
-      f"{jnp.result_type(value).name}."
-    )
-  if isinstance(value, np.ndarray):
-    with np.errstate(over="ignore"):  # float data: a huge fill becomes inf
-      return jnp.asarray(value.astype(dtype))
-  return jnp.asarray(value).astype(dtype)
-
-
-def _is_int_or_bool(dtype: Any) -> bool:
-  return is_integer_dtype(dtype) or jnp.dtype(dtype) == np.bool_
-
-
-def _check_exact(array: np.ndarray, dtype: np.dtype, name: str) -> None:
-  """Every item of `array` is exact in the integer (or bool) `dtype`."""
-  is_bool = dtype == np.bool_
-  info = None if is_bool else jnp.iinfo(dtype)
-  low, high = (0, 1) if info is None else (int(info.min), int(info.max))
-  if is_integer_dtype(array.dtype) or array.dtype == np.bool_:
-    bad = (array < low) | (array > high)
-  else:
-    with np.errstate(invalid="ignore"):
-      imag = np.imag(array) != 0
-      real = np.real(array)
-      # `high + 1` is a power of two: exact in float64, unlike `high`.
-      bad = imag | ~np.isfinite(real) | (real != np.round(real)) | (real < low)
-      bad |= real >= high + 1
-  hits = np.flatnonzero(bad)
-  if hits.size:
-    where = np.unravel_index(int(hits[0]), array.shape)
-    at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
-    kind = "0, 1 or a bool" if is_bool else f"an integer in [{low}, {high}]"
-    raise ValueError(
-      f"Expected `{name}` to be {kind} (exactly representable in the values' "
-      f"dtype {dtype.name}), got {array[where].item()}{at}."
-    )
-
-
-def check_pad_value(pad_value: jax.typing.ArrayLike, x: LoDTensor) -> jax.Array:
-  """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype
-  (`fill_value`: an integer dtype holds it exactly)."""
-  pad = fill_value(pad_value, x.values.dtype, "pad_value")
-  try:
-    return jnp.broadcast_to(pad, x.feature_shape)
-  except ValueError:
-    raise ValueError(
-      f"Expected `pad_value` to be a scalar or to broadcast to the feature shape "
-      f"{x.feature_shape}, got shape {pad.shape}."
-    ) from None
-
-
-POOL_TYPES = ("sum", "average", "sqrt", "max", "min", "first", "last")
-
-
-def check_pool_type(pool_type: str) -> str:
-  """One of `POOL_TYPES`, lower-cased (the argument is case-insensitive)."""
-  if not isinstance(pool_type, str):
-    raise TypeError(f"Expected `pool_type` to be a str, got {pool_type!r}.")
-  pool = pool_type.lower()
-  if pool not in POOL_TYPES:
-    allowed = ", ".join(repr(p) for p in POOL_TYPES)
-    raise ValueError(
-      f"Expected `pool_type` to be one of {allowed} (case-insensitive), got "
-      f"{pool_type!r}."
-    )
-  return pool
-
-
-def check_pool_dtype(dtype: Any, pool: str) -> None:
-  """Every pool type but ``first`` and ``last`` needs float values."""
-  if pool in ("first", "last") or is_float_dtype(dtype):
-    return
-  raise TypeError(
-    f"Expected `x.values` to have a float dtype for pool_type {pool!r}, got "
-    f"{np.dtype(dtype)}; only 'first' and 'last' accept any dtype."
-  )
-
-
 # -- rank tables -------------------------------------------------------------------
-
-
-def check_table(table: Any, name: str = "table", *, optional: bool = False) -> Any:
-  """`table` must be a `jaxlod.ops.RankTable` (or `None` when `optional`)."""
-  # `jaxlod.ops` imports this module: import its RankTable at call time.
-  from jaxlod.ops._rank import RankTable
-
-  if optional and table is None:
-    return None
-  if not isinstance(table, RankTable):
-    raise TypeError(f"Expected `{name}` to be a RankTable, got {type(table).__name__}.")
-  return table
-
-
-def check_pair(x: Any, table: Any, name: str) -> Any:
-  """`x` is a LoDTensor whose last level `table` ranks.
-
-  Checks the types and capacities, and the lengths (`check_ranked`, whose
-  result it returns).
-  """
-  if not is_lod(x):
-    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
-  check_table(table)
-  count = x.capacity.sequences[-1]
-  if count != table.count_capacity:
-    raise ValueError(
-      f"Expected the rank table's count capacity {table.count_capacity} to equal "
-      f"the count capacity of `{name}`'s last level, got {count}."
-    )
-  if x.time_capacity[-1] > table.time_capacity:
-    raise ValueError(
-      f"Expected the rank table's time capacity {table.time_capacity} to be at "
-      f"least the time capacity of `{name}`'s last level, got "
-      f"{x.time_capacity[-1]}."
-    )
-  return check_ranked(x.lengths(), table, f"`{name}`", "last level")
-
-
-def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) -> Any:
-  """Checks that `table` ranks sequences of these `lengths`: eagerly a
-  `ValueError` naming the first rank that differs, under `jit` a
-  `jax.experimental.checkify` check (a table of another batch with the same
-  capacities would give wrong results).
-
-  Returns:
-    Whether it does: `True` eagerly, a bool scalar under `jit`, for the
-    caller to mark its results (`jaxlod.Fault.TABLE`).
-  """
-  if not is_concrete(lengths, table.order, table.lengths):
-    lengths = jnp.asarray(lengths)
-    ranked = jnp.take(lengths, jnp.asarray(table.order), axis=0)
-    return require(
-      jnp.all(ranked == jnp.asarray(table.lengths)),
-      f"The rank table does not describe {name}'s {level}: its lengths in rank "
-      f"order differ from {name}'s (a table of another batch?).",
-    )
-  expected = np.asarray(lengths)[np.asarray(table.order)]
-  ranked = np.asarray(table.lengths)
-  if not np.array_equal(expected, ranked):
-    bad = int(np.flatnonzero(expected != ranked)[0])
-    raise ValueError(
-      f"The rank table does not describe {name}'s {level}: at rank {bad} it has "
-      f"length {int(ranked[bad])}, {name} has {int(expected[bad])}."
-    )
-  return True
 
 
 # -- pytrees of per-sequence arrays and step functions -----------------------------
@@ -716,30 +324,6 @@ def leaf_name(path) -> str:
 
 def _shape_str(x: Any) -> str:
   return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
-
-
-def check_leaves(tree: Any, name: str) -> None:
-  """Every leaf of `tree` is an array or a number (`host_numbers`), and its
-  host integers fit the dtype JAX stores them in (`check_fits_device`; the
-  message names the leaf, e.g. ``memory['h']``)."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if not hasattr(leaf, "shape"):
-      host_numbers(leaf, name)
-    elif not is_integer_dtype(getattr(leaf, "dtype", np.float32)):
-      continue  # only integers wrap; other arrays pass as they are
-    check_fits_device(leaf, name + jax.tree_util.keystr(path))
-
-
-def check_rows(tree: Any, count: int, name: str) -> None:
-  """Every leaf of `tree` is an array with leading dimension `count` (the
-  count capacity)."""
-  check_leaves(tree, name)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != count:
-      raise ValueError(
-        f"Expected `{name}` leaf {leaf_name(path)} to have leading dimension "
-        f"{count} (count capacity), got shape {jnp.shape(leaf)}."
-      )
 
 
 def check_step_out(out: Any, carry: Any, b: int) -> tuple[Any, Any]:
@@ -802,154 +386,10 @@ def check_index_leaves(leaves: Iterable[tuple[str, Any]], fix: str) -> None:
     raise TypeError(f"Expected integer {name}, got {np.dtype(dtype).name}: {fix}")
 
 
-def check_memory_lengths(memory: Memory, name: str = "memory") -> None:
-  """A `jaxlod.ops.Memory`'s ``lengths`` stay integer (a tree map that cast
-  them would mask the wrong source rows)."""
-  check_index_leaves(
-    [(f"`{name}.lengths`", memory.lengths)],
-    "the lengths mask the source rows, so a tree map over a Memory must leave "
-    "them alone (cast `values` and `keys` only).",
-  )
-
-
 # -- host arrays from Python values: ragged rows, LoD levels -----------------------
 
 
-def host_array(value: Any, name: str) -> np.ndarray:
-  """`np.asarray(value)`, with ragged nested lists refused naming `name`
-  and the first row whose shape differs (NumPy's "inhomogeneous shape")."""
-  try:
-    array = np.asarray(value)
-  except ValueError:
-    raise ValueError(_ragged(value, name)) from None
-  if isinstance(value, list | tuple) and array.dtype not in (np.bool_, object):
-    _refuse_mixed_bools(value, name)
-  return array
-
-
-def _refuse_mixed_bools(value: list | tuple, name: str) -> None:
-  """A nested list of numbers holds no bool: NumPy would read ``True`` as 1
-  (``[True, 4]`` as lengths ``[1, 4]``)."""
-  stack = [((), value)]
-  while stack:
-    path, items = stack.pop()
-    i = _first_bool(items)
-    if i is not None:
-      at = "".join(f"[{j}]" for j in (*path, i))
-      raise TypeError(
-        f"Expected `{name}` to hold numbers, got the bool {items[i]!r} at "
-        f"`{name}{at}` among them (NumPy would read it as {int(items[i])})."
-      )
-    nested = (j for j, item in enumerate(items) if isinstance(item, list | tuple))
-    stack.extend(((*path, j), items[j]) for j in nested)
-
-
-def _first_bool(items: list | tuple) -> int | None:
-  """The index of the first bool among `items` (NumPy reads ``True`` as 1)."""
-  return next((i for i, v in enumerate(items) if isinstance(v, bool | np.bool_)), None)
-
-
-def _ragged(value: Any, name: str) -> str:
-  """The message for a ragged `value`: the first index whose shape differs
-  from item 0's, searched one nesting level at a time."""
-  path: list[int] = []
-  while isinstance(value, list | tuple) and value:
-    shapes = []
-    for item in value:
-      try:
-        shapes.append(np.shape(item))
-      except ValueError:
-        shapes.append(None)  # ragged itself
-    bad = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
-    if bad is not None:
-      at = "".join(f"[{i}]" for i in path)
-      return (
-        f"Expected `{name}` to be a rectangular array of numbers ([rows, "
-        f"*features]), got ragged rows: `{name}{at}[{bad}]` has shape "
-        f"{_shape_text(shapes[bad])}, `{name}{at}[0]` {_shape_text(shapes[0])}."
-      )
-    bad = shapes.index(None) if None in shapes else 0
-    path.append(bad)
-    value = value[bad]
-  return f"Expected `{name}` to be a rectangular array of numbers, got ragged rows."
-
-
-def _shape_text(shape: tuple[int, ...] | None) -> str:
-  return "(ragged)" if shape is None else str(tuple(shape))
-
-
-def level_array(values: Any, name: str, level: int, where: str) -> np.ndarray:
-  """One LoD level as a NumPy array, before `check_integer_level` checks its
-  rank and dtype. An iterator is read once; a scalar, ragged items or a bool
-  among ints raise naming the level and (`where`) the argument.
-
-  Raises:
-    TypeError: for a bool among ints (NumPy would read it as 0 or 1).
-    ValueError: for a scalar (a level must be a sequence) or ragged items.
-  """
-  if isinstance(values, Iterable) and not (
-    isinstance(values, list | tuple | np.ndarray) or hasattr(values, "__array__")
-  ):
-    values = list(values)  # a generator: np.asarray would make an object scalar
-  try:
-    array = np.asarray(values)
-  except ValueError:
-    raise ValueError(
-      f"Expected LoD level {level} ({name}) to be 1-D, got items of different "
-      f"shapes.{where}"
-    ) from None
-  if array.ndim == 0:
-    raise ValueError(
-      f"Expected LoD level {level} ({name}) to be a 1-D sequence of ints, got the "
-      f"scalar {value_text(values)}; pass one sequence per level, e.g. [[2, 1]].{where}"
-    )
-  i = _first_bool(values) if isinstance(values, list | tuple) else None
-  if i is not None:
-    raise TypeError(
-      f"Expected LoD level {level} ({name}) to hold ints, got the bool "
-      f"{values[i]!r} at index {i}.{where}"
-    )
-  return array
-
-
-def check_no_bools(value: Any, name: str) -> None:
-  """A Python list or tuple of ints holds no bool (NumPy reads ``True`` as 1).
-
-  Raises:
-    TypeError: naming `name` and the index of the first bool.
-  """
-  i = _first_bool(value) if isinstance(value, list | tuple) else None
-  if i is not None:
-    raise TypeError(
-      f"Expected `{name}` to hold ints, got the bool {value[i]!r} at index {i}."
-    )
-
-
 # -- fill values' kinds, float settings that become float32 ------------------------
-
-
-def check_fill_kind(value: Any, dtype: Any, name: str) -> None:
-  """A fill value of a kind the data's `dtype` holds: no complex fill for real
-  data (a cast drops the imaginary part), no bool fill for numbers (a bool
-  pads with 0 or 1). Reads only the dtype, so a traced value is checked too.
-
-  Raises:
-    TypeError: naming `name`, the fill's dtype and the data's.
-  """
-  kind = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
-  dtype = np.dtype(dtype)
-  if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.issubdtype(
-    dtype, jnp.complexfloating
-  ):
-    raise TypeError(
-      f"Expected `{name}` to be a real number for values of dtype {dtype.name} "
-      f"(the imaginary part would be dropped), got {np.dtype(kind).name}."
-    )
-  if kind == np.bool_ and dtype != np.bool_:
-    raise TypeError(
-      f"Expected `{name}` to be a number for values of dtype {dtype.name} (a bool "
-      f"would pad with 0 or 1), got bool."
-    )
 
 
 def finite_float32(value: Any, name: str, *, positive: bool = False) -> float:
@@ -974,3 +414,28 @@ def finite_float32(value: Any, name: str, *, positive: bool = False) -> float:
       f"float32: a smaller one becomes 0 in float32), got {value}."
     )
   return value
+
+
+# -- sizes, widths and rates -----------------------------------------------------
+
+
+def check_width(name: str, actual: int, expected: int, what: str) -> None:
+  """A width (last dimension) must match: names both values."""
+  if actual != expected:
+    raise ValueError(f"Expected `{name}` of width {expected} ({what}), got {actual}.")
+
+
+def check_rate(rate: float, name: str, *, closed: bool = True) -> float:
+  """A dropout rate in ``[0, 1]`` (``[0, 1)`` unless `closed`)."""
+  rate = static_float(rate, name)
+  ok = 0.0 <= rate <= 1.0 if closed else 0.0 <= rate < 1.0
+  if not ok:
+    interval = "[0, 1]" if closed else "[0, 1)"
+    raise ValueError(f"Expected `{name}` in {interval}, got {rate!r}.")
+  return rate
+
+
+def check_sizes(**sizes: Any) -> None:
+  """Every keyword argument is a static int >= 1 (a width, a vocabulary)."""
+  for name, value in sizes.items():
+    static_int(value, name, minimum=1)

@@ -12,26 +12,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _buckets, _checks, _host_checks
+from jaxlod import _buckets, _checks, _lod_checks, _serial
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
-  as_array,
   check_dtype,
-  check_fits_device,
-  check_lengths_fit,
-  check_pad_value,
   check_sequence,
-  host_array,
-  host_numbers,
   is_concrete,
   is_float_dtype,
+  require,
   static_int,
 )
-from jaxlod._host_checks import (
+from jaxlod._host import as_array, check_fits_device, host_array, host_numbers
+from jaxlod._lod_checks import (
   check_integer_level,
+  check_lengths_fit,
   check_offsets,
+  check_pad_value,
   check_padded_lengths,
   check_segment_ids,
+  check_stored_lod,
 )
 
 
@@ -944,7 +943,7 @@ class LoDTensor:
       ...
       ValueError: LoD level 0, index 0: a sequence of length 4, more than the time ...
     """
-    _host_checks.check_stored_lod(self)
+    check_stored_lod(self)
     check_sound(self)
 
   def to_list(self) -> list:
@@ -981,6 +980,12 @@ class LoDTensor:
     return f"{head}{lod}, capacity={self.capacity})"
 
 
+_serial.register_export(LoDTensor, "jaxlod.LoDTensor")
+_serial.register_state(
+  LoDTensor, _lod_checks.check_lod_restore, _lod_checks.check_restored_lod
+)
+
+
 def _is_scalar(value: Any) -> bool:
   """A Python or NumPy number, or a 0-d array: one split, not a level."""
   if isinstance(value, np.ndarray | jax.Array):
@@ -993,3 +998,47 @@ def _is_nested(seq: Any) -> bool:
   if isinstance(seq, np.ndarray | jax.Array) or not isinstance(seq, list | tuple):
     return False
   return any(isinstance(item, list | tuple | np.ndarray | jax.Array) for item in seq)
+
+
+# -- LoDTensor arguments and capacities ------------------------------------------
+
+
+def is_lod(x: Any) -> bool:
+  """True for a LoDTensor (an ``is_leaf`` for pytrees of LoDTensors)."""
+  return isinstance(x, LoDTensor)
+
+
+def check_lod(x: Any, name: str, *, levels: Sequence[int] | None = None) -> LoDTensor:
+  """`x` must be a LoDTensor, with one of the allowed numbers of levels."""
+  if not is_lod(x):
+    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  if levels is not None and x.num_levels not in levels:
+    allowed = " or ".join(str(n) for n in levels)
+    raise ValueError(
+      f"Expected `{name}` to have {allowed} LoD level(s), got {x.num_levels}."
+    )
+  return x
+
+
+def check_fits(real: Capacity, capacity: Capacity, where: str) -> None:
+  """Every real size is at most its capacity (eager `ValueError` or checkify).
+
+  Args:
+    real: the real sizes: Python ints (eager) or int32 scalars (jit).
+    capacity: the static capacities.
+    where: the op's name, for messages.
+  """
+  sizes = [("tokens", real.tokens, capacity.tokens)]
+  for level, (r, c) in enumerate(zip(real.sequences, capacity.sequences, strict=True)):
+    sizes.append((f"sequences at level {level}", r, c))
+  for level, (r, c) in enumerate(zip(real.time, capacity.time, strict=True)):
+    sizes.append((f"time (longest sequence) at level {level}", r, c))
+  for what, size, cap in sizes:
+    require(
+      size <= cap,
+      f"{where}: the output needs {what} {{size}}, more than its capacity {cap}; "
+      "data is never truncated. Pass a larger `capacity`.",
+      traced=f"{where}: the output needs more {what} than its capacity {cap}; "
+      "pass a larger `capacity`.",
+      size=size,
+    )

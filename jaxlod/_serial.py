@@ -1,10 +1,12 @@
 """Serialization of jaxlod's pytrees: `jax.export` and `flax.serialization`.
 
-`LoDTensor`, `jaxlod.ops.RankTable`, `Memory` and `Hypotheses` are
-registered here (the package imports this module), so that an exported
-function taking or returning them can be serialized, and
-`flax.serialization.to_bytes` / `from_bytes` round-trip LoDTensors and rank
-tables with their static fields checked against the target's.
+Each pytree registers itself beside its definition with the functions here:
+`LoDTensor` (`jaxlod._lod`), `jaxlod.ops.RankTable`, `Memory` and
+`Hypotheses`, so that an exported function taking or returning them can be
+serialized, and `flax.serialization.to_bytes` / `from_bytes` round-trip
+LoDTensors and rank tables with their static fields checked against the
+target's (`check_same_static`, `check_restored_shapes`, and the type's own
+check of its restored values).
 """
 
 from __future__ import annotations
@@ -15,13 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import serialization
 
-from jaxlod import _host_checks
-from jaxlod._lod import LoDTensor
-from jaxlod.ops._attention import Memory
-from jaxlod.ops._decode import Hypotheses
-from jaxlod.ops._rank import RankTable
+from jaxlod._checks import leaf_name
 
 
 def _tuples(value: Any) -> Any:
@@ -98,7 +97,7 @@ def register_state(
         for name in data
       },
     )
-    _host_checks.check_restored_shapes(target, restored, where)
+    check_restored_shapes(target, restored, where)
     if check_restored is not None:
       check_restored(restored, saved, where)
     return restored
@@ -106,15 +105,30 @@ def register_state(
   serialization.register_serialization_state(cls, to_state, from_state)
 
 
-register_export(LoDTensor, "jaxlod.LoDTensor")
-register_state(
-  LoDTensor, _host_checks.check_lod_restore, _host_checks.check_restored_lod
-)
-register_export(RankTable, "jaxlod.ops.RankTable")
-register_state(RankTable, _host_checks.check_same_static)
-jax.export.register_namedtuple_serialization(
-  Memory, serialized_name="jaxlod.ops.Memory"
-)
-jax.export.register_namedtuple_serialization(
-  Hypotheses, serialized_name="jaxlod.ops.Hypotheses"
-)
+# -- checks of a restored pytree ---------------------------------------------------
+
+
+def check_same_static(target: Any, saved: dict[str, Any], where: str) -> None:
+  """Every static field of the state equals the target's."""
+  for name, value in saved.items():
+    if value != getattr(target, name):
+      raise ValueError(
+        f"{where}the state has {name}={value!r}, the target "
+        f"{name}={getattr(target, name)!r}; restore into a target with the "
+        "saved value."
+      )
+
+
+def check_restored_shapes(target: Any, restored: Any, where: str) -> None:
+  """Every leaf of `restored` has the shape of the target's leaf."""
+  pairs = zip(
+    jax.tree_util.tree_leaves_with_path(restored),
+    jax.tree.leaves(target),
+    strict=True,
+  )
+  for (path, new), old in pairs:
+    if jnp.shape(new) != jnp.shape(old):
+      raise ValueError(
+        f"{where}the state's leaf {leaf_name(path)} has shape {jnp.shape(new)}, the "
+        f"target's {jnp.shape(old)} (the capacities or feature shapes differ)."
+      )

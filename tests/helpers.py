@@ -9,7 +9,8 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 
-from jaxlod import Buckets, LoDTensor, _host_checks
+from jaxlod import Buckets, LoDTensor
+from jaxlod._lod_checks import check_stored_lod
 
 
 def _public_modules() -> list[str]:
@@ -165,6 +166,6 @@ def last_level(x: LoDTensor) -> list[np.ndarray]:
 def assert_valid(x: LoDTensor) -> None:
   """The LoD invariants (DESIGN.md), faults or not: those of
   `LoDTensor.validate`, and zeros in the rows past the last offset."""
-  _host_checks.check_stored_lod(x)
+  check_stored_lod(x)
   real = int(np.asarray(x.offsets[-1])[-1])
   assert not np.any(np.asarray(x.values)[real:]), np.asarray(x.values)[real:]

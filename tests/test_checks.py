@@ -10,8 +10,21 @@ from hypothesis import strategies as st
 from jax import export
 from jax.experimental import checkify
 
-from jaxlod import Buckets, Capacity, LoDTensor, _checks, _host_checks, ops, unchecked
+from jaxlod import Buckets, Capacity, LoDTensor, _checks, ops, unchecked
+from jaxlod._host import check_rows
+from jaxlod._lod import check_fits, check_lod, is_lod
+from jaxlod._lod_checks import (
+  check_integer_level,
+  check_lengths_fit,
+  check_level,
+  check_offsets,
+  check_pad_value,
+  per_sequence,
+)
+from jaxlod.interop._torch import check_batch_sizes, check_sort_indices
 from jaxlod.ops import rank_table
+from jaxlod.ops._pool import check_pool_dtype, check_pool_type
+from jaxlod.ops._rank import check_pair
 
 
 def _x():
@@ -20,19 +33,19 @@ def _x():
 
 
 def test_per_sequence_pads_the_real_count_eagerly():
-  out = _checks.per_sequence(np.array([5, 6, 7]), "offset", 4, 3, fill=-1)
+  out = per_sequence(np.array([5, 6, 7]), "offset", 4, 3, fill=-1)
   assert out.tolist() == [5, 6, 7, -1]
   with pytest.raises(ValueError, match=r"`offset` .* 4 \(count capacity\) or 3"):
-    _checks.per_sequence(np.array([5, 6]), "offset", 4, 3)
+    per_sequence(np.array([5, 6]), "offset", 4, 3)
   with pytest.raises(ValueError, match="got a scalar"):
-    _checks.per_sequence(np.int32(5), "offset", 4, 3)
+    per_sequence(np.int32(5), "offset", 4, 3)
 
 
 def test_checks_name_the_argument():
   with pytest.raises(TypeError, match="`x` to be a LoDTensor, got ndarray"):
-    _checks.check_lod(np.zeros(3), "x")
+    check_lod(np.zeros(3), "x")
   with pytest.raises(ValueError, match="`x` to have 1 LoD level"):
-    _checks.check_lod(LoDTensor.from_lengths(np.zeros(3), [[1], [3]]), "x", levels=(1,))
+    check_lod(LoDTensor.from_lengths(np.zeros(3), [[1], [3]]), "x", levels=(1,))
   with pytest.raises(TypeError, match="`ids` to have an integer dtype, got float32"):
     _checks.check_integer(np.float32, "ids")
   with pytest.raises(TypeError, match="`ids` to have an integer dtype, got bool"):
@@ -42,7 +55,7 @@ def test_checks_name_the_argument():
   with pytest.raises(ValueError, match=r"`x` to have shape \[rows\] \(rank 1\)"):
     _checks.check_rank((2, 3), "x", (1,), "[rows]")
   with pytest.raises(ValueError, match=r"`ref_level` in \[-1, 1\) .* got 1"):
-    _checks.check_level(_x(), 1, "ref_level")
+    check_level(_x(), 1, "ref_level")
 
 
 def test_require():
@@ -217,16 +230,16 @@ def test_require_each_traced_message_and_scalar_values():
 
 def test_check_lengths_fit():
   lengths = jnp.array([3, 0, 5])
-  _checks.check_lengths_fit(lengths, 5, "op")
+  check_lengths_fit(lengths, 5, "op")
   with pytest.raises(
     ValueError,
     match=r"op: the longest sequence has 5 rows, more than `maxlen` 4; data is "
     r"never truncated\.",
   ):
-    _checks.check_lengths_fit(lengths, 4, "op", "`maxlen`")
+    check_lengths_fit(lengths, 4, "op", "`maxlen`")
 
   def f(lengths):
-    _checks.check_lengths_fit(lengths, 4, "op")
+    check_lengths_fit(lengths, 4, "op")
     return lengths
 
   with pytest.raises(
@@ -238,64 +251,64 @@ def test_check_lengths_fit():
 
 def test_check_fits_names_the_size():
   real = Capacity(tokens=6, sequences=(3,), time=(5,))
-  _checks.check_fits(real, Capacity(6, (3,), (5,)), "op")
+  check_fits(real, Capacity(6, (3,), (5,)), "op")
   with pytest.raises(
     ValueError,
     match=r"op: the output needs time \(longest sequence\) at level 0 5, more than "
     r"its capacity 4",
   ):
-    _checks.check_fits(real, Capacity(6, (3,), (4,)), "op")
+    check_fits(real, Capacity(6, (3,), (4,)), "op")
 
 
 def test_check_offsets_is_paddles_check_lod():
-  assert [o.tolist() for o in _host_checks.check_offsets([[0, 2], [0, 1, 3]], 3)] == [
+  assert [o.tolist() for o in check_offsets([[0, 2], [0, 1, 3]], 3)] == [
     [0, 2],
     [0, 1, 3],
   ]
   with pytest.raises(ValueError, match=r"LoD level 1, index 2: offsets must be"):
-    _host_checks.check_offsets([[0, 2], [0, 3, 1]], 1)
+    check_offsets([[0, 2], [0, 3, 1]], 1)
   with pytest.raises(ValueError, match=r"must equal the number of rows of `values`"):
-    _host_checks.check_offsets([[0, 2]], 3)
+    check_offsets([[0, 2]], 3)
   with pytest.raises(ValueError, match=r"Expected integer offsets at LoD level 0"):
-    _host_checks.check_integer_level("offsets", 0, [0.0, 1.5])
+    check_integer_level("offsets", 0, [0.0, 1.5])
 
 
 def test_pool_and_pad_value_checks():
-  assert _checks.check_pool_type("MAX") == "max"
+  assert check_pool_type("MAX") == "max"
   with pytest.raises(ValueError, match=r"`pool_type` to be one of 'sum'"):
-    _checks.check_pool_type("median")
+    check_pool_type("median")
   with pytest.raises(TypeError, match=r"`pool_type` to be a str"):
-    _checks.check_pool_type(1)
+    check_pool_type(1)
   with pytest.raises(TypeError, match=r"float dtype for pool_type 'sum'"):
-    _checks.check_pool_dtype(np.int32, "sum")
-  _checks.check_pool_dtype(np.int32, "last")
+    check_pool_dtype(np.int32, "sum")
+  check_pool_dtype(np.int32, "last")
   x = _x().with_values(jnp.zeros((8, 2)))
-  assert _checks.check_pad_value(1.0, x).tolist() == [1.0, 1.0]
+  assert check_pad_value(1.0, x).tolist() == [1.0, 1.0]
   with pytest.raises(ValueError, match=r"broadcast to the feature shape \(2,\)"):
-    _checks.check_pad_value(jnp.zeros(3), x)
+    check_pad_value(jnp.zeros(3), x)
 
 
 def test_check_pair_and_ranked():
   x = _x()
   table = rank_table(x)
-  _checks.check_pair(x, table, "x")
+  check_pair(x, table, "x")
   with pytest.raises(TypeError, match="Expected `table` to be a RankTable"):
-    _checks.check_pair(x, None, "x")
+    check_pair(x, None, "x")
   buckets = Buckets.fixed(tokens=8, sequences=4, time=5)
   other = LoDTensor.from_lengths(np.arange(6.0), [[4, 0, 2]], buckets=buckets)
   with pytest.raises(ValueError, match=r"does not describe `x`'s last level"):
-    _checks.check_pair(other, table, "x")
+    check_pair(other, table, "x")
 
 
 def test_check_rows_and_step_out():
-  assert _checks.is_lod(_x()) and not _checks.is_lod(np.zeros(3))
-  _checks.check_rows({"h": jnp.zeros((4, 2))}, 4, "init_carry")
+  assert is_lod(_x()) and not is_lod(np.zeros(3))
+  check_rows({"h": jnp.zeros((4, 2))}, 4, "init_carry")
   with pytest.raises(
     ValueError,
     match=r"`init_carry` leaf \['h'\] to have leading dimension 4 \(count "
     r"capacity\), got shape \(3, 2\)\.",
   ):
-    _checks.check_rows({"h": jnp.zeros((3, 2))}, 4, "init_carry")
+    check_rows({"h": jnp.zeros((3, 2))}, 4, "init_carry")
   carry = jnp.zeros((2, 3))
   assert _checks.check_step_out((carry, carry), carry, 2)[0] is carry
   with pytest.raises(TypeError, match="to return a pair"):
@@ -308,9 +321,9 @@ def test_check_rows_and_step_out():
 
 def test_a_bool_among_batch_sizes_or_sort_indices_raises():
   with pytest.raises(TypeError, match=r"`batch_sizes` to hold ints, got the bool True"):
-    _host_checks.check_batch_sizes([2, True], 3)
+    check_batch_sizes([2, True], 3)
   with pytest.raises(TypeError, match=r"`sorted_indices` to hold ints, got the bool"):
-    _host_checks.check_sort_indices([1, False], None, 2)
+    check_sort_indices([1, False], None, 2)
 
 
 @given(st.floats(min_value=0.0, max_value=1e30, allow_subnormal=True))

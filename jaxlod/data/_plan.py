@@ -9,15 +9,15 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
+  check_rate,
   check_sequence,
-  host_numbers,
   is_integer_dtype,
   static_float,
   static_int,
 )
-from jaxlod._host_checks import check_int
-from jaxlod._layer_checks import check_rate
+from jaxlod._host import host_numbers
 from jaxlod.data._batcher import Batcher
+from jaxlod.data._checks import check_int
 
 
 class Candidate(NamedTuple):

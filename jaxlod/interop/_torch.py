@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _checks, _host_checks
 from jaxlod._buckets import Buckets
-from jaxlod._lod import LoDTensor
+from jaxlod._checks import check_integer
+from jaxlod._host import check_no_bools, host_ints, host_numbers
+from jaxlod._lod import LoDTensor, check_lod
 
 if TYPE_CHECKING:
   from torch.nn.utils.rnn import PackedSequence
@@ -105,11 +106,9 @@ def from_packed_sequence(
     raise ValueError(
       "Expected `packed.data` to have rank >= 1 ([rows, *features]), got a scalar."
     )
-  sizes = _host_checks.check_batch_sizes(
-    _to_numpy(packed.batch_sizes, torch), data.shape[0]
-  )
+  sizes = check_batch_sizes(_to_numpy(packed.batch_sizes, torch), data.shape[0])
   count = int(sizes[0]) if sizes.size else 0
-  ranks = _host_checks.check_sort_indices(
+  ranks = check_sort_indices(
     _to_numpy(packed.sorted_indices, torch),
     _to_numpy(packed.unsorted_indices, torch),
     count,
@@ -163,10 +162,10 @@ def to_packed_sequence(x: LoDTensor) -> PackedSequence:
     ([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]], [2, 3])
   """
   torch = _import_torch("to_packed_sequence")
-  x = _checks.check_lod(x, "x", levels=(1,))
+  x = check_lod(x, "x", levels=(1,))
   offsets = x.row_splits()[0]
   lengths = np.diff(offsets)
-  _host_checks.check_packable(lengths, "to_packed_sequence")
+  check_packable(lengths, "to_packed_sequence")
   order = np.argsort(-lengths, kind="stable")
   steps = np.arange(lengths[order[0]])
   running = steps[:, None] < lengths[order][None, :]
@@ -177,3 +176,120 @@ def to_packed_sequence(x: LoDTensor) -> PackedSequence:
     torch.from_numpy(order.astype(np.int64)),
     torch.from_numpy(np.argsort(order).astype(np.int64)),
   )
+
+
+# -- the PackedSequence fields ---------------------------------------------------
+
+
+def check_batch_sizes(batch_sizes: Any, num_rows: int) -> np.ndarray:
+  """A PackedSequence's ``batch_sizes`` (host), as int64 ``[time]``.
+
+  Raises:
+    TypeError: for non-integer sizes.
+    ValueError: for sizes that are not 1-D, a size that is not positive, a
+      size larger than the one before it, or sizes whose sum is not
+      `num_rows` (the rows of ``data``); the message names the index and
+      the values.
+  """
+  check_no_bools(batch_sizes, "batch_sizes")
+  sizes = host_numbers(batch_sizes, "batch_sizes")
+  if sizes.ndim != 1:
+    raise ValueError(
+      f"Expected `batch_sizes` to be 1-D ([time]), got shape {sizes.shape}."
+    )
+  if sizes.size:
+    check_integer(sizes.dtype, "batch_sizes")
+  sizes = sizes.astype(np.int64)
+  bad = np.flatnonzero(sizes <= 0)
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(
+      f"`batch_sizes` index {i}: {sizes[i]}, expected a positive size (a "
+      "PackedSequence holds no empty sequence)."
+    )
+  rises = np.flatnonzero(np.diff(sizes) > 0)
+  if rises.size:
+    i = int(rises[0]) + 1
+    raise ValueError(
+      f"`batch_sizes` index {i}: {sizes[i]} is more than {sizes[i - 1]} at index "
+      f"{i - 1}; a PackedSequence's batch sizes never increase."
+    )
+  total = sum(int(n) for n in sizes)
+  if total != num_rows:
+    raise ValueError(f"`batch_sizes` sum to {total}, but `data` has {num_rows} rows.")
+  return sizes
+
+
+def _permutation(value: Any, name: str, count: int) -> np.ndarray:
+  """A permutation of ``range(count)`` (host), as int64."""
+  perm = host_ints(value, name, count, "one per sequence, batch_sizes[0]")
+  out = np.flatnonzero((perm < 0) | (perm >= count))
+  if out.size:
+    i = int(out[0])
+    raise ValueError(
+      f"`{name}` index {i}: {perm[i]} is outside [0, {count}); expected a "
+      f"permutation of range({count})."
+    )
+  _, first = np.unique(perm, return_index=True)
+  again = np.ones(count, bool)
+  again[first] = False
+  if np.any(again):
+    i = int(np.flatnonzero(again)[0])
+    j = int(np.flatnonzero(perm == perm[i])[0])
+    raise ValueError(
+      f"`{name}` index {i}: {perm[i]} repeats index {j}; expected a permutation "
+      f"of range({count})."
+    )
+  return perm
+
+
+def check_sort_indices(sorted_indices: Any, unsorted_indices: Any, count: int):
+  """The rank of each original sequence of a PackedSequence (host).
+
+  Args:
+    sorted_indices: ``[count]``, the original index of the sequence at each
+      rank; `None` for the inverse of `unsorted_indices`.
+    unsorted_indices: ``[count]``, the rank of each original sequence;
+      `None` for the inverse of `sorted_indices`. Both `None`: the identity.
+    count: the number of sequences.
+
+  Returns:
+    int64 ``[count]``: the rank of each original sequence.
+
+  Raises:
+    ValueError: for indices that are not a permutation, or two that are not
+      inverses; the message names the index and the values.
+  """
+  if sorted_indices is None and unsorted_indices is None:
+    return np.arange(count)
+  if sorted_indices is None:
+    return _permutation(unsorted_indices, "unsorted_indices", count)
+  order = _permutation(sorted_indices, "sorted_indices", count)
+  ranks = np.empty(count, np.int64)
+  ranks[order] = np.arange(count)
+  if unsorted_indices is not None:
+    given = _permutation(unsorted_indices, "unsorted_indices", count)
+    bad = np.flatnonzero(given != ranks)
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+        f"`unsorted_indices` index {i}: {given[i]}, but `sorted_indices` puts "
+        f"sequence {i} at index {ranks[i]}; expected the inverse of "
+        "`sorted_indices`."
+      )
+  return ranks
+
+
+def check_packable(lengths: np.ndarray, where: str) -> None:
+  """Real lengths a PackedSequence can hold: at least one, none zero (host)."""
+  if lengths.size == 0:
+    raise ValueError(
+      f"{where}: the tensor has no sequences; a PackedSequence holds at least one."
+    )
+  empty = np.flatnonzero(lengths == 0)
+  if empty.size:
+    i = int(empty[0])
+    raise ValueError(
+      f"{where}: sequence {i} is empty (length 0); a PackedSequence cannot hold "
+      "empty sequences (torch forbids zero lengths)."
+    )

@@ -17,10 +17,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _layer_checks
+from jaxlod._checks import check_sizes
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
+from jaxlod.nn._checks import check_layer_dtypes
 from jaxlod.ops import _attention as core
+from jaxlod.ops._attention import without_keys
 
 
 class Attention(_common.AttentionCalls, nn.Module):
@@ -53,7 +55,7 @@ class DotAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.dot_scores``: the query must be as wide as the memory."""
-    return core.dot_scores(query, _layer_checks.without_keys(memory, "DotAttention"))
+    return core.dot_scores(query, without_keys(memory, "DotAttention"))
 
 
 class GeneralAttention(Attention):
@@ -87,8 +89,8 @@ class GeneralAttention(Attention):
   @nn.compact
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
-    _layer_checks.check_layer_dtypes(self.dtype, self.param_dtype)
-    memory = _layer_checks.without_keys(memory, "GeneralAttention")
+    check_layer_dtypes(self.dtype, self.param_dtype)
+    memory = without_keys(memory, "GeneralAttention")
     features = memory.values.shape[-1]
     project = nn.Dense(
       features,
@@ -135,8 +137,8 @@ class AdditiveAttention(Attention):
   param_dtype: Any = jnp.float32
 
   def setup(self):
-    _layer_checks.check_sizes(units=self.units)
-    _layer_checks.check_layer_dtypes(self.dtype, self.param_dtype)
+    check_sizes(units=self.units)
+    check_layer_dtypes(self.dtype, self.param_dtype)
 
     def dense(features, use_bias):
       return nn.Dense(
@@ -195,5 +197,5 @@ class CosineAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.cosine_scores``: the query must be as wide as the memory."""
-    memory = _layer_checks.without_keys(memory, "CosineAttention")
+    memory = without_keys(memory, "CosineAttention")
     return core.cosine_scores(query, memory, self.eps)

@@ -14,14 +14,26 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _checks, _layer_checks
-from jaxlod._checks import check_integer, check_lod, check_pool_type, is_lod
-from jaxlod._lod import LoDTensor
+from jaxlod import _checks
+from jaxlod._checks import check_integer, check_rate, check_sizes
+from jaxlod._host import as_array, check_leaves
+from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod.nn._checks import (
+  check_attention_layer,
+  check_counts,
+  check_encoded,
+  check_rnn_layer,
+  check_targets,
+  check_tokens,
+  check_twin,
+  split_pair,
+)
 from jaxlod.ops import _attention as core
 from jaxlod.ops import _decode
-from jaxlod.ops._attention import Memory
-from jaxlod.ops._pool import sequence_pool
-from jaxlod.ops._rank import RankTable
+from jaxlod.ops._attention import Memory, check_memory_lod
+from jaxlod.ops._decode import check_settings
+from jaxlod.ops._pool import check_pool_type, sequence_pool
+from jaxlod.ops._rank import RankTable, check_table
 from jaxlod.ops._rnn import dynamic_rnn
 
 
@@ -84,9 +96,9 @@ def stack_rates(
 ) -> list[float]:
   """`StackedRNN`'s dropout rates: before layer ``i`` for ``i < layers``, then
   after the last."""
-  _layer_checks.check_rate(input_dropout, "input_dropout")
-  _layer_checks.check_rate(dropout_rate, "dropout_rate")
-  _layer_checks.check_rate(output_dropout, "output_dropout")
+  check_rate(input_dropout, "input_dropout")
+  check_rate(dropout_rate, "dropout_rate")
+  check_rate(output_dropout, "output_dropout")
   return [input_dropout] + [dropout_rate] * (layers - 1) + [output_dropout]
 
 
@@ -103,13 +115,11 @@ def check_seq2seq(
 ) -> None:
   """The arguments `Seq2Seq`'s twins (`owner`) check before building their
   layers."""
-  _layer_checks.check_sizes(
-    src_vocab=src_vocab, tgt_vocab=tgt_vocab, embed_dim=embed_dim
-  )
-  _layer_checks.check_rnn_layer(encoder, "encoder", owner)
-  _layer_checks.check_decoder(decoder, owner)
+  check_sizes(src_vocab=src_vocab, tgt_vocab=tgt_vocab, embed_dim=embed_dim)
+  check_rnn_layer(encoder, "encoder", owner)
+  check_decoder(decoder, owner)
   _checks.check_bools(bridge=bridge, deterministic=deterministic)
-  _layer_checks.check_rate(dropout, "dropout", closed=False)
+  check_rate(dropout, "dropout", closed=False)
 
 
 def override(layer: Any, **values: Any) -> list[Any]:
@@ -156,8 +166,8 @@ def run_directions(
   x = check_lod(x, "x")
   (return_carry,) = override(layer, return_carry=return_carry)
   _checks.check_bool(return_carry, "return_carry")
-  _layer_checks.check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)
-  _layer_checks.check_rnn_layer(layer.backward_rnn, "backward_rnn", layer)
+  check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)
+  check_rnn_layer(layer.backward_rnn, "backward_rnn", layer)
   if layer.merge_fn is not None:
     _checks.check_callable(layer.merge_fn, "merge_fn")
   # Only a given table is passed on: an RNN of the documented call signature
@@ -167,7 +177,7 @@ def run_directions(
     rnn(x, initial_carry=carry, reverse=reverse, return_carry=True, **key, **extra)
     for rnn, carry, reverse, key in zip(
       (layer.forward_rnn, layer.backward_rnn),
-      _layer_checks.split_pair(initial_carry),
+      split_pair(initial_carry),
       (False, True),
       keys,
       strict=True,
@@ -191,8 +201,8 @@ def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
       f"sequences; level 1: sequences of rows), got {x.num_levels}."
     )
   check_pool_type(layer.pool_type)
-  _layer_checks.check_rnn_layer(layer.inner, "inner", layer)
-  _layer_checks.check_rnn_layer(layer.outer, "outer", layer)
+  check_rnn_layer(layer.inner, "inner", layer)
+  check_rnn_layer(layer.outer, "outer", layer)
   inner = check_lod(layer.inner(x, return_carry=False), "the inner output")
   return layer.outer(sequence_pool(inner, layer.pool_type), return_carry=return_carry)
 
@@ -256,8 +266,8 @@ def generate(
   same hypotheses; one member decodes with its own log-probabilities.
   """
   check_lod(src, "src")
-  _layer_checks.check_settings(settings)
-  _checks.check_table(src_table, "src_table", optional=True)
+  check_settings(settings)
+  check_table(src_table, "src_table", optional=True)
   steps, carries, memories, encoded = [], [], [], []
   for member in members:
     memory = member.encode(src, src_table)
@@ -368,7 +378,7 @@ class AttentionCalls:
     Raises:
       ValueError: for mismatched shapes or widths (naming both).
     """
-    query = _checks.as_array(query, "query")
+    query = as_array(query, "query")
     memory = core.as_memory(memory, lengths, keys)
     return core.attend(self.scores(query, memory), memory)
 
@@ -389,7 +399,7 @@ class DecoderCalls:
       [count_capacity], keys [count_capacity, time_capacity, units] |
       None)``.
     """
-    memory = _layer_checks.check_memory_lod(memory)
+    memory = check_memory_lod(memory)
     keys = getattr(self.attention, "keys", None)
     return core.lod_memory(memory, None if keys is None else keys(memory))
 
@@ -417,7 +427,7 @@ class DecoderCalls:
     the step input is ``x_t`` (`input_features` wide), with the memory's
     features added under input feeding (``cell.initialize_carry`` with a
     fixed key: Flax's cells start from zeros)."""
-    memory = _layer_checks.check_memory_lod(memory)
+    memory = check_memory_lod(memory)
     fed = memory.feature_shape[-1] if self.input_feeding else 0
     shape = (memory.capacity.sequences[-1], input_features + fed)
     return self.initialize_carry(shape)
@@ -439,7 +449,7 @@ class DecoderCalls:
       `initial_carry` (or the default), paired with a zero context
       ``[count_capacity, features]`` when `input_feeding`.
     """
-    memory = _layer_checks.check_memory_lod(memory)
+    memory = check_memory_lod(memory)
     if initial_carry is None:
       initial_carry = self.zero_carry(memory, input_features)
     if not self.input_feeding:
@@ -484,18 +494,18 @@ class DecoderCalls:
         rejects; from `dynamic_rnn`, for a `table` of other lengths or whose
         ladder is not `ladder`.
     """
-    tgt = _layer_checks.check_targets(tgt)
-    memory = _layer_checks.check_memory_lod(memory)
+    tgt = check_targets(tgt)
+    memory = check_memory_lod(memory)
     _checks.check_callable(self.cell, "cell")
-    _layer_checks.check_attention_layer(self.attention, self)
+    check_attention_layer(self.attention, self)
     _checks.check_bools(
       input_feeding=self.input_feeding,
       remat=self.remat,
       return_weights=return_weights,
     )
     # `dynamic_rnn` checks the carry's leading dimensions (naming `init_carry`).
-    _checks.check_leaves(initial_carry, "initial_carry")
-    _layer_checks.check_counts(tgt, memory)
+    check_leaves(initial_carry, "initial_carry")
+    check_counts(tgt, memory)
     self.check_input_width(tgt, memory)
     carry = self.initial_state(memory, tgt.feature_shape[-1], initial_carry)
     padded = self.precompute(memory)
@@ -536,10 +546,10 @@ class Seq2SeqCalls:
       features]``.
     """
     # Only a given table is passed on: an encoder need not take one.
-    table = _checks.check_table(table, optional=True)
+    table = check_table(table, optional=True)
     extra = {} if table is None else {"table": table}
     src = embed_ids(self.src_embed, src, "src", self.src_vocab)
-    return _layer_checks.check_encoded(self.encoder(src, **extra))
+    return check_encoded(self.encoder(src, **extra))
 
   def initial_state(self, memory: LoDTensor) -> Any:
     """The decoder's starting carry for `memory` (bridged or zeros).
@@ -557,7 +567,7 @@ class Seq2SeqCalls:
     """The bridged initial cell carry, or `None` (the cell's zeros)."""
     if not self.bridge:
       return None
-    pooled = sequence_pool(_layer_checks.check_memory_lod(memory), "average")
+    pooled = sequence_pool(check_memory_lod(memory), "average")
     template = self.decoder.zero_carry(memory, self.embed_dim)
     return self.carry_bridge(pooled, template)
 
@@ -579,7 +589,7 @@ class Seq2SeqCalls:
     Returns:
       ``(carry, logits [b, tgt_vocab], weights [b, source_capacity])``.
     """
-    embedded = self.tgt_embed(_layer_checks.check_tokens(tokens))
+    embedded = self.tgt_embed(check_tokens(tokens))
     carry, y, weights = self.decoder.step(carry, embedded, memory)
     return carry, self.output(y), weights
 
@@ -661,8 +671,8 @@ class Seq2SeqCalls:
         that does not describe its ids (other lengths or capacities) or
         whose ladder is not its loop's.
     """
-    _checks.check_table(src_table, "src_table", optional=True)
-    _checks.check_table(tgt_table, "tgt_table", optional=True)
+    check_table(src_table, "src_table", optional=True)
+    check_table(tgt_table, "tgt_table", optional=True)
     _checks.check_bool(return_weights, "return_weights")
     memory = self.encode(src, src_table)
     tgt = embed_ids(self.tgt_embed, tgt_in, "tgt_in", self.tgt_vocab)
@@ -680,3 +690,16 @@ class Seq2SeqCalls:
       outputs, weights = outputs
     logits = zero_padding(outputs, self.output(self.dropout_rows(outputs.values)))
     return logits if weights is None else (logits, weights)
+
+
+# -- decoders --------------------------------------------------------------------
+
+
+def check_decoder(decoder: Any, owner: Any) -> Any:
+  """A `Seq2Seq`'s `decoder` is an `AttentionDecoder` of `owner`'s API."""
+  check_twin(decoder, "decoder", owner)
+  if not isinstance(decoder, DecoderCalls):
+    raise TypeError(
+      f"Expected `decoder` to be an AttentionDecoder, got {type(decoder).__name__}."
+    )
+  return decoder

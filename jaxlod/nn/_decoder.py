@@ -16,9 +16,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jaxlod import _layer_checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
+from jaxlod.nn._checks import check_cell
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops import _attention as core
 
@@ -91,7 +91,7 @@ class AttentionDecoder(_common.DecoderCalls, nn.Module):
 
   def initialize_carry(self, shape: tuple[int, int]) -> Any:
     """``cell.initialize_carry(key(0), shape)``."""
-    _layer_checks.check_cell(self.cell, "initialize_carry(rng, input_shape)")
+    check_cell(self.cell, "initialize_carry(rng, input_shape)")
     return self.cell.initialize_carry(jax.random.key(0), shape)
 
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:

@@ -9,10 +9,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _checks, _layer_checks
-from jaxlod._checks import check_lod
-from jaxlod._lod import LoDTensor
+from jaxlod._host import check_leaves
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn import _common
+from jaxlod.nn._checks import check_cell, check_layers
 from jaxlod.ops._rank import RankTable
 
 
@@ -124,13 +124,13 @@ class DynamicRNN(nn.Module):
     x = check_lod(x, "x")
     count = x.capacity.sequences[-1]
     if initial_carry is None:
-      _layer_checks.check_cell(self.cell, "initialize_carry(rng, input_shape)")
+      check_cell(self.cell, "initialize_carry(rng, input_shape)")
       key = jax.random.key(0) if init_key is None else init_key
       initial_carry = self.cell.initialize_carry(key, (count, *x.feature_shape))
     else:
       # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
-      _layer_checks.check_cell(self.cell)
-      _checks.check_leaves(initial_carry, "initial_carry")
+      check_cell(self.cell)
+      check_leaves(initial_carry, "initial_carry")
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
     first = _common.example_row(initial_carry)
     step = pure_method(self.cell, "__call__", first, x_row)
@@ -258,7 +258,7 @@ class StackedRNN(_common.StackCalls, nn.Module):
   __call__ = _common.StackCalls.__call__
 
   def setup(self):
-    _layer_checks.check_layers(self.layers, self)
+    check_layers(self.layers, self)
     rates = _common.stack_rates(
       len(self.layers), self.input_dropout, self.dropout_rate, self.output_dropout
     )

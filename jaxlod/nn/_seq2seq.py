@@ -10,9 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlod import _checks, _layer_checks
+from jaxlod import _checks
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
+from jaxlod.nn._checks import check_rngs, check_vocabs
 from jaxlod.nn._decoder import AttentionDecoder
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
@@ -232,8 +233,8 @@ def ensemble_generate(
       raise TypeError(
         f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got {got}."
       )
-  _layer_checks.check_vocabs([model.tgt_vocab for model, _ in members])
-  rngs = _layer_checks.check_rngs(rngs) or {}
+  check_vocabs([model.tgt_vocab for model, _ in members])
+  rngs = check_rngs(rngs) or {}
   pure = [
     model.bind(variables, rngs=_member_rngs(rngs, k)).member()
     for k, (model, variables) in enumerate(members)

@@ -13,19 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlod._checks import (
-  as_array,
-  check_bool,
-  check_pair,
-  check_ranked,
-  check_rows,
-  check_table,
-  index_scalar,
-  is_concrete,
-  is_float_dtype,
-  require,
-  static_int,
-)
+from jaxlod._checks import check_bool, is_concrete, is_float_dtype, require, static_int
+from jaxlod._host import as_array, check_rows, index_scalar
 from jaxlod._lod import (
   Fault,
   LoDTensor,
@@ -35,7 +24,7 @@ from jaxlod._lod import (
   with_faults,
 )
 from jaxlod._vma import vary, varying_axes
-from jaxlod.ops._rank import RankTable
+from jaxlod.ops._rank import RankTable, check_pair, check_ranked, check_table
 
 # -- the one primitive: a gather whose transpose is a known gather -------------
 

@@ -19,23 +19,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import (
-  as_array,
   check_bool,
   check_callable,
-  check_fits_device,
-  check_lod,
+  check_index_leaves,
   check_rank,
+  check_width,
+  finite_float32,
   is_integer_dtype,
 )
-from jaxlod._layer_checks import (
-  check_eps,
-  check_keys,
-  check_memory,
-  check_memory_lod,
-  check_query,
-  check_width,
-)
-from jaxlod._lod import LoDTensor
+from jaxlod._host import as_array, check_fits_device
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
 
@@ -59,6 +52,11 @@ class Memory(NamedTuple):
   values: jax.Array
   lengths: jax.Array
   keys: jax.Array | None = None
+
+
+jax.export.register_namedtuple_serialization(
+  Memory, serialized_name="jaxlod.ops.Memory"
+)
 
 
 def lod_memory(memory: LoDTensor, keys: LoDTensor | None = None) -> Memory:
@@ -423,3 +421,85 @@ def run_decoder(
     remat=remat,
   )
   return outputs
+
+
+# -- memories, queries and keys --------------------------------------------------
+
+
+def check_memory_lengths(memory: Memory, name: str = "memory") -> None:
+  """A `jaxlod.ops.Memory`'s ``lengths`` stay integer (a tree map that cast
+  them would mask the wrong source rows)."""
+  check_index_leaves(
+    [(f"`{name}.lengths`", memory.lengths)],
+    "the lengths mask the source rows, so a tree map over a Memory must leave "
+    "them alone (cast `values` and `keys` only).",
+  )
+
+
+def check_memory(memory: Any, name: str = "memory") -> Memory:
+  """`memory` must be a `jaxlod.ops.Memory` (see `jaxlod.ops.lod_memory`)."""
+  if not isinstance(memory, Memory):
+    raise TypeError(
+      f"Expected `{name}` to be a jaxlod.ops.Memory (see `lod_memory` and "
+      f"`as_memory`), got {type(memory).__name__}."
+    )
+  check_memory_lengths(memory, name)
+  return memory
+
+
+def check_memory_lod(memory: Any, name: str = "memory") -> LoDTensor:
+  """`memory` must be a LoDTensor of one level with vector rows.
+
+  Raises:
+    TypeError: for a memory that is not a LoDTensor.
+    ValueError: for more than one level or rows that are not vectors.
+  """
+  memory = check_lod(memory, name)
+  if memory.num_levels != 1 or len(memory.feature_shape) != 1:
+    raise ValueError(
+      f"Expected a LoDTensor `{name}` with one LoD level and values [src_tokens, "
+      f"features], got {memory.num_levels} level(s) and values of shape "
+      f"{tuple(memory.values.shape)}."
+    )
+  return memory
+
+
+def without_keys(memory: Memory, name: str) -> Memory:
+  """An attention that precomputes nothing takes no `keys`."""
+  if memory.keys is not None:
+    raise ValueError(
+      f"{name} precomputes no keys (its `keys(memory)` is None), got `keys` of "
+      f"shape {tuple(memory.keys.shape)}."
+    )
+  return memory
+
+
+def check_query(query: jax.typing.ArrayLike, memory: Memory) -> jax.Array:
+  """`query` must be ``[b, hidden]`` with one memory row per query row."""
+  memory = check_memory(memory)
+  query = as_array(query, "query")
+  if query.ndim != 2:
+    raise ValueError(f"Expected `query` to have shape [b, hidden], got {query.shape}.")
+  if query.shape[0] != memory.values.shape[0]:
+    raise ValueError(
+      f"Expected one memory sequence per query row: `query` has {query.shape[0]} "
+      f"rows, `memory` has {memory.values.shape[0]} sequences (count capacity)."
+    )
+  return query
+
+
+def check_keys(memory: Memory, units: int) -> None:
+  """`memory.keys` must be ``[b, source_capacity, units]``."""
+  expected = (*memory.values.shape[:2], units)
+  if memory.keys is None or tuple(memory.keys.shape) != expected:
+    got = None if memory.keys is None else tuple(memory.keys.shape)
+    raise ValueError(
+      f"Expected `keys` to have shape [b, source_capacity, units] = {expected}, "
+      f"got {got}."
+    )
+
+
+def check_eps(eps: Any) -> float:
+  """The cosine attention's ``eps``: a static float > 0, finite and nonzero
+  in float32 (`finite_float32`)."""
+  return finite_float32(eps, "eps", positive=True)

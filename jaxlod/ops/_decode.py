@@ -19,22 +19,18 @@ import jax.numpy as jnp
 
 from jaxlod._checks import (
   check_callable,
-  check_fits_device,
   check_integer,
-  check_rows,
   check_sequence,
   check_step_out,
-  host_numbers,
   is_float_dtype,
-  is_lod,
   require,
   require_each,
   static_int,
 )
-from jaxlod._layer_checks import check_settings, ladder_sizes
-from jaxlod._lod import Capacity, LoDTensor, with_faults
+from jaxlod._host import check_fits_device, check_rows, host_numbers
+from jaxlod._lod import Capacity, LoDTensor, is_lod, with_faults
 from jaxlod.ops import _search
-from jaxlod.ops._rank import default_ladder, normalize_ladder
+from jaxlod.ops._rank import default_ladder, ladder_sizes, normalize_ladder
 from jaxlod.ops._rnn import prepare_statics
 from jaxlod.ops._segment import build, offsets_from_lengths, rows_of
 
@@ -54,6 +50,11 @@ class Hypotheses(NamedTuple):
 
   ids: LoDTensor
   scores: LoDTensor
+
+
+jax.export.register_namedtuple_serialization(
+  Hypotheses, serialized_name="jaxlod.ops.Hypotheses"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,3 +530,15 @@ def ensemble_step(
     return tuple(new), jnp.mean(jnp.stack(log_probs), axis=0)
 
   return step_fn
+
+
+# -- settings --------------------------------------------------------------------
+
+
+def check_settings(settings: Any) -> Any:
+  """Decoding takes a `jaxlod.ops.DecodeSettings`."""
+  if not isinstance(settings, DecodeSettings):
+    raise TypeError(
+      f"Expected `settings` to be a DecodeSettings, got {type(settings).__name__}."
+    )
+  return settings

@@ -30,7 +30,9 @@ import numpy as np
 
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, with_faults
+from jaxlod._host import check_fits_device
+from jaxlod._lod import Capacity, Fault, LoDTensor, check_lod, fault_unless, with_faults
+from jaxlod._lod_checks import check_level, per_sequence
 from jaxlod.ops import _segment
 from jaxlod.ops._array import masked_take
 
@@ -69,7 +71,7 @@ def _expand_rows(
 ) -> LoDTensor:
   """Row ``i`` of `x` repeated ``y.lengths(level)[i]`` times, as sequence ``i``."""
   count = y.capacity.sequences[level]
-  x = _checks.per_sequence(x, "x", count, y.num_sequences(level))
+  x = per_sequence(x, "x", count, y.num_sequences(level))
   lengths = y.lengths(level)
   bound = Capacity(_items(y, level), (count,), (y.time_capacity[level],))
   real = Capacity(
@@ -194,10 +196,10 @@ def sequence_expand(
     >>> sequence_expand(np.array([5.0, 6.0]), y, 0).to_list()[1].tolist()
     [6.0, 6.0]
   """
-  y = _checks.check_lod(y, "y")
-  level = _checks.check_level(y, ref_level, "ref_level")
+  y = check_lod(y, "y")
+  level = check_level(y, ref_level, "ref_level")
   if isinstance(x, LoDTensor):
-    x = _checks.check_lod(x, "x", levels=(1,))
+    x = check_lod(x, "x", levels=(1,))
     return _expand_sequences(x, y, level, capacity)
   return with_faults(_expand_rows(x, y, level, capacity, "sequence_expand"), y)
 
@@ -240,7 +242,7 @@ def sequence_expand_as(
     >>> sequence_expand_as(np.array([1.0, 2.0, 3.0]), y).values.tolist()
     [1.0, 3.0, 3.0, 3.0]
   """
-  y = _checks.check_lod(y, "y")
+  y = check_lod(y, "y")
   if isinstance(x, LoDTensor):
     raise TypeError(
       "Expected `x` to be an array [count, *features] (one row per sequence of "
@@ -258,7 +260,7 @@ def _check_concat_inputs(xs: Any) -> list[LoDTensor]:
     raise TypeError(f"Expected `xs` to be a list or tuple, got {type(xs).__name__}.")
   if not xs:
     raise ValueError("Expected `xs` to hold at least one LoDTensor, got none.")
-  xs = [_checks.check_lod(x, f"xs[{i}]", levels=(1,)) for i, x in enumerate(xs)]
+  xs = [check_lod(x, f"xs[{i}]", levels=(1,)) for i, x in enumerate(xs)]
   first = xs[0]
   for i, x in enumerate(xs[1:], start=1):
     checks = (
@@ -422,7 +424,7 @@ def _check_tokens(tokens: Any) -> jax.Array:
     if not tokens:
       return jnp.zeros((0,), jnp.int32)
     for i, t in enumerate(tokens):
-      _checks.check_fits_device(t, f"tokens[{i}]")
+      check_fits_device(t, f"tokens[{i}]")
     return jnp.stack([jnp.asarray(t) for t in tokens])
   if not isinstance(tokens, np.ndarray | jax.Array):
     raise TypeError(
@@ -430,7 +432,7 @@ def _check_tokens(tokens: Any) -> jax.Array:
       f"array, got {type(tokens).__name__}."
     )
   _checks.check_integer(tokens.dtype, "tokens")
-  _checks.check_fits_device(tokens, "tokens")
+  check_fits_device(tokens, "tokens")
   _checks.check_rank(tokens.shape, "tokens", (0, 1), "[] or [n]")
   return jnp.reshape(tokens, (-1,))
 
@@ -509,7 +511,7 @@ def sequence_erase(
     >>> out.recursive_lengths(), out.values.tolist()
     ([[1, 2, 4]], [6, 1, 9, 6, 1, 0, 1, 0, 0, 0])
   """
-  x = _checks.check_lod(x, "x")
+  x = check_lod(x, "x")
   _check_id_values(x, "x")
   keep, last = _kept_rows(x, _check_tokens(tokens))
   lengths = [x.lengths(level) for level in range(x.num_levels - 1)] + [last]
@@ -531,14 +533,14 @@ def _per_sequence_ints(value: Any, name: str, x: LoDTensor) -> jax.Array:
   """An integer ``[count]`` or ``[count, 1]`` argument as ``[count_capacity]``."""
   dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
   _checks.check_integer(dtype, name)
-  _checks.check_fits_device(value, name)
+  check_fits_device(value, name)
   array = jnp.asarray(value)
   doc = "[count] or [count, 1]"
   _checks.check_rank(array.shape, name, (1, 2), doc)
   if array.ndim == 2 and array.shape[1] != 1:
     raise ValueError(f"Expected `{name}` to have shape {doc}, got {array.shape}.")
   count = x.capacity.sequences[-1]
-  array = _checks.per_sequence(array, name, count, x.num_sequences(-1))
+  array = per_sequence(array, name, count, x.num_sequences(-1))
   return array.reshape(count).astype(jnp.int32)
 
 
@@ -596,7 +598,7 @@ def sequence_slice(
     >>> out.recursive_lengths(), out.values.tolist()
     ([[2, 1]], [0.0, 1.0, 4.0, 0.0, 0.0])
   """
-  x = _checks.check_lod(x, "x")
+  x = check_lod(x, "x")
   offset = _per_sequence_ints(offset, "offset", x)
   length = _per_sequence_ints(length, "length", x)
   sizes = x.lengths()

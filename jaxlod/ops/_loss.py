@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlod._checks import check_float, check_integer, check_lod, require, static_float
-from jaxlod._lod import LoDTensor
+from jaxlod._checks import check_float, check_integer, require, static_float
+from jaxlod._lod import LoDTensor, check_lod
 
 
 def sequence_cross_entropy(

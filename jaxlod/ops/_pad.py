@@ -16,20 +16,16 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
-  as_array,
   check_dtype,
-  check_fits_device,
   check_integer,
-  check_lengths_fit,
-  check_lod,
-  check_pad_value,
   is_concrete,
   is_integer_dtype,
-  per_sequence,
   require_each,
   static_int,
 )
-from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, with_faults
+from jaxlod._host import as_array, check_fits_device
+from jaxlod._lod import Capacity, Fault, LoDTensor, check_lod, fault_unless, with_faults
+from jaxlod._lod_checks import check_lengths_fit, check_pad_value, per_sequence
 from jaxlod.ops._array import gather, permutation_gather
 from jaxlod.ops._segment import (
   Rows,

@@ -7,19 +7,16 @@ pad value (pooling) or nothing (softmax), never NaN, in values and gradients.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlod._checks import (
-  check_float,
-  check_lod,
-  check_pad_value,
-  check_pool_dtype,
-  check_pool_type,
-)
-from jaxlod._lod import LoDTensor
+from jaxlod._checks import check_float, is_float_dtype
+from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._lod_checks import check_pad_value
 from jaxlod.ops._segment import Rows, masked_segment_sum, rows
 
 
@@ -210,3 +207,33 @@ def sequence_softmax(x: LoDTensor) -> LoDTensor:
   total = jax.ops.segment_sum(exp, segment, num_segments=count)
   out = exp / jnp.where(layout.valid, total[layout.segment], 1)
   return x.with_values(out.reshape(shape))
+
+
+# -- pool types ------------------------------------------------------------------
+
+
+POOL_TYPES = ("sum", "average", "sqrt", "max", "min", "first", "last")
+
+
+def check_pool_type(pool_type: str) -> str:
+  """One of `POOL_TYPES`, lower-cased (the argument is case-insensitive)."""
+  if not isinstance(pool_type, str):
+    raise TypeError(f"Expected `pool_type` to be a str, got {pool_type!r}.")
+  pool = pool_type.lower()
+  if pool not in POOL_TYPES:
+    allowed = ", ".join(repr(p) for p in POOL_TYPES)
+    raise ValueError(
+      f"Expected `pool_type` to be one of {allowed} (case-insensitive), got "
+      f"{pool_type!r}."
+    )
+  return pool
+
+
+def check_pool_dtype(dtype: Any, pool: str) -> None:
+  """Every pool type but ``first`` and ``last`` needs float values."""
+  if pool in ("first", "last") or is_float_dtype(dtype):
+    return
+  raise TypeError(
+    f"Expected `x.values` to have a float dtype for pool_type {pool!r}, got "
+    f"{np.dtype(dtype)}; only 'first' and 'last' accept any dtype."
+  )

@@ -5,14 +5,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._checks import check_index_leaves, check_lod, static_float, static_int
-from jaxlod._layer_checks import ladder_sizes
-from jaxlod._lod import LoDTensor, check_sound, is_concrete
+from jaxlod import _serial
+from jaxlod._checks import (
+  check_index_leaves,
+  check_sequence,
+  require,
+  static_float,
+  static_int,
+)
+from jaxlod._lod import LoDTensor, check_lod, check_sound, is_concrete, is_lod
 
 
 def default_ladder(
@@ -169,6 +176,8 @@ class RankTable:
 jax.tree_util.register_dataclass(
   RankTable, data_fields=list(_DATA_FIELDS), meta_fields=["ladder", "level"]
 )
+_serial.register_export(RankTable, "jaxlod.ops.RankTable")
+_serial.register_state(RankTable, _serial.check_same_static)
 
 
 def _table_arrays(xp, lengths, time_capacity: int, ladder: tuple[int, ...]):
@@ -244,3 +253,91 @@ def rank_table(
     arrays = _table_arrays(jnp, jnp.diff(offsets), time_capacity, ladder)
     count = x.num_sequences(level)
   return RankTable(**arrays, count=count, ladder=ladder, level=level)
+
+
+# -- rank tables and ladders given to the ops ------------------------------------
+
+
+def check_table(table: Any, name: str = "table", *, optional: bool = False) -> Any:
+  """`table` must be a `jaxlod.ops.RankTable` (or `None` when `optional`)."""
+  if optional and table is None:
+    return None
+  if not isinstance(table, RankTable):
+    raise TypeError(f"Expected `{name}` to be a RankTable, got {type(table).__name__}.")
+  return table
+
+
+def check_pair(x: Any, table: Any, name: str) -> Any:
+  """`x` is a LoDTensor whose last level `table` ranks.
+
+  Checks the types and capacities, and the lengths (`check_ranked`, whose
+  result it returns).
+  """
+  if not is_lod(x):
+    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  check_table(table)
+  count = x.capacity.sequences[-1]
+  if count != table.count_capacity:
+    raise ValueError(
+      f"Expected the rank table's count capacity {table.count_capacity} to equal "
+      f"the count capacity of `{name}`'s last level, got {count}."
+    )
+  if x.time_capacity[-1] > table.time_capacity:
+    raise ValueError(
+      f"Expected the rank table's time capacity {table.time_capacity} to be at "
+      f"least the time capacity of `{name}`'s last level, got "
+      f"{x.time_capacity[-1]}."
+    )
+  return check_ranked(x.lengths(), table, f"`{name}`", "last level")
+
+
+def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) -> Any:
+  """Checks that `table` ranks sequences of these `lengths`: eagerly a
+  `ValueError` naming the first rank that differs, under `jit` a
+  `jax.experimental.checkify` check (a table of another batch with the same
+  capacities would give wrong results).
+
+  Returns:
+    Whether it does: `True` eagerly, a bool scalar under `jit`, for the
+    caller to mark its results (`jaxlod.Fault.TABLE`).
+  """
+  if not is_concrete(lengths, table.order, table.lengths):
+    lengths = jnp.asarray(lengths)
+    ranked = jnp.take(lengths, jnp.asarray(table.order), axis=0)
+    return require(
+      jnp.all(ranked == jnp.asarray(table.lengths)),
+      f"The rank table does not describe {name}'s {level}: its lengths in rank "
+      f"order differ from {name}'s (a table of another batch?).",
+    )
+  expected = np.asarray(lengths)[np.asarray(table.order)]
+  ranked = np.asarray(table.lengths)
+  if not np.array_equal(expected, ranked):
+    bad = int(np.flatnonzero(expected != ranked)[0])
+    raise ValueError(
+      f"The rank table does not describe {name}'s {level}: at rank {bad} it has "
+      f"length {int(ranked[bad])}, {name} has {int(expected[bad])}."
+    )
+  return True
+
+
+def ladder_sizes(ladder: Any, count_capacity: int | None = None) -> list[int]:
+  """The static batch sizes of a ladder: ints in ``[1, count_capacity]``
+  (``>= 1`` before the count capacity is known)."""
+  sizes = check_sequence(ladder, "ladder", "a sequence of ints or None")
+  for i, size in enumerate(sizes):
+    if isinstance(size, bool | np.bool_) or not isinstance(size, int | np.integer):
+      raise ValueError(f"Expected `ladder[{i}]` to be an int, got {size!r}.")
+    if count_capacity is None:
+      static_int(size, f"ladder[{i}]", minimum=1)
+    if count_capacity is not None and not 1 <= size <= count_capacity:
+      raise ValueError(
+        f"Expected `ladder[{i}]` in [1, {count_capacity}] (the count capacity), "
+        f"got {size}."
+      )
+  return [int(size) for size in sizes]
+
+
+def check_ladder(ladder: Any) -> tuple[int, ...] | None:
+  """A layer's ladder as a tuple of sizes >= 1 (checked against the count
+  capacity by `jaxlod.ops.normalize_ladder` at the call), or `None`."""
+  return None if ladder is None else tuple(ladder_sizes(ladder))

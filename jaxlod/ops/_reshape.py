@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _checks, _host_checks, _lod
+from jaxlod import _checks, _lod
 from jaxlod._checks import is_concrete
-from jaxlod._lod import LoDTensor
+from jaxlod._host import as_array
+from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._lod_checks import check_offsets
 from jaxlod.ops import _segment
 
 # -- private helpers ------------------------------------------------------------
@@ -65,7 +67,7 @@ def sequence_reshape(x: LoDTensor, new_dim: int) -> LoDTensor:
     >>> y.recursive_lengths(), y.values.tolist()
     ([[1, 2]], [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
   """
-  x = _checks.check_lod(x, "x")
+  x = check_lod(x, "x")
   _checks.check_rank(x.values.shape, "x.values", (2,), "[rows, dim]")
   new_dim = _checks.static_int(new_dim, "new_dim", minimum=1)
   tokens, dim = x.values.shape
@@ -106,8 +108,8 @@ def _check_scatter_args(x: jax.Array, index: LoDTensor, updates: LoDTensor):
       f"{tuple(x.shape)}."
     )
   _checks.check_float(x.dtype, "x")
-  index = _checks.check_lod(index, "index", levels=(1,))
-  updates = _checks.check_lod(updates, "updates", levels=(1,))
+  index = check_lod(index, "index", levels=(1,))
+  updates = check_lod(updates, "updates", levels=(1,))
   _checks.check_integer(index.values.dtype, "index.values")
   tokens, features = index.capacity.tokens, tuple(x.shape[2:])
   if index.values.shape not in ((tokens,), (tokens, 1)):
@@ -185,7 +187,7 @@ def sequence_scatter(
     >>> sequence_scatter(np.zeros((2, 3)), index, updates).tolist()
     [[1.0, 0.0, 2.0], [0.0, 7.0, 0.0]]
   """
-  x = _checks.as_array(x, "x")
+  x = as_array(x, "x")
   ids, rows = _check_scatter_args(x, index, updates)
   _check_count(x, index)
   _checks.require_each(
@@ -246,7 +248,7 @@ def _from_lengths(lengths: Any) -> tuple[list[jax.Array], int, list[int], int]:
     raise ValueError("Expected `lengths` to name at least one LoD level, got none.")
   offsets = _lod.lengths_to_offsets(levels, "lengths")
   # The last level's total is checked against `x` below, not here.
-  offsets = _host_checks.check_offsets(offsets, int(offsets[-1][-1]))
+  offsets = check_offsets(offsets, int(offsets[-1][-1]))
   time = [int(np.max(np.diff(o), initial=0)) for o in offsets]
   arrays = [jnp.asarray(o, jnp.int32) for o in offsets]
   return arrays, offsets[0].size - 1, time, int(offsets[-1][-1])
@@ -308,7 +310,7 @@ def lod_reset(
         f"capacity {tokens} of `x`."
       )
   else:
-    y = _checks.check_lod(y, "y")
+    y = check_lod(y, "y")
     offsets, num_outer, time, total = (
       y.offsets,
       y.num_outer,
@@ -336,7 +338,7 @@ def _rows_of(x: Any) -> tuple[jax.Array, Any]:
   """The values of `x` and its real number of rows."""
   if isinstance(x, LoDTensor):
     return x.values, x.num_rows
-  values = _checks.as_array(x, "x", "a LoDTensor or an array")
+  values = as_array(x, "x", "a LoDTensor or an array")
   if values.ndim == 0:
     raise ValueError(
       "Expected `x` to be a LoDTensor or an array [rows, *features] (rank >= 1), "

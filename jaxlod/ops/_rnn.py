@@ -9,21 +9,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import (
-  as_array,
   check_bools,
   check_callable,
-  check_pair,
-  check_rows,
   check_step_out,
   is_float_dtype,
-  is_lod,
   require,
 )
-from jaxlod._lod import Fault, LoDTensor, fault_unless, nan_unless, with_faults
+from jaxlod._host import as_array, check_rows
+from jaxlod._lod import Fault, LoDTensor, fault_unless, is_lod, nan_unless, with_faults
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _packed
 from jaxlod.ops._array import permute_rows
-from jaxlod.ops._rank import RankTable, normalize_ladder, rank_table
+from jaxlod.ops._rank import RankTable, check_pair, normalize_ladder, rank_table
 
 
 def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any, Any]:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlod._checks import as_array, check_float, check_integer, finite_float32
+from jaxlod._checks import check_float, check_integer, finite_float32
+from jaxlod._host import as_array
 from jaxlod._vma import vary, varying_axes
 
 NEG_INF = -jnp.inf

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod._checks import INT32, check_fits, is_concrete, static_int
-from jaxlod._lod import Capacity, Fault, LoDTensor, fault_unless, owners
+from jaxlod._checks import INT32, is_concrete, static_int
+from jaxlod._lod import Capacity, Fault, LoDTensor, check_fits, fault_unless, owners
 
 # -- rows and their sequences -------------------------------------------------------
 

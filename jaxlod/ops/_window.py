@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._lod import LoDTensor, with_faults
+from jaxlod._host import as_array, fill_value
+from jaxlod._lod import LoDTensor, check_lod, with_faults
 from jaxlod.ops import _segment
 
 # -- private helpers ------------------------------------------------------------
@@ -65,7 +66,7 @@ def _check_conv_params(x: LoDTensor, filter: jax.Array, bias: Any, length: int):
   _checks.check_float(filter.dtype, "filter")
   if bias is None:
     return None
-  bias = _checks.as_array(bias, "bias", "an array or None")
+  bias = as_array(bias, "bias", "an array or None")
   if bias.shape != (filter.shape[1],):
     raise ValueError(
       f"Expected `bias` to have shape ({filter.shape[1]},) ([out], from `filter` "
@@ -126,7 +127,7 @@ def sequence_conv(
     >>> sequence_conv(x, np.ones((3, 1))).values[:, 0].tolist()
     [3.0, 6.0, 5.0, 4.0]
   """
-  x = _checks.check_lod(x, "x")
+  x = check_lod(x, "x")
   _checks.check_rank(x.values.shape, "x.values", (2,), "[rows, D]")
   _checks.check_float(x.values.dtype, "x.values")
   length = _checks.static_int(context_length, "context_length", minimum=1)
@@ -136,7 +137,7 @@ def sequence_conv(
     if context_start is None
     else _checks.static_int(context_start, "context_start")
   )
-  filter = _checks.as_array(filter, "filter")
+  filter = as_array(filter, "filter")
   bias = _check_conv_params(x, filter, bias, length)
   windows, inside = _windows(x, [start + k * stride for k in range(length)])
   windows = jnp.where(inside[..., None], windows, jnp.zeros((), windows.dtype))
@@ -192,10 +193,10 @@ def sequence_enumerate(
     >>> sequence_enumerate(x, 2).values.tolist()
     [[1, 2], [2, 3], [3, 0], [4, 5], [5, 0]]
   """
-  x = _checks.check_lod(x, "x")
+  x = check_lod(x, "x")
   _check_ids(x.values, "x.values")
   win_size = _checks.static_int(win_size, "win_size", minimum=1)
-  pad = _checks.fill_value(pad_value, x.values.dtype, "pad_value", "a scalar")
+  pad = fill_value(pad_value, x.values.dtype, "pad_value", "a scalar")
   if pad.ndim != 0:
     raise ValueError(f"Expected `pad_value` to be a scalar, got shape {pad.shape}.")
   ids = x.with_values(x.values.reshape(x.values.shape[0]))

@@ -14,21 +14,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlod._checks import (
-  as_array,
   check_bool,
   check_callable,
   check_integer,
-  check_leaves,
-  check_lod,
   check_rank,
   check_sequence,
-  check_table,
 )
-from jaxlod._layer_checks import check_rngs, check_settings
-from jaxlod._lod import LoDTensor
+from jaxlod._host import as_array, check_leaves
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._vma import vary, varying_axes
 from jaxlod.data import Batch
-from jaxlod.ops._decode import DecodeSettings
+from jaxlod.nn import ensemble_generate
+from jaxlod.nn._checks import check_rngs
+from jaxlod.ops._decode import DecodeSettings, check_settings
+from jaxlod.ops._rank import check_table
 
 
 def _check_axis(mesh: Any, axis: Any) -> None:
@@ -341,8 +340,6 @@ def unstack(tree: Any) -> list[Any]:
 
 @functools.partial(jax.jit, static_argnames=("models", "settings", "mesh", "axis"))
 def _generate(variables, rngs, local, *, models, settings, mesh, axis):
-  from jaxlod.nn import ensemble_generate
-
   def decode(variables, rngs, local):
     members = list(zip(models, variables, strict=True))
     src, src_table, max_lengths = local

@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlod import _layer_checks
+from jaxlod._checks import check_sizes, check_width
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
+from jaxlod.nn._checks import check_layer_dtypes
 from jaxlod.ops import _attention as core
+from jaxlod.ops._attention import check_eps, without_keys
 
 
 class Attention(_common.AttentionCalls, nnx.Module):
@@ -43,7 +45,7 @@ class DotAttention(Attention):
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.dot_scores``."""
-    return core.dot_scores(query, _layer_checks.without_keys(memory, "DotAttention"))
+    return core.dot_scores(query, without_keys(memory, "DotAttention"))
 
 
 class GeneralAttention(Attention):
@@ -81,20 +83,18 @@ class GeneralAttention(Attention):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
-    _layer_checks.check_sizes(hidden=hidden, features=features)
-    _layer_checks.check_layer_dtypes(dtype, param_dtype)
+    check_sizes(hidden=hidden, features=features)
+    check_layer_dtypes(dtype, param_dtype)
     self.query = nnx.Linear(
       hidden, features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.general_scores`` with the ``query`` projection."""
-    memory = _layer_checks.without_keys(memory, "GeneralAttention")
-    _layer_checks.check_width(
-      "query", query.shape[-1], self.query.in_features, "`hidden`"
-    )
+    memory = without_keys(memory, "GeneralAttention")
+    check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
     features = memory.values.shape[-1]
-    _layer_checks.check_width("memory", features, self.query.out_features, "`features`")
+    check_width("memory", features, self.query.out_features, "`features`")
     return core.general_scores(query, memory, self.query)
 
 
@@ -138,8 +138,8 @@ class AdditiveAttention(Attention):
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
   ):
-    _layer_checks.check_sizes(hidden=hidden, features=features, units=units)
-    _layer_checks.check_layer_dtypes(dtype, param_dtype)
+    check_sizes(hidden=hidden, features=features, units=units)
+    check_layer_dtypes(dtype, param_dtype)
     common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
     self.key = _linear(features, units, False, **common)
     self.query = _linear(hidden, units, True, **common)
@@ -150,19 +150,15 @@ class AdditiveAttention(Attention):
     return core.map_rows(self._key, memory)
 
   def _key(self, values: jax.Array) -> jax.Array:
-    _layer_checks.check_width(
-      "memory", values.shape[-1], self.key.in_features, "`features`"
-    )
+    check_width("memory", values.shape[-1], self.key.in_features, "`features`")
     return self.key(values)
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.additive_scores``, computing the keys when the memory
     has none."""
     features = memory.values.shape[-1]
-    _layer_checks.check_width("memory", features, self.key.in_features, "`features`")
-    _layer_checks.check_width(
-      "query", query.shape[-1], self.query.in_features, "`hidden`"
-    )
+    check_width("memory", features, self.key.in_features, "`features`")
+    check_width("query", query.shape[-1], self.query.in_features, "`hidden`")
     if memory.keys is None:
       memory = memory._replace(keys=self.key(memory.values))
     return core.additive_scores(query, memory, self.query, self.energy)
@@ -186,9 +182,9 @@ class CosineAttention(Attention):
   """
 
   def __init__(self, eps: float = core.COSINE_EPS):
-    self.eps = _layer_checks.check_eps(eps)
+    self.eps = check_eps(eps)
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.cosine_scores``."""
-    memory = _layer_checks.without_keys(memory, "CosineAttention")
+    memory = without_keys(memory, "CosineAttention")
     return core.cosine_scores(query, memory, self.eps)

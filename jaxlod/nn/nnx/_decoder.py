@@ -8,11 +8,14 @@ from typing import Any
 
 from flax import nnx
 
-from jaxlod import _checks, _layer_checks
+from jaxlod import _checks
+from jaxlod._checks import check_width
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
+from jaxlod.nn._checks import check_cell
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops import _attention as core
+from jaxlod.ops._rank import check_ladder
 
 
 class AttentionDecoder(_common.DecoderCalls, nnx.Module):
@@ -60,12 +63,12 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     remat: bool = True,
     ladder: Sequence[int] | None = None,
   ):
-    _layer_checks.check_cell(cell)
+    check_cell(cell)
     _checks.check_callable(attention, "attention")
     _checks.check_bools(input_feeding=input_feeding, remat=remat)
     self.cell, self.attention = cell, attention
     self.input_feeding, self.remat = input_feeding, remat
-    self.ladder = _layer_checks.check_ladder(ladder)
+    self.ladder = check_ladder(ladder)
 
   def initialize_carry(self, shape: tuple[int, int]) -> Any:
     """``cell.initialize_carry(shape, nnx.Rngs(0))``."""
@@ -82,7 +85,7 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     what = "the cell's `in_features`"
     if fed:
       what += f" {cell_width} less the {fed} memory features fed back"
-    _layer_checks.check_width("tgt", tgt.feature_shape[0], cell_width - fed, what)
+    check_width("tgt", tgt.feature_shape[0], cell_width - fed, what)
 
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
     """`step` over a snapshot of the layer's state, for `dynamic_rnn`."""

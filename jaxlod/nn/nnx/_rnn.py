@@ -9,11 +9,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxlod import _checks, _layer_checks
-from jaxlod._checks import check_lod
-from jaxlod._lod import LoDTensor
+from jaxlod import _checks
+from jaxlod._host import check_leaves
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn import _common
-from jaxlod.ops._rank import RankTable
+from jaxlod.nn._checks import check_cell, check_layers, check_rnn_layer
+from jaxlod.ops._pool import check_pool_type
+from jaxlod.ops._rank import RankTable, check_ladder
 
 
 def functional_call(module: nnx.Module, method: str = "__call__") -> Callable:
@@ -63,7 +65,7 @@ def initialize_carry(
   Flax's cells draw their default (zero) carry from an RNG stream; a fixed
   one keeps the default carry deterministic and the module stateless.
   """
-  _layer_checks.check_cell(cell, "initialize_carry(input_shape, rngs)")
+  check_cell(cell, "initialize_carry(input_shape, rngs)")
   return cell.initialize_carry(input_shape, nnx.Rngs(0) if rngs is None else rngs)
 
 
@@ -108,13 +110,13 @@ class DynamicRNN(nnx.Module):
     remat: bool = False,
     ladder: Sequence[int] | None = None,
   ):
-    _layer_checks.check_cell(cell)
+    check_cell(cell)
     _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=remat)
     self.cell = cell
     self.reverse = reverse
     self.return_carry = return_carry
     self.remat = remat
-    self.ladder = _layer_checks.check_ladder(ladder)
+    self.ladder = check_ladder(ladder)
 
   def __call__(
     self,
@@ -136,8 +138,8 @@ class DynamicRNN(nnx.Module):
       initial_carry = initialize_carry(self.cell, shape, rngs)
     else:
       # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
-      _layer_checks.check_cell(self.cell)
-      _checks.check_leaves(initial_carry, "initial_carry")
+      check_cell(self.cell)
+      check_leaves(initial_carry, "initial_carry")
     cell = functional_call(self.cell)
     return _common.run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
 
@@ -185,8 +187,8 @@ class Bidirectional(nnx.Module):
     merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     return_carry: bool = False,
   ):
-    _layer_checks.check_rnn_layer(forward_rnn, "forward_rnn", self)
-    _layer_checks.check_rnn_layer(backward_rnn, "backward_rnn", self)
+    check_rnn_layer(forward_rnn, "forward_rnn", self)
+    check_rnn_layer(backward_rnn, "backward_rnn", self)
     if merge_fn is not None:
       _checks.check_callable(merge_fn, "merge_fn")
     _checks.check_bool(return_carry, "return_carry")
@@ -254,7 +256,7 @@ class StackedRNN(_common.StackCalls, nnx.Module):
     return_carry: bool = False,
     rngs: nnx.Rngs | None = None,
   ):
-    _layer_checks.check_layers(layers, self)
+    check_layers(layers, self)
     rates = _common.stack_rates(
       len(layers), input_dropout, dropout_rate, output_dropout
     )
@@ -300,9 +302,9 @@ class HierarchicalEncoder(nnx.Module):
     pool_type: str = "last",
     return_carry: bool = False,
   ):
-    _layer_checks.check_rnn_layer(inner, "inner", self)
-    _layer_checks.check_rnn_layer(outer, "outer", self)
-    _checks.check_pool_type(pool_type)
+    check_rnn_layer(inner, "inner", self)
+    check_rnn_layer(outer, "outer", self)
+    check_pool_type(pool_type)
     _checks.check_bool(return_carry, "return_carry")
     self.inner = inner
     self.outer = outer

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlod import _checks, _layer_checks
+from jaxlod import _checks
+from jaxlod._checks import check_sizes
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
+from jaxlod.nn._checks import check_vocabs
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
@@ -105,7 +107,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
       deterministic,
       self,
     )
-    _layer_checks.check_sizes(features=features)
+    check_sizes(features=features)
     self.src_vocab, self.tgt_vocab, self.embed_dim = src_vocab, tgt_vocab, embed_dim
     self.encoder, self.decoder = encoder, decoder
     self.bridge, self.deterministic = bridge, deterministic
@@ -168,7 +170,7 @@ def ensemble_generate(
       raise TypeError(
         f"Expected `members[{k}]` to be a Seq2Seq, got {type(model).__name__}."
       )
-  _layer_checks.check_vocabs([model.tgt_vocab for model in members])
+  check_vocabs([model.tgt_vocab for model in members])
   pure = [model.member() for model in members]
   return _common.generate(
     pure, src, settings, max_lengths=max_lengths, src_table=src_table

@@ -1,44 +1,109 @@
-"""Checks of host-side data: LoD offsets, the converters' inputs, restored
-pytrees, and the examples and settings of `jaxlod.data`.
+"""The LoD checks: offsets and lengths given by users, the LoD stored in a
+built `LoDTensor`, padded batches and segment ids turned into LoD, and the
+state of a LoDTensor read back by `flax.serialization`.
 
-Paddle's CheckLoD on offsets given by users (`check_offsets`) and stored in a
-built tensor (`check_stored_lod`); padded batches, segment ids and PyTorch
-PackedSequence fields turned into LoD; the state of a LoDTensor read back by
-`flax.serialization`; the fields of a batch's examples and `Batcher`'s
-settings. Everything here reads its data on the host and raises `TypeError`
-or `ValueError` naming the argument, the index and the values. The array
-and value checks these build on live in `jaxlod._checks`.
+Paddle's CheckLoD on host data raises `TypeError` or `ValueError` naming the
+level, the index and both values; the per-sequence arguments and fills of
+the ops on a LoDTensor are checked here too. `jaxlod._lod` builds on these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._checks import (
-  check_fits_device,
-  check_integer,
-  check_no_bools,
   check_sequence,
-  host_numbers,
   is_concrete,
   is_integer_dtype,
-  is_lod,
-  leaf_name,
-  level_array,
+  require,
   static_int,
   value_text,
 )
+from jaxlod._host import as_array, fill_value, host_ints, is_structure, level_array
 
-if TYPE_CHECKING:
-  from jaxlod._lod import LoDTensor
+# -- per-sequence arguments and fills --------------------------------------------
 
 
-# -- host-side LoD validation (Paddle's CheckLoD) ---------------------------------
+def check_lengths_fit(
+  lengths: jax.Array,
+  time: int,
+  where: str,
+  limit: str = "the requested time capacity",
+) -> None:
+  """No length exceeds `time` (eager `ValueError`, `checkify` under `jit`).
+
+  Args:
+    lengths: int ``[count]``.
+    time: the static bound.
+    where: the caller, first in the message.
+    limit: names the bound in the message.
+  """
+  longest = jnp.max(jnp.asarray(lengths), initial=0)
+  require(
+    longest <= time,
+    f"{where}: the longest sequence has {{longest}} rows, more than {limit} "
+    f"{time}; data is never truncated.",
+    traced=f"{where}: a sequence is longer than {limit} {time}; data is never "
+    "truncated.",
+    longest=longest,
+  )
+
+
+def check_level(x: Any, level: int, name: str) -> int:
+  """A level index of `x` in ``[-num_levels, num_levels)``, made non-negative."""
+  if isinstance(level, bool) or not isinstance(level, int | np.integer):
+    raise TypeError(f"Expected `{name}` to be an int, got {level!r}.")
+  if not -x.num_levels <= level < x.num_levels:
+    raise ValueError(
+      f"Expected `{name}` in [{-x.num_levels}, {x.num_levels}) (the LoD levels of "
+      f"the tensor), got {level}."
+    )
+  return int(level) % x.num_levels
+
+
+def per_sequence(
+  value: Any, name: str, count_capacity: int, num_sequences: Any, fill: Any = 0
+) -> jax.Array:
+  """A per-sequence argument with leading dimension `count_capacity`.
+
+  Accepts ``[count_capacity, ...]``, or in eager calls ``[num_sequences,
+  ...]`` (the real count), which is padded with `fill` up to the capacity.
+  """
+  array = as_array(value, name)
+  if array.ndim == 0:
+    raise ValueError(
+      f"Expected `{name}` to have leading dimension {count_capacity} (count "
+      f"capacity), got a scalar."
+    )
+  rows = array.shape[0]
+  if rows == count_capacity:
+    return array
+  if is_concrete(num_sequences) and rows == int(num_sequences):
+    pad = [(0, count_capacity - rows)] + [(0, 0)] * (array.ndim - 1)
+    return jnp.pad(array, pad, constant_values=fill)
+  real = f" or {int(num_sequences)} (sequences)" if is_concrete(num_sequences) else ""
+  raise ValueError(
+    f"Expected `{name}` to have leading dimension {count_capacity} (count "
+    f"capacity){real}, got shape {array.shape}."
+  )
+
+
+def check_pad_value(pad_value: jax.typing.ArrayLike, x: Any) -> jax.Array:
+  """`pad_value` broadcast to ``[*features]`` of `x`, in the values' dtype
+  (`fill_value`: an integer dtype holds it exactly)."""
+  pad = fill_value(pad_value, x.values.dtype, "pad_value")
+  try:
+    return jnp.broadcast_to(pad, x.feature_shape)
+  except ValueError:
+    raise ValueError(
+      f"Expected `pad_value` to be a scalar or to broadcast to the feature shape "
+      f"{x.feature_shape}, got shape {pad.shape}."
+    ) from None
 
 
 def check_integer_level(
@@ -54,7 +119,7 @@ def check_integer_level(
       message (default: `name`).
   """
   where = f" Check `{argument or name}`."
-  if isinstance(values, str | bytes) or values is None or is_lod(values):
+  if isinstance(values, str | bytes) or values is None or is_structure(values):
     raise TypeError(
       f"Expected LoD level {level} ({name}) to be a sequence of ints, got "
       f"{value_text(values)}.{where}"
@@ -157,7 +222,7 @@ def _host_index(value: Any, name: str, where: str) -> np.ndarray:
   return array.astype(np.int64)
 
 
-def check_stored_lod(x: LoDTensor, where: str = "") -> None:
+def check_stored_lod(x: Any, where: str = "") -> None:
   """Every invariant of a built LoDTensor's LoD, read on the host.
 
   Paddle's CheckLoD on padded offsets: each level's offsets are integer,
@@ -229,9 +294,6 @@ def _check_padded_lod(
     )
 
 
-# -- converters' inputs: padded batches, segment ids, PackedSequence --------------
-
-
 def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> int:
   """The lengths of a padded batch ``[count, time, *features]`` (host).
 
@@ -279,20 +341,6 @@ def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> 
   return n
 
 
-def _host_ints(value: Any, name: str, size: int, per: str) -> np.ndarray:
-  """A 1-D integer argument of `size` items (host), as int64; `per` says
-  what each item belongs to, for the message."""
-  check_no_bools(value, name)
-  array = host_numbers(value, name)
-  if array.shape != (size,):
-    raise ValueError(
-      f"Expected `{name}` to have shape ({size},) ({per}), got {array.shape}."
-    )
-  if array.size:
-    check_integer(array.dtype, name)
-  return array.astype(np.int64)
-
-
 def check_segment_ids(
   segment_ids: Any, positions: Any, rows: int, padding_id: Any
 ) -> np.ndarray:
@@ -319,7 +367,7 @@ def check_segment_ids(
       that does not count up from 0 in its segment; the message names the
       index and the values.
   """
-  ids = _host_ints(segment_ids, "segment_ids", rows, "one per row of `values`")
+  ids = host_ints(segment_ids, "segment_ids", rows, "one per row of `values`")
   real = rows
   if padding_id is not None:
     padding_id = static_int(padding_id, "padding_id", device=False)
@@ -349,7 +397,7 @@ def check_segment_ids(
     )
   lengths = np.diff(np.append(starts, real))
   if positions is not None:
-    given = _host_ints(positions, "positions", rows, "one per row of `values`")[:real]
+    given = host_ints(positions, "positions", rows, "one per row of `values`")[:real]
     expected = np.arange(real) - np.repeat(starts, lengths)
     bad = np.flatnonzero(given != expected)
     if bad.size:
@@ -362,124 +410,7 @@ def check_segment_ids(
   return lengths
 
 
-def check_batch_sizes(batch_sizes: Any, num_rows: int) -> np.ndarray:
-  """A PackedSequence's ``batch_sizes`` (host), as int64 ``[time]``.
-
-  Raises:
-    TypeError: for non-integer sizes.
-    ValueError: for sizes that are not 1-D, a size that is not positive, a
-      size larger than the one before it, or sizes whose sum is not
-      `num_rows` (the rows of ``data``); the message names the index and
-      the values.
-  """
-  check_no_bools(batch_sizes, "batch_sizes")
-  sizes = host_numbers(batch_sizes, "batch_sizes")
-  if sizes.ndim != 1:
-    raise ValueError(
-      f"Expected `batch_sizes` to be 1-D ([time]), got shape {sizes.shape}."
-    )
-  if sizes.size:
-    check_integer(sizes.dtype, "batch_sizes")
-  sizes = sizes.astype(np.int64)
-  bad = np.flatnonzero(sizes <= 0)
-  if bad.size:
-    i = int(bad[0])
-    raise ValueError(
-      f"`batch_sizes` index {i}: {sizes[i]}, expected a positive size (a "
-      "PackedSequence holds no empty sequence)."
-    )
-  rises = np.flatnonzero(np.diff(sizes) > 0)
-  if rises.size:
-    i = int(rises[0]) + 1
-    raise ValueError(
-      f"`batch_sizes` index {i}: {sizes[i]} is more than {sizes[i - 1]} at index "
-      f"{i - 1}; a PackedSequence's batch sizes never increase."
-    )
-  total = sum(int(n) for n in sizes)
-  if total != num_rows:
-    raise ValueError(f"`batch_sizes` sum to {total}, but `data` has {num_rows} rows.")
-  return sizes
-
-
-def _permutation(value: Any, name: str, count: int) -> np.ndarray:
-  """A permutation of ``range(count)`` (host), as int64."""
-  perm = _host_ints(value, name, count, "one per sequence, batch_sizes[0]")
-  out = np.flatnonzero((perm < 0) | (perm >= count))
-  if out.size:
-    i = int(out[0])
-    raise ValueError(
-      f"`{name}` index {i}: {perm[i]} is outside [0, {count}); expected a "
-      f"permutation of range({count})."
-    )
-  _, first = np.unique(perm, return_index=True)
-  again = np.ones(count, bool)
-  again[first] = False
-  if np.any(again):
-    i = int(np.flatnonzero(again)[0])
-    j = int(np.flatnonzero(perm == perm[i])[0])
-    raise ValueError(
-      f"`{name}` index {i}: {perm[i]} repeats index {j}; expected a permutation "
-      f"of range({count})."
-    )
-  return perm
-
-
-def check_sort_indices(sorted_indices: Any, unsorted_indices: Any, count: int):
-  """The rank of each original sequence of a PackedSequence (host).
-
-  Args:
-    sorted_indices: ``[count]``, the original index of the sequence at each
-      rank; `None` for the inverse of `unsorted_indices`.
-    unsorted_indices: ``[count]``, the rank of each original sequence;
-      `None` for the inverse of `sorted_indices`. Both `None`: the identity.
-    count: the number of sequences.
-
-  Returns:
-    int64 ``[count]``: the rank of each original sequence.
-
-  Raises:
-    ValueError: for indices that are not a permutation, or two that are not
-      inverses; the message names the index and the values.
-  """
-  if sorted_indices is None and unsorted_indices is None:
-    return np.arange(count)
-  if sorted_indices is None:
-    return _permutation(unsorted_indices, "unsorted_indices", count)
-  order = _permutation(sorted_indices, "sorted_indices", count)
-  ranks = np.empty(count, np.int64)
-  ranks[order] = np.arange(count)
-  if unsorted_indices is not None:
-    given = _permutation(unsorted_indices, "unsorted_indices", count)
-    bad = np.flatnonzero(given != ranks)
-    if bad.size:
-      i = int(bad[0])
-      raise ValueError(
-        f"`unsorted_indices` index {i}: {given[i]}, but `sorted_indices` puts "
-        f"sequence {i} at index {ranks[i]}; expected the inverse of "
-        "`sorted_indices`."
-      )
-  return ranks
-
-
-def check_packable(lengths: np.ndarray, where: str) -> None:
-  """Real lengths a PackedSequence can hold: at least one, none zero (host)."""
-  if lengths.size == 0:
-    raise ValueError(
-      f"{where}: the tensor has no sequences; a PackedSequence holds at least one."
-    )
-  empty = np.flatnonzero(lengths == 0)
-  if empty.size:
-    i = int(empty[0])
-    raise ValueError(
-      f"{where}: sequence {i} is empty (length 0); a PackedSequence cannot hold "
-      "empty sequences (torch forbids zero lengths)."
-    )
-
-
-# -- restoring serialized pytrees (flax.serialization) -----------------------------
-
-
-def check_lod_restore(target: LoDTensor, saved: dict[str, Any], where: str) -> None:
+def check_lod_restore(target: Any, saved: dict[str, Any], where: str) -> None:
   """A LoDTensor state of the target's number of levels (its time capacity
   may differ: `check_stored_lod` checks the data against the target's)."""
   time = saved["time_capacity"]
@@ -490,7 +421,7 @@ def check_lod_restore(target: LoDTensor, saved: dict[str, Any], where: str) -> N
     )
 
 
-def check_restored_lod(x: LoDTensor, saved: dict[str, Any], where: str) -> None:
+def check_restored_lod(x: Any, saved: dict[str, Any], where: str) -> None:
   """`check_stored_lod` of a restored LoDTensor: its data against the
   target's capacities, the messages naming both time capacities."""
   check_stored_lod(
@@ -498,156 +429,3 @@ def check_restored_lod(x: LoDTensor, saved: dict[str, Any], where: str) -> None:
     f"{where}time capacity {saved['time_capacity']} saved, {x.time_capacity} in "
     "the target; ",
   )
-
-
-def check_same_static(target: Any, saved: dict[str, Any], where: str) -> None:
-  """Every static field of the state equals the target's."""
-  for name, value in saved.items():
-    if value != getattr(target, name):
-      raise ValueError(
-        f"{where}the state has {name}={value!r}, the target "
-        f"{name}={getattr(target, name)!r}; restore into a target with the "
-        "saved value."
-      )
-
-
-def check_restored_shapes(target: Any, restored: Any, where: str) -> None:
-  """Every leaf of `restored` has the shape of the target's leaf."""
-  pairs = zip(
-    jax.tree_util.tree_leaves_with_path(restored),
-    jax.tree.leaves(target),
-    strict=True,
-  )
-  for (path, new), old in pairs:
-    if jnp.shape(new) != jnp.shape(old):
-      raise ValueError(
-        f"{where}the state's leaf {leaf_name(path)} has shape {jnp.shape(new)}, the "
-        f"target's {jnp.shape(old)} (the capacities or feature shapes differ)."
-      )
-
-
-# -- host-side batching (jaxlod.data) ----------------------------------------------
-
-
-def check_tables(tables: Any, num_fields: int) -> tuple[bool, ...]:
-  """One bool per field from `Batcher`'s ``tables`` argument."""
-  if isinstance(tables, bool | np.bool_):
-    return (bool(tables),) * num_fields
-  if isinstance(tables, str) or not isinstance(tables, Sequence):
-    raise TypeError(
-      f"Expected `tables` to be a bool or a sequence of bools, got {tables!r}."
-    )
-  if len(tables) != num_fields:
-    raise ValueError(
-      f"Expected `tables` to be a bool or one bool per field ({num_fields}), "
-      f"got {len(tables)} entries."
-    )
-  for f, keep in enumerate(tables):
-    if not isinstance(keep, bool | np.bool_):
-      raise TypeError(f"Expected `tables[{f}]` to be a bool, got {keep!r}.")
-  return tuple(bool(keep) for keep in tables)
-
-
-def check_int(name: str, value: Any, minimum: int) -> int:
-  """A host-side int setting (`jaxlod.data`), at least `minimum`."""
-  if isinstance(value, bool) or not isinstance(value, int | np.integer):
-    raise TypeError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}.")
-  if value < minimum:
-    raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value}.")
-  return int(value)
-
-
-def check_shards(
-  shards: Any, process_index: Any, process_count: Any
-) -> tuple[int | None, range | None]:
-  """The global shard count and this process's shards, checked."""
-  if shards is None:
-    for name, value in (
-      ("process_index", process_index),
-      ("process_count", process_count),
-    ):
-      if value is not None:
-        raise ValueError(
-          f"Expected `{name}` to be None without `shards`, got {value!r}; set "
-          "`shards` to build sharded batches."
-        )
-    return None, None
-  shards = check_int("shards", shards, 1)
-  if process_count is None:
-    process_count = jax.process_count()
-  process_count = check_int("process_count", process_count, 1)
-  if process_index is None:
-    process_index = jax.process_index()
-  process_index = check_int("process_index", process_index, 0)
-  if process_index >= process_count:
-    raise ValueError(
-      f"Expected `process_index` in [0, {process_count}) (the process count), "
-      f"got {process_index}."
-    )
-  if shards % process_count:
-    raise ValueError(
-      f"Expected `shards` ({shards}) to be a multiple of the process count "
-      f"({process_count})."
-    )
-  local = shards // process_count
-  return shards, range(process_index * local, (process_index + 1) * local)
-
-
-# -- a batching field's examples (jaxlod.data) --------------------------------------
-
-_KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "float", "c": "complex"}
-
-
-def check_field_dtypes(f: int, arrays: Sequence[np.ndarray], indices, name) -> None:
-  """The examples of field `f` (`arrays[i]` for each i of `indices`) share a
-  kind of dtype: an int field is never turned into floats by one float
-  example (nor int64 with uint64 into float64). Dtypes that are not numbers
-  are left to the caller.
-
-  Args:
-    f: the field.
-    arrays: every example's array of the field.
-    indices: the examples whose dtypes count (the non-empty ones).
-    name: example ``i``'s name in messages, ``name(i)``.
-
-  Raises:
-    TypeError: naming the field, two examples and their dtypes.
-  """
-  first: dict[str, int] = {}
-  for i in indices:
-    kind = _KINDS.get(arrays[i].dtype.kind)
-    if kind is None:
-      return
-    first.setdefault(kind, i)
-  if len(first) > 1:
-    i, j = list(first.values())[:2]
-  else:
-    dtypes = {arrays[i].dtype for i in indices}
-    if len(dtypes) < 2 or _KINDS[np.result_type(*dtypes).kind] in first:
-      return
-    i = indices[0]
-    j = next(k for k in indices if arrays[k].dtype != arrays[i].dtype)
-  raise TypeError(
-    f"Expected the examples of field {f} to share a kind of dtype, got "
-    f"{arrays[i].dtype} in example {name(i)} (`examples[{i}][{f}]`) and "
-    f"{arrays[j].dtype} in example {name(j)} (`examples[{j}][{f}]`), which "
-    f"would be promoted to {np.result_type(arrays[i].dtype, arrays[j].dtype)}; "
-    "cast the field's examples to one dtype."
-  )
-
-
-def check_field_fits_device(
-  f: int, arrays: Sequence[np.ndarray], values: np.ndarray, name
-) -> None:
-  """The packed rows `values` of field `f` fit the dtype JAX stores them in
-  (`check_fits_device`); if not, raises naming the first example of
-  `arrays` that does not."""
-  try:
-    check_fits_device(values, "values")
-  except ValueError:
-    for i, a in enumerate(arrays):
-      try:
-        check_fits_device(a, f"examples[{i}][{f}]")
-      except ValueError as error:
-        raise ValueError(f"Field {f} of example {name(i)}: {error}") from None
-    raise
