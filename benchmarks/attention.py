@@ -22,7 +22,7 @@ subprocess so the high-water marks do not mix). Time: the median of
 interleaved runs of both arms in one process (compile excluded). Tokens per
 second count the real source and target tokens of the batch.
 
-Usage: ``python benchmarks/attention.py [--repeats N] [--json PATH]``.
+Usage: ``python -m benchmarks.attention [--repeats N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 
 HIDDEN = 256
@@ -184,7 +184,7 @@ def measure_memory(arm: str) -> dict[str, Any]:
 
 def memory_in_subprocess(arm: str) -> dict[str, Any]:
   out = subprocess.run(
-    [sys.executable, __file__, "--memory-of", arm],
+    [sys.executable, "-m", "benchmarks.attention", "--memory-of", arm],
     check=True,
     capture_output=True,
     text=True,

@@ -32,7 +32,7 @@ jaxlod training step in two fresh processes sharing an empty
 the second loads.
 
 Run:
-  python benchmarks/compile.py [--workloads W1,W3] [--repeats N] [--json PATH]
+  python -m benchmarks.compile [--workloads W1,W3] [--repeats N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -53,12 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rnn  # noqa: E402  (the workloads, batches and arms of benchmarks/rnn.py)
-
-import jaxlod  # noqa: E402
-import jaxlod.ops  # noqa: E402
-from jaxlod.examples.timing import machine_info, measure_interleaved, write_report  # noqa: E402
+import jaxlod
+import jaxlod.ops
+from benchmarks import rnn  # the workloads, batches and arms of benchmarks/rnn.py
+from benchmarks.timing import machine_info, measure_interleaved, write_report
 
 
 def ladders(count: int) -> dict[str, tuple[int, ...] | None]:
@@ -256,7 +254,7 @@ def cache_effect() -> dict[str, Any]:
     env["JAXLOD_COMPILATION_CACHE"] = cache
     for _ in range(2):
       done = subprocess.run(
-        [sys.executable, __file__, "--first-call-child"],
+        [sys.executable, "-m", "benchmarks.compile", "--first-call-child"],
         env=env,
         capture_output=True,
         text=True,

@@ -41,7 +41,7 @@ equal and scores within 1e-5 (absolute); ``met``: a speedup of at least
 same model whose decoder step reports its batch size through
 `jax.debug.callback` (not timed).
 
-Usage: ``python benchmarks/decode.py [--repeats N] [--json PATH]``.
+Usage: ``python -m benchmarks.decode [--repeats N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod import Buckets, LoDTensor
-from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
 from jaxlod.ops import DecodeSettings
 

@@ -1,10 +1,10 @@
 """Ensemble members side by side: one process per core against one process.
 
 An ensemble's members are independent trainings, so they can run at once,
-one process each (``python -m jaxlod.examples.g2p --member K``). This
+one process each (``python -m examples.g2p --member K``). This
 measures what that buys on the machine's cores. Each worker process runs the
-G2P example's jitted training step (`g2p_model.train_step`) on its batches
-(`g2p.training_batcher`) for a preset (default ``full``: width 384, 64
+G2P example's jitted training step (`model.train_step`) on its batches
+(`train.training_batcher`) for a preset (default ``full``: width 384, 64
 words a step). Two arms, each round in alternating order:
 
 * ``one process``: one worker on every core (XLA's default threads);
@@ -22,7 +22,7 @@ median over the rounds of the per-core arm's steps a second, all workers
 together, over the one process's in the same round: how many more
 member-steps an hour buys.
 
-Usage: ``python benchmarks/g2p_members.py [--rounds N] [--steps N]
+Usage: ``python -m benchmarks.g2p_members [--rounds N] [--steps N]
 [--warmup N] [--preset NAME] [--json PATH]``. Progress goes to stderr.
 """
 
@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -47,16 +46,16 @@ def worker(preset: str, core: int | None, warmup: int, steps: int) -> None:
   if core is not None:
     os.sched_setaffinity(0, {core})
 
+  from examples.g2p import data, train
+  from examples.g2p import model as m
   from jaxlod import enable_compilation_cache
-  from jaxlod.examples import g2p
-  from jaxlod.examples import g2p_model as m
 
   enable_compilation_cache()
   config = m.PRESETS[preset]
-  corpus = g2p.load_corpus(config)
+  corpus = data.load_corpus(config)
   step_fn = m.train_step(config, len(corpus.phones))
   params, opt_state = m.init_state(config, len(corpus.phones))
-  batches = g2p.training_batcher(config, corpus).iterate()
+  batches = train.training_batcher(config, corpus).iterate()
 
   def run(count: int, first: int) -> None:
     nonlocal params, opt_state
@@ -89,7 +88,7 @@ def _message(proc: subprocess.Popen, key: str) -> dict[str, Any]:
 def run_arm(cores: list[int | None], args: argparse.Namespace) -> list[float]:
   """Starts one worker per entry of `cores` (`None`: unpinned, XLA's
   default threads), times them together: their steps a second."""
-  command = [sys.executable, str(Path(__file__).resolve()), "--preset", args.preset]
+  command = [sys.executable, "-m", "benchmarks.g2p_members", "--preset", args.preset]
   command += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
   procs = []
   try:
@@ -136,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     core = None if args.worker == "all" else int(args.worker)
     worker(args.preset, core, args.warmup, args.steps)
     return
-  from jaxlod.examples import g2p_model as m
-  from jaxlod.examples.timing import machine_info, write_report
+  from benchmarks.timing import machine_info, write_report
+  from examples.g2p import model as m
 
   if args.preset not in m.PRESETS:
     parser.error(f"--preset must be one of {sorted(m.PRESETS)}, got {args.preset!r}")

@@ -1,10 +1,10 @@
 """Host rank tables and decode compaction in the G2P example, side by side.
 
-The default G2P config (`jaxlod.examples.g2p_model.Config()`) in one
+The default G2P config (`examples.g2p.model.Config()`) in one
 process, each option timed against the run without it:
 
 * ``train_step``: the example's jitted training step (`m.train_step`) on
-  the same batches of a `jaxlod.data.Batcher` built as `g2p.train` builds
+  the same batches of a `jaxlod.data.Batcher` built as `train.train` builds
   it (the ladder `m.training_ladder`), called with the batch's host rank
   tables (``host_tables``: ``Batch.tables`` of the source and the decoder
   inputs) and without them (``device_ranks``: ``tables=None``, the model
@@ -18,7 +18,7 @@ process, each option timed against the run without it:
   thread.
 * ``decode``: beam search (beam 4, the example's `m.search_settings` and
   per-word `m.max_lengths`) over every dev word in the example's batches of
-  128 words (`g2p.predict`'s Batcher, with the sources' host rank tables),
+  128 words (`decoding.predict`'s Batcher, with the sources' host rank tables),
   with compaction (``compaction``: the default ladder, live words moved to
   a prefix between phases of halving size) and without (``batchwide``:
   ``ladder=()``, one phase at the full count). A third arm,
@@ -34,7 +34,7 @@ stops on ``</s>``, so its time depends on the model; ``dev_per`` and
 arms then continue from them.
 
 Time: the median of interleaved calls of the arms (shuffled order each
-round; `jaxlod.examples.timing.measure_interleaved`); ``compile_s`` is an
+round; `benchmarks.timing.measure_interleaved`); ``compile_s`` is an
 arm's first call less its median (the decoding arms: compiled ahead of time
 on one batch). ``ratio`` is the option's median time over the median time
 without it, ``paired_ratio`` the median over the rounds of the two arms'
@@ -45,7 +45,7 @@ option on unless its paired ratio exceeds ``slower_than`` (1.03):
 hypotheses), ``host_tables_in_decoding`` (``compaction`` against
 ``compaction_device_ranks``).
 
-Usage: ``python benchmarks/g2p_options.py [--train-steps N] [--repeats N]
+Usage: ``python -m benchmarks.g2p_options [--train-steps N] [--repeats N]
 [--decode-repeats N] [--json PATH]``. Progress goes to stderr.
 """
 
@@ -64,16 +64,10 @@ from typing import Any
 import jax
 import numpy as np
 
-try:
-  import jaxlod  # noqa: F401
-except ImportError:  # Run from a checkout without installing it.
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-  import jaxlod  # noqa: F401
+from benchmarks.timing import machine_info, measure_interleaved, write_report
+from examples.g2p import data
+from examples.g2p import model as m
 from jaxlod.data import Batcher
-from jaxlod.examples import g2p
-from jaxlod.examples import g2p_data as data
-from jaxlod.examples import g2p_model as m
-from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 
 SLOWER_THAN = 1.03
 SCORE_TOLERANCE = 1e-5
@@ -84,8 +78,8 @@ def _log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
 
-def _train_batcher(config: m.Config, corpus: g2p.Corpus, **kwargs: Any) -> Batcher:
-  """The training Batcher of `g2p.train` (`kwargs` override its settings)."""
+def _train_batcher(config: m.Config, corpus: data.Corpus, **kwargs: Any) -> Batcher:
+  """The training Batcher of `train.train` (`kwargs` override its settings)."""
   settings = dict(
     seed=config.seed,
     ladder=m.training_ladder(config),
@@ -95,7 +89,7 @@ def _train_batcher(config: m.Config, corpus: g2p.Corpus, **kwargs: Any) -> Batch
   return Batcher(corpus.train, buckets, **{**settings, **kwargs})
 
 
-def pretrain(config: m.Config, corpus: g2p.Corpus, steps: int) -> tuple[Any, Any]:
+def pretrain(config: m.Config, corpus: data.Corpus, steps: int) -> tuple[Any, Any]:
   """``(params, opt_state)`` after the first `steps` steps of the default run."""
   params, opt_state = m.init_state(config, len(corpus.phones))
   step_fn = m.train_step(config, len(corpus.phones))
@@ -109,7 +103,7 @@ def pretrain(config: m.Config, corpus: g2p.Corpus, steps: int) -> tuple[Any, Any
 
 
 def train_step_times(
-  config: m.Config, corpus: g2p.Corpus, state: tuple, start: int, repeats: int
+  config: m.Config, corpus: data.Corpus, state: tuple, start: int, repeats: int
 ) -> dict[str, Any]:
   """The training step with the host tables against without (see the module)."""
   step_fn = m.train_step(config, len(corpus.phones))
@@ -161,7 +155,7 @@ def paired_ratio(timing: dict[str, Any], arm: str, other: str) -> float:
   return statistics.median(a / b for a, b in pairs)
 
 
-def host_build_ms(config: m.Config, corpus: g2p.Corpus, start: int) -> dict[str, Any]:
+def host_build_ms(config: m.Config, corpus: data.Corpus, start: int) -> dict[str, Any]:
   """Milliseconds a batch takes the Batcher to build, with and without the
   tables, alternating over the same `HOST_BUILD_BATCHES` batches."""
   streams = {
@@ -223,7 +217,7 @@ def compare(a: list, b: list) -> dict[str, Any]:
 
 
 def decode_times(
-  config: m.Config, corpus: g2p.Corpus, params: Any, repeats: int
+  config: m.Config, corpus: data.Corpus, params: Any, repeats: int
 ) -> dict[str, Any]:
   """Dev-set decoding with compaction against without (see the module)."""
   pairs = corpus.splits["dev"]
@@ -300,7 +294,7 @@ def run(train_steps: int, repeats: int, decode_repeats: int) -> dict[str, Any]:
   start = time.perf_counter()
   machine = machine_info()
   config = m.Config()
-  corpus = g2p.load_corpus(config)
+  corpus = data.load_corpus(config)
   _log(f"training {train_steps} steps")
   state = pretrain(config, corpus, train_steps)
   _log("timing the training step")
@@ -317,7 +311,7 @@ def run(train_steps: int, repeats: int, decode_repeats: int) -> dict[str, Any]:
       "host_tables_in_decoding": decode["host_tables_paired_ratio"] <= SLOWER_THAN,
     },
     "setup": {
-      "config": "jaxlod.examples.g2p_model.Config() (the default preset)",
+      "config": "examples.g2p.model.Config() (the default preset)",
       "train_steps_before_timing": train_steps,
       "training_ladder": list(m.training_ladder(config)),
       "batch_words": config.batch_words,

@@ -7,7 +7,7 @@ and LSTM cell (flax's ``LSTMCell``, which the example uses; its fused twin
 ``OptimizedLSTMCell``; or ``LSTMCell`` computing in bfloat16 from float32
 parameters, which a CPU with bfloat16 matrix units might run faster),
 stepping through the batches of its own `jaxlod.data.Batcher` (the
-example's, `g2p.training_batcher`). The arms run in one process,
+example's, `train.training_batcher`). The arms run in one process,
 interleaved: each round, in a shuffled order, every arm takes ``--steps``
 steps (each waits for its loss, as the example does), and the round's time
 gives its steps, words and tokens a second. Reported per arm: the median over the
@@ -15,7 +15,7 @@ rounds, ``compile_s`` (its first call), and ``words_ratio``, its words a
 second over the ``fast`` preset's shape's in the same rounds (median of the
 per-round ratios): how many more training words an hour buys.
 
-Usage: ``python benchmarks/g2p_throughput.py [--rounds N] [--steps N]
+Usage: ``python -m benchmarks.g2p_throughput [--rounds N] [--steps N]
 [--json PATH]``. Progress goes to stderr.
 """
 
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import machine_info, write_report
+from examples.g2p import data, train
+from examples.g2p import model as m
 from jaxlod import enable_compilation_cache
-from jaxlod.examples import g2p
-from jaxlod.examples import g2p_model as m
-from jaxlod.examples.timing import machine_info, write_report
 
 CELLS = {
   "LSTMCell": nn.LSTMCell,
@@ -69,7 +69,7 @@ def _arm(corpus, hidden, layers, words, tokens, cell):
   num_phones = len(corpus.phones)
   step_fn = m.train_step(config, num_phones, cell=CELLS[cell])
   state = list(m.init_state(config, num_phones))
-  batches = g2p.training_batcher(config, corpus).iterate()
+  batches = train.training_batcher(config, corpus).iterate()
   lengths = np.array([len(s) + len(t) for s, _, t in corpus.train])
   key = jax.random.key(1)
   count = [0]
@@ -106,7 +106,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   enable_compilation_cache()
   machine = machine_info()
-  corpus = g2p.load_corpus(m.PRESETS["full"])
+  corpus = data.load_corpus(m.PRESETS["full"])
   arms = {}
   for hidden, layers, words, tokens, cell in ARMS:
     name = f"width {hidden}, {layers} encoder layers, {words} words/{tokens} tokens"

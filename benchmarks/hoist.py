@@ -24,7 +24,7 @@ parameter tree is Flax's: the hoisted arms read the per-gate kernels of
 functions).
 
 Run:
-  python benchmarks/hoist.py [--workloads W1,W2,W3] [--repeats N] [--json PATH]
+  python -m benchmarks.hoist [--workloads W1,W2,W3] [--repeats N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,12 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rnn  # noqa: E402  (the workloads, batches and arms of benchmarks/rnn.py)
-
-import jaxlod  # noqa: E402
-import jaxlod.ops  # noqa: E402
-from jaxlod.examples.timing import machine_info, write_report  # noqa: E402
+import jaxlod
+import jaxlod.ops
+from benchmarks import rnn  # the workloads, batches and arms of benchmarks/rnn.py
+from benchmarks.timing import machine_info, write_report
 
 # -- the cells, split into an input projection and a recurrence ----------------------
 

@@ -52,7 +52,7 @@ about 200, cap 1024), W3 words (LSTM 128, batch 256, English word lengths
 1-28, mean about 7.5).
 
 Run:
-  python benchmarks/rnn.py [--workloads W1,W2,W3] [--repeats N] [--json PATH]
+  python -m benchmarks.rnn [--workloads W1,W2,W3] [--repeats N] [--json PATH]
                            [--torch-threads N]
 
 The JSON report goes to stdout (and to ``--json PATH``); progress to stderr.
@@ -76,14 +76,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-  import jaxlod
-except ImportError:  # Run from a checkout without installing it.
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-  import jaxlod
+import jaxlod
 import jaxlod.ops
-from jaxlod.examples.timing import machine_info as _machine_info
-from jaxlod.examples.timing import measure_interleaved, write_report
+from benchmarks.timing import machine_info as _machine_info
+from benchmarks.timing import measure_interleaved, write_report
 
 try:
   import torch

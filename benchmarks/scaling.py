@@ -12,8 +12,8 @@ Two measurements:
       (at least half the global count capacity). Two corpora:
 
       * ``g2p``: the G2P training split as the example builds it
-        (`jaxlod.examples.g2p.load_corpus` of the default `Config`), batched
-        as `jaxlod.examples.g2p.train` builds its Batcher (capacities of
+        (`examples.g2p.data.load_corpus` of the default `Config`), batched
+        as `examples.g2p.train.train` builds its Batcher (capacities of
         `batch_buckets`, the default token budget, ``seed=config.seed``,
         ``tables=False``), plus ``shards=N``. Tokens are the letters plus
         the phonemes with ``</s>`` (``tgt_out``), as the example counts
@@ -47,7 +47,7 @@ Two measurements:
       share the same 2 cores, so the ratio says little about real devices.
 
 Run:
-  python benchmarks/scaling.py [--repeats N] [--json PATH]
+  python -m benchmarks.scaling [--repeats N] [--json PATH]
 
 The JSON report goes to stdout (and to ``--json PATH``); progress to stderr.
 """
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import statistics
@@ -71,14 +70,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-try:
-  import jaxlod  # noqa: F401
-except ImportError:  # Run from a checkout without installing it.
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import rnn
+from benchmarks.timing import machine_info, measure_interleaved, write_report
+from examples.g2p import data
+from examples.g2p import model as m
 from jaxlod.data import Batcher
-from jaxlod.examples import g2p
-from jaxlod.examples import g2p_model as m
-from jaxlod.examples.timing import machine_info, measure_interleaved, write_report
 from jaxlod.parallel import shard_batch
 
 SHARD_COUNTS = (2, 4, 8)
@@ -93,16 +89,6 @@ NOTE = (
   "twice the hardware and its tokens/s ratio is no measure of scaling on "
   "real devices. The machine is shared, so timings are noisy."
 )
-
-
-def _load_rnn_benchmark() -> Any:
-  """`benchmarks/rnn.py` as a module (for its W1 workload)."""
-  path = Path(__file__).resolve().with_name("rnn.py")
-  spec = importlib.util.spec_from_file_location("_jaxlod_benchmark_rnn", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look themselves up there
-  spec.loader.exec_module(module)
-  return module
 
 
 # -- balance ----------------------------------------------------------------------
@@ -190,7 +176,7 @@ def _sharded(examples: list, buckets: Any, shards: int, **kwargs: Any) -> Batche
 
 def g2p_balance() -> dict[str, Any]:
   config = m.Config()
-  corpus = g2p.load_corpus(config)
+  corpus = data.load_corpus(config)
   buckets = m.batch_buckets(config.batch_words, config.batch_tokens)
   lengths = {
     "letters": np.array([len(src) for src, _, _ in corpus.train]),
@@ -207,7 +193,7 @@ def g2p_balance() -> dict[str, Any]:
     "shards": {},
   }
   for n in SHARD_COUNTS:
-    # As g2p.train builds its Batcher, with shards.
+    # As examples.g2p.train builds its Batcher, with shards.
     batcher = _sharded(corpus.train, buckets, n, seed=config.seed, tables=False)
     result["token_budget"] = batcher.token_budget
     result["shards"][str(n)] = shard_balance(batcher, lengths, config.batch_words)
@@ -215,7 +201,7 @@ def g2p_balance() -> dict[str, Any]:
 
 
 def w1_balance() -> dict[str, Any]:
-  workload = _load_rnn_benchmark().WORKLOADS["W1"]
+  workload = rnn.WORKLOADS["W1"]
   lengths = workload.sample_lengths(np.random.default_rng(0), W1_EXAMPLES)
   examples = [(np.zeros(n, np.int32),) for n in lengths]
   result = {
@@ -250,7 +236,7 @@ def step_time(devices: int, repeats: int) -> dict[str, Any]:
       f"Expected {devices} devices (XLA_FLAGS), got {jax.device_count()}."
     )
   config = m.Config()
-  corpus = g2p.load_corpus(config)
+  corpus = data.load_corpus(config)
   mesh = jax.make_mesh((devices,), ("data",))
   replicated = NamedSharding(mesh, P())
   # The example's own data-parallel step (`--devices`).
@@ -304,7 +290,7 @@ def run_child(devices: int, repeats: int) -> dict[str, Any]:
   """`step_time` in a child process with `devices` forced host devices."""
   flags = os.environ.get("XLA_FLAGS", "")
   flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-  command = [sys.executable, str(Path(__file__).resolve()), "--child", str(devices)]
+  command = [sys.executable, "-m", "benchmarks.scaling", "--child", str(devices)]
   command += ["--repeats", str(repeats)]
   done = subprocess.run(
     command,

@@ -56,7 +56,8 @@ PUBLIC_MODULES = [
   "jaxlod.interop",
 ]
 
-# This tree's jaxlod, for autodoc and for the kernels that run notebooks.
+# This tree's jaxlod, for autodoc and for the kernels that run notebooks
+# (which import the repository's `examples` and `benchmarks` from its root too).
 sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(
   p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import jaxlod.data
+from examples.g2p import data as g2p
+from examples.g2p import model as m
 from jaxlod import Buckets
 from jaxlod.data import Batch, Batcher, _extras
-from jaxlod.examples import g2p
-from jaxlod.examples import g2p_model as m
 
 grain = pytest.importorskip("grain")
 LoDBatchDataset = jaxlod.data.LoDBatchDataset

@@ -113,7 +113,13 @@ def test_no_module_uses_another_modules_private_names():
 
 # What users read and run: they import jaxlod's public modules only (the
 # house style); the tests, which check internals, may import private ones.
-USER_FACING = ("README.md", "docs/*.md", "notebooks/*.ipynb", "benchmarks/*.py")
+USER_FACING = (
+  "README.md",
+  "docs/*.md",
+  "notebooks/*.ipynb",
+  "benchmarks/*.py",
+  "examples/**/*.py",
+)
 IMPORT = re.compile(
   r"^[ \t]*(?:>>>[ \t]+|\.\.\.[ \t]+)?(?:"
   r"from[ \t]+(jaxlod[\w.]*)[ \t]+import[ \t]+(?:\(([^)]*)\)|([\w ,\t]+))"

@@ -2,8 +2,10 @@
 
 Each notebook runs in a fresh ``python3`` kernel whose working directory is
 the notebook's folder, as Jupyter runs it (the notebooks find the repository
-root from there, so they also run from the root). A cell error fails the
-test with that cell's traceback; so does a notebook that runs past
+root from there, so they also run from the root), with the repository root
+on ``PYTHONPATH``, as the documentation build runs them (docs/conf.py): they
+import the repository's ``examples`` and ``benchmarks``. A cell error fails
+the test with that cell's traceback; so does a notebook that runs past
 `TIME_LIMIT_S` in all, or prints a Python warning.
 """
 
@@ -139,6 +141,9 @@ def test_notebook_runs(name, monkeypatch):
     f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(test_flags)
   ]
   monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
+  # `examples` and `benchmarks` import from the repository root.
+  paths = [str(ROOT.resolve()), os.environ.get("PYTHONPATH")]
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
   execute(path, TIME_LIMIT_S, save_to=EXECUTED / name)
   # The site renders these outputs: nothing of this machine's may show (the
   # kernel's compilation cache is the test session's, see conftest.py).

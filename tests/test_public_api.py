@@ -142,7 +142,7 @@ def _library_modules():
   """Every module of the library, except runnable programs."""
   names = ["jaxlod"]
   for info in pkgutil.walk_packages(jaxlod.__path__, prefix="jaxlod."):
-    if info.name.startswith("jaxlod.examples") or info.name == "jaxlod.__main__":
+    if info.name == "jaxlod.__main__":
       continue
     names.append(info.name)
   return sorted(names)

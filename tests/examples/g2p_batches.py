@@ -1,10 +1,11 @@
 """The G2P example with a log of the training batches it takes.
 
-``python -m tests.g2p_batches LOG HANG_AT ARGS...`` runs ``g2p.main(ARGS)``
-with every training batch's step and examples appended to the JSON-lines
-file LOG as the training loop takes it, and hangs (until killed) when the
-loop asks for the batch of step HANG_AT. tests/test_g2p.py kills such a run
-after a checkpoint and resumes it.
+``python -m tests.examples.g2p_batches LOG HANG_AT ARGS...`` runs
+``examples.g2p.cli.main(ARGS)`` with every training batch's step and
+examples appended to the JSON-lines file LOG as the training loop takes it,
+and hangs (until killed) when the loop asks for the batch of step HANG_AT.
+tests/examples/test_g2p.py kills such a run after a checkpoint and resumes
+it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pathlib
 import sys
 import threading
 
+from examples.g2p import cli, train
 from jaxlod.data import Batcher
-from jaxlod.examples import g2p
 
 
 def logging_batcher(log: pathlib.Path, hang_at: int | None = None) -> type[Batcher]:
@@ -42,5 +43,5 @@ def read_log(log: pathlib.Path) -> list[dict]:
 
 if __name__ == "__main__":
   log, hang_at, *argv = sys.argv[1:]
-  g2p.Batcher = logging_batcher(pathlib.Path(log), int(hang_at))
-  g2p.main(argv)
+  train.Batcher = logging_batcher(pathlib.Path(log), int(hang_at))
+  cli.main(argv)

@@ -36,7 +36,7 @@ from jaxlod.nn import (
 from jaxlod.ops import DecodeSettings, sequence_cross_entropy, sequence_pool
 from jaxlod.parallel import data_parallel, generate, shard_batch
 
-# Ids of the target vocabulary's markers (see `g2p_data.phone_vocab`).
+# Ids of the target vocabulary's markers (see `data.phone_vocab`).
 BOS_ID, EOS_ID = 0, 1
 NUM_LETTERS = 26
 # Longest CMUdict word kept (28 letters) and pronunciation plus `</s>` (29).
@@ -625,13 +625,13 @@ def searcher(
 
   Raises:
     ValueError: for an ensemble of both directions, which no one search
-      decodes (``g2p.transcribe`` rescores its members' hypotheses).
+      decodes (``decoding.transcribe`` rescores its members' hypotheses).
   """
   if config.members > 1 and config.both_directions:
     raise ValueError(
       "An ensemble of both directions (`both_directions`) has no joint beam "
       "search: each member searches alone and all of them rescore the "
-      "hypotheses (`jaxlod.examples.g2p.transcribe`)."
+      "hypotheses (`examples.g2p.decoding.transcribe`)."
     )
   if config.members > 1:
     search = ensemble_search(config, num_phones, beam, num_results)

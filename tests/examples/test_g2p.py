@@ -15,12 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from examples.g2p import checkpoints, cli, data, decoding, train
+from examples.g2p import model as m
 from jaxlod import LoDTensor
-from jaxlod.examples import g2p
-from jaxlod.examples import g2p_data as data
-from jaxlod.examples import g2p_model as m
 from jaxlod.ops import rank_table, sequence_cross_entropy
-from tests.g2p_batches import logging_batcher, read_log
+from tests.examples.g2p_batches import logging_batcher, read_log
 
 TINY = m.PRESETS["tiny"]
 NUM_PHONES = 41  # `<s>`, `</s>` and 39 phonemes
@@ -40,7 +39,7 @@ def lexicon():
 
 
 # The tiny preset's jitted functions, built once for the tests that call
-# them (each new one compiles; `g2p.main` builds its own).
+# them (each new one compiles; `cli.main` builds its own).
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +66,7 @@ def tiny_state():
 def main_reuses_tiny_functions(
   monkeypatch, tiny_step, tiny_decoder, tiny_ensemble_decoder, tiny_state
 ):
-  """`g2p.main` builds its step and decoders anew, each compiling on its
+  """`cli.main` builds its step and decoders anew, each compiling on its
   first call; the tests that run it several times hand it the module's,
   built by the same functions from the tiny preset, once its arguments are
   checked. (tests/multidevice/test_g2p_devices.py lets it build its own.)
@@ -94,7 +93,7 @@ def main_reuses_tiny_functions(
     return tiny_decoder if config.members == 1 else tiny_ensemble_decoder
 
   monkeypatch.setattr(m, "train_step", train_step)
-  monkeypatch.setattr(g2p, "decoder", decoder)
+  monkeypatch.setattr(decoding, "decoder", decoder)
 
 
 def test_split_is_stable_disjoint_and_90_5_5(lexicon):
@@ -298,9 +297,9 @@ def test_the_encoder_is_a_stacked_rnn_with_dropout():
 def test_input_feeding_widens_the_decoder_cell():
   """`--input-feeding`: the decoder's cell takes the phoneme embedding and
   the previous context (2 x hidden wide, the bidirectional memory)."""
-  _, config = g2p.parse_args(["--preset", "tiny", "--input-feeding"])
+  _, config = cli.parse_args(["--preset", "tiny", "--input-feeding"])
   assert config == dataclasses.replace(TINY, input_feeding=True)
-  assert g2p.parse_args(["--preset", "tiny"])[1] == TINY
+  assert cli.parse_args(["--preset", "tiny"])[1] == TINY
   assert m.build_model(config, 5).decoder.input_feeding
   (src, tgt, _), _ = _tiny_batch()
 
@@ -320,17 +319,17 @@ def test_an_input_feeding_model_trains_and_predicts(tmp_path):
   `predict` (the Batcher and the evaluation decoder) gives what
   `Seq2Seq.generate` gives for the same words."""
   config = dataclasses.replace(TINY, input_feeding=True)
-  corpus = g2p.load_corpus(config)
+  corpus = data.load_corpus(config)
   start = m.init_state(config, len(corpus.phones))
-  params, _, history = g2p.train(config, corpus, *start, 0, tmp_path, True)
+  params, _, history = train.train(config, corpus, *start, 0, tmp_path, True)
   assert [h[0] for h in history] == [6, 12]
   changed = jax.tree.map(lambda a, b: bool((a != b).any()), params, start[0])
   assert all(jax.tree.leaves(changed))
-  trained = g2p.load_trained(tmp_path)
+  trained = checkpoints.load_trained(tmp_path)
   assert trained.config == config and trained.steps == [config.steps]
   words = [w for w, _ in corpus.splits["dev"][:6]]
   best = _generate_best(trained, words)
-  assert g2p.predict(trained.params, config, corpus, words, config.beam) == best
+  assert decoding.predict(trained.params, config, corpus, words, config.beam) == best
 
 
 def test_the_step_loss_is_the_mean_token_cross_entropy(tiny_step, tiny_state):
@@ -408,10 +407,10 @@ def test_member_config_of_both_directions_flips_the_odd_members():
 
 
 def test_right_to_left_trains_on_reversed_pronunciations():
-  corpus = g2p.load_corpus(TINY)
+  corpus = data.load_corpus(TINY)
   right_to_left = dataclasses.replace(TINY, right_to_left=True)
-  backward = g2p.training_examples(right_to_left, corpus)
-  assert g2p.training_examples(TINY, corpus) is corpus.train
+  backward = data.training_examples(right_to_left, corpus)
+  assert data.training_examples(TINY, corpus) is corpus.train
   assert len(backward) == len(corpus.train) == len(corpus.splits["train"])
   for (src, _, tgt_out), (src2, in2, out2), (_, phones) in zip(
     corpus.train, backward, corpus.splits["train"], strict=True
@@ -420,18 +419,20 @@ def test_right_to_left_trains_on_reversed_pronunciations():
     assert corpus.phones.decode(in2) == (data.BOS, *phones[::-1])
     assert corpus.phones.decode(out2) == (*phones[::-1], data.EOS)
     assert corpus.phones.decode(tgt_out) == (*phones, data.EOS)
-  assert g2p.reading_order(TINY, ("K", "AE")) == ("K", "AE")
-  assert g2p.reading_order(right_to_left, ("K", "AE")) == ("AE", "K")
+  assert decoding.reading_order(TINY, ("K", "AE")) == ("K", "AE")
+  assert decoding.reading_order(right_to_left, ("K", "AE")) == ("AE", "K")
 
 
 def test_a_right_to_left_model_predicts_its_hypotheses_reversed(
   tiny_state, tiny_decoder
 ):
-  corpus = g2p.load_corpus(TINY)
+  corpus = data.load_corpus(TINY)
   params, _ = tiny_state
   words = ["cab", "abacus", "bead"]
-  forward = g2p.predict(params, TINY, corpus, words, TINY.beam, decode=tiny_decoder)
-  backward = g2p.predict(
+  forward = decoding.predict(
+    params, TINY, corpus, words, TINY.beam, decode=tiny_decoder
+  )
+  backward = decoding.predict(
     params,
     dataclasses.replace(TINY, right_to_left=True),
     corpus,
@@ -445,7 +446,7 @@ def test_a_right_to_left_model_predicts_its_hypotheses_reversed(
 
 def _word_batch(words):
   """Source words on the capacities of the tiny preset's decoding batches,
-  with their rank table (as `g2p.predict` decodes them)."""
+  with their rank table (as `decoding.predict` decodes them)."""
   letters = data.letter_vocab()
   src = LoDTensor.from_sequences(
     [np.array(letters.encode(w)) for w in words],
@@ -518,9 +519,11 @@ def test_a_checkpoint_without_a_model_field_resumes_as_its_default(
   assert field in m.MODEL_FIELDS
   saved = dataclasses.asdict(config)
   del saved[field]
-  g2p.check_resumable(saved, config, tmp_path)
+  checkpoints.check_resumable(saved, config, tmp_path)
   with pytest.raises(ValueError, match=message):
-    g2p.check_resumable(saved, dataclasses.replace(config, **{field: value}), tmp_path)
+    checkpoints.check_resumable(
+      saved, dataclasses.replace(config, **{field: value}), tmp_path
+    )
 
 
 @pytest.mark.slow
@@ -535,7 +538,7 @@ def test_tiny_run_saves_and_resumes(
 ):
   config = TINY
   flags = ["--preset", "tiny", "--quiet"]
-  first = g2p.main([*flags, "--workdir", str(tmp_path / "a"), "--examples", "3"])
+  first = cli.main([*flags, "--workdir", str(tmp_path / "a"), "--examples", "3"])
   out = capsys.readouterr().out
   assert "CMUdict words: train 357, dev 16, test 27; stress stripped" in out
   assert "| split | words | PER | WER |" in out
@@ -545,16 +548,16 @@ def test_tiny_run_saves_and_resumes(
   assert re.search(r"trained steps 1 to 12 in \d+ s, [\d.]+ steps a second", out)
   assert first["start_step"] == 0 and first["step"] == 12
   assert [h[0] for h in first["history"]] == [6, 12]
-  assert g2p.latest_step(tmp_path / "a") == 12
+  assert checkpoints.latest_step(tmp_path / "a") == 12
 
   # Stopped after 4 steps, then resumed: the same parameters as run "a".
   # Its checkpoint is one saved before the example saved its Batcher's
   # state: the batches go on from the step count.
-  corpus = g2p.load_corpus(config)
+  corpus = data.load_corpus(config)
   assert len(corpus.phones) == NUM_PHONES
-  save = g2p.save_checkpoint
-  monkeypatch.setattr(g2p, "save_checkpoint", lambda *args: save(*args[:5]))
-  g2p.train(
+  save = checkpoints.save_checkpoint
+  monkeypatch.setattr(checkpoints, "save_checkpoint", lambda *args: save(*args[:5]))
+  train.train(
     config,
     corpus,
     *tiny_state,
@@ -565,21 +568,21 @@ def test_tiny_run_saves_and_resumes(
     step_fn=tiny_step,
     decode=tiny_decoder,
   )
-  monkeypatch.setattr(g2p, "save_checkpoint", save)
-  assert g2p.restore_batcher_state(tmp_path / "b", 4) is None
+  monkeypatch.setattr(checkpoints, "save_checkpoint", save)
+  assert checkpoints.restore_batcher_state(tmp_path / "b", 4) is None
   flags += ["--workdir", str(tmp_path / "b")]
-  second = g2p.main([*flags, "--resume", "--examples", "0"])
+  second = cli.main([*flags, "--resume", "--examples", "0"])
   out = capsys.readouterr().out
   assert "(resuming at step 4; no Batcher state saved: batches by step)" in out
   assert "trained steps 5 to 12 in " in out
   assert "step 6: dev PER" in out
   assert "| word |" not in out
   assert second["start_step"] == 4 and [h[0] for h in second["history"]] == [6, 12]
-  a = g2p.restore_checkpoint(tmp_path / "a", 12, config, len(corpus.phones))
-  b = g2p.restore_checkpoint(tmp_path / "b", 12, config, len(corpus.phones))
+  a = checkpoints.restore_checkpoint(tmp_path / "a", 12, config, len(corpus.phones))
+  b = checkpoints.restore_checkpoint(tmp_path / "b", 12, config, len(corpus.phones))
   # The tiny preset averages its parameters: the scores are the average's.
   assert isinstance(a[1], m.Averaged)
-  per, wer, _ = g2p.evaluate(
+  per, wer, _ = decoding.evaluate(
     m.eval_params(config, *a), config, corpus, "dev", decode=tiny_decoder
   )
   assert first["history"][-1] == (12, per, wer) and first["dev"] == (per, wer)
@@ -587,13 +590,13 @@ def test_tiny_run_saves_and_resumes(
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
   with pytest.raises(ValueError, match=r"holds a checkpoint \(step 12\): pass"):
-    g2p.main(flags)
+    cli.main(flags)
   with pytest.raises(ValueError, match=r"stress=False \(requested True\)"):
-    g2p.main([*flags, "--resume", "--stress"])
+    cli.main([*flags, "--resume", "--stress"])
   saved = dataclasses.asdict(config)
   other = dataclasses.replace(config, hidden=32, seed=1, steps=99)
   with pytest.raises(ValueError, match=r"with hidden=16 \(requested 32\), seed=0 \("):
-    g2p.check_resumable(saved, other, tmp_path)
+    checkpoints.check_resumable(saved, other, tmp_path)
 
 
 def _wait_for(done, proc, out: pathlib.Path, timeout_s: float) -> None:
@@ -615,16 +618,22 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(
   flags = ["--preset", "tiny", "--quiet", "--examples", "0"]
   k, n = TINY.eval_every, TINY.steps  # checkpoints at 6 and 12
   a, b = tmp_path / "a", tmp_path / "b"
-  monkeypatch.setattr(g2p, "Batcher", logging_batcher(tmp_path / "a.jsonl"))
-  g2p.main([*flags, "--workdir", str(a)])
+  monkeypatch.setattr(train, "Batcher", logging_batcher(tmp_path / "a.jsonl"))
+  cli.main([*flags, "--workdir", str(a)])
   whole = read_log(tmp_path / "a.jsonl")
   assert [e["step"] for e in whole] == list(range(n))
 
   # Run "b" takes the batch of step k after saving checkpoint k, and hangs
   # when it asks for the next one; its worker thread has built more ahead.
   killed, out = tmp_path / "killed.jsonl", tmp_path / "killed.out"
-  root = pathlib.Path(__file__).parent.parent
-  command = [sys.executable, "-m", "tests.g2p_batches", str(killed), str(k + 1)]
+  root = pathlib.Path(__file__).parents[2]
+  command = [
+    sys.executable,
+    "-m",
+    "tests.examples.g2p_batches",
+    str(killed),
+    str(k + 1),
+  ]
   env = {**os.environ, "PYTHONPATH": str(root)}
   with open(out, "w") as stdout:
     proc = subprocess.Popen(
@@ -643,16 +652,18 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(
       proc.kill()
       proc.wait()
   assert read_log(killed) == whole[: k + 1]
-  assert g2p.latest_step(b) == k
-  assert g2p.restore_batcher_state(b, k)["step"] == k
+  assert checkpoints.latest_step(b) == k
+  assert checkpoints.restore_batcher_state(b, k)["step"] == k
 
-  monkeypatch.setattr(g2p, "Batcher", logging_batcher(tmp_path / "resumed.jsonl"))
-  resumed = g2p.main([*flags, "--workdir", str(b), "--resume"])
+  monkeypatch.setattr(train, "Batcher", logging_batcher(tmp_path / "resumed.jsonl"))
+  resumed = cli.main([*flags, "--workdir", str(b), "--resume"])
   assert resumed["start_step"] == k and resumed["step"] == n
   assert read_log(tmp_path / "resumed.jsonl") == whole[k:]
-  assert g2p.restore_batcher_state(b, n) == g2p.restore_batcher_state(a, n)
-  assert g2p.restore_batcher_state(a, n)["step"] == n
-  states = [g2p.restore_checkpoint(d, n, TINY, NUM_PHONES) for d in (a, b)]
+  assert checkpoints.restore_batcher_state(b, n) == checkpoints.restore_batcher_state(
+    a, n
+  )
+  assert checkpoints.restore_batcher_state(a, n)["step"] == n
+  states = [checkpoints.restore_checkpoint(d, n, TINY, NUM_PHONES) for d in (a, b)]
   leaves = [jax.tree.leaves(state) for state in states]
   for x, y in zip(*leaves, strict=True):
     np.testing.assert_array_equal(x, y)
@@ -666,13 +677,13 @@ def test_checkpoint_round_trip(tmp_path, tiny_state):
   opt_state = jax.tree.map(
     lambda a: a + rng.integers(1, 9, a.shape).astype(a.dtype), opt_state
   )
-  g2p.save_checkpoint(tmp_path, 7, params, opt_state, config)
-  assert g2p.latest_step(tmp_path) == 7
-  assert g2p.restore_batcher_state(tmp_path, 7) is None
+  checkpoints.save_checkpoint(tmp_path, 7, params, opt_state, config)
+  assert checkpoints.latest_step(tmp_path) == 7
+  assert checkpoints.restore_batcher_state(tmp_path, 7) is None
   state = {"step": 8, "shards": None, "token_capacities": [48, 48, 48]}
-  g2p.save_checkpoint(tmp_path, 8, params, opt_state, config, state)
-  assert g2p.restore_batcher_state(tmp_path, 8) == state
-  restored = g2p.restore_checkpoint(tmp_path, 7, config, num_phones)
+  checkpoints.save_checkpoint(tmp_path, 8, params, opt_state, config, state)
+  assert checkpoints.restore_batcher_state(tmp_path, 8) == state
+  restored = checkpoints.restore_checkpoint(tmp_path, 7, config, num_phones)
   assert jax.tree.structure(restored) == jax.tree.structure((params, opt_state))
   for got, want in zip(
     jax.tree.leaves(restored), jax.tree.leaves((params, opt_state)), strict=True
@@ -683,12 +694,12 @@ def test_checkpoint_round_trip(tmp_path, tiny_state):
 def test_resume_refuses_a_batcher_state_of_another_run(
   tmp_path, tiny_state, tiny_step, tiny_decoder
 ):
-  corpus = g2p.load_corpus(TINY)
+  corpus = data.load_corpus(TINY)
   functions = dict(quiet=True, step_fn=tiny_step, decode=tiny_decoder)
-  params, opt_state, _ = g2p.train(
+  params, opt_state, _ = train.train(
     TINY, corpus, *tiny_state, 0, tmp_path, stop=1, **functions
   )
-  state = g2p.restore_batcher_state(tmp_path, 1)
+  state = checkpoints.restore_batcher_state(tmp_path, 1)
   assert state["step"] == 1 and state["seed"] == TINY.seed
   assert state["num_examples"] == len(corpus.train) == 357
   resume = dict(stop=2, batcher_state=state, **functions)
@@ -698,26 +709,26 @@ def test_resume_refuses_a_batcher_state_of_another_run(
     r"run's. Batcher state key 'seed' is 0, but this Batcher's is 1: ",
   ):
     other = dataclasses.replace(TINY, seed=1)
-    g2p.train(other, corpus, params, opt_state, 1, tmp_path, **resume)
+    train.train(other, corpus, params, opt_state, 1, tmp_path, **resume)
   with pytest.raises(
     ValueError, match=r"its checkpoint of step 0 holds a Batcher state at step 1\."
   ):
-    g2p.train(TINY, corpus, params, opt_state, 0, tmp_path, **resume)
-  assert g2p.latest_step(tmp_path) == 1
+    train.train(TINY, corpus, params, opt_state, 0, tmp_path, **resume)
+  assert checkpoints.latest_step(tmp_path) == 1
 
 
 def test_resume_needs_a_checkpoint(tmp_path):
   with pytest.raises(ValueError, match="--resume needs --workdir"):
-    g2p.main(["--preset", "tiny", "--resume"])
+    cli.main(["--preset", "tiny", "--resume"])
   with pytest.raises(ValueError, match="--resume: no checkpoint in"):
-    g2p.main(["--preset", "tiny", "--resume", "--workdir", str(tmp_path)])
+    cli.main(["--preset", "tiny", "--resume", "--workdir", str(tmp_path)])
 
 
 def test_flags_must_be_positive(capsys):
   with pytest.raises(SystemExit):
-    g2p.parse_args(["--steps", "0"])
+    cli.parse_args(["--steps", "0"])
   assert "--steps must be >= 1, got 0" in capsys.readouterr().err
-  args, config = g2p.parse_args(["--preset", "tiny", "--beam", "3", "--no-stress"])
+  args, config = cli.parse_args(["--preset", "tiny", "--beam", "3", "--no-stress"])
   assert config == dataclasses.replace(m.PRESETS["tiny"], beam=3, stress=False)
   assert args.workdir is None and not args.resume
 
@@ -734,7 +745,7 @@ def test_tiny_ensemble_run_trains_each_member_and_resumes(
 ):
   config = dataclasses.replace(TINY, members=2)
   flags = ["--preset", "tiny", "--members", "2", "--quiet", "--examples", "0"]
-  first = g2p.main([*flags, "--workdir", str(tmp_path / "a")])
+  first = cli.main([*flags, "--workdir", str(tmp_path / "a")])
   out = capsys.readouterr().out
   assert "2 members, seeds 0 to 1" in out
   assert "member 0 (seed 0)" in out and "member 1 (seed 1)" in out
@@ -742,18 +753,20 @@ def test_tiny_ensemble_run_trains_each_member_and_resumes(
   assert "| ensemble | test | 27 |" in out and "| member 1 | dev | 16 |" in out
   assert first["start_step"] == [0, 0] and len(first["members"]) == 2
   assert [[h[0] for h in hs] for hs in first["history"]] == [[6, 12], [6, 12]]
-  corpus = g2p.load_corpus(config)
+  corpus = data.load_corpus(config)
   num_phones = len(corpus.phones)
   finals = []
   for k in range(2):
     member = m.member_config(config, k)
     workdir = tmp_path / "a" / f"member_{k}"
-    state = g2p.restore_checkpoint(workdir, 12, member, num_phones)
+    state = checkpoints.restore_checkpoint(workdir, 12, member, num_phones)
     finals.append(m.eval_params(member, *state))
     # A member's scores are those of the one-model run of its seed.
-    per, wer, _ = g2p.evaluate(finals[-1], member, corpus, "test", decode=tiny_decoder)
+    per, wer, _ = decoding.evaluate(
+      finals[-1], member, corpus, "test", decode=tiny_decoder
+    )
     assert first["members"][k]["test"] == (per, wer)
-  per, wer, _ = g2p.evaluate(
+  per, wer, _ = decoding.evaluate(
     tuple(finals), config, corpus, "test", decode=tiny_ensemble_decoder
   )
   assert first["test"] == (per, wer)
@@ -763,17 +776,19 @@ def test_tiny_ensemble_run_trains_each_member_and_resumes(
   b = tmp_path / "b"
   assert m.member_config(config, 0) == TINY
   functions = dict(step_fn=tiny_step, decode=tiny_decoder)
-  g2p.train(TINY, corpus, *tiny_state, 0, b / "member_0", quiet=True, **functions)
+  train.train(TINY, corpus, *tiny_state, 0, b / "member_0", quiet=True, **functions)
   member = m.member_config(config, 1)
   state = m.init_state(member, num_phones)
-  g2p.train(member, corpus, *state, 0, b / "member_1", quiet=True, stop=4, **functions)
+  train.train(
+    member, corpus, *state, 0, b / "member_1", quiet=True, stop=4, **functions
+  )
   capsys.readouterr()
-  second = g2p.main([*flags, "--workdir", str(b), "--resume"])
+  second = cli.main([*flags, "--workdir", str(b), "--resume"])
   assert second["start_step"] == [12, 4]
   assert "member_1 (resuming at step 4)" in capsys.readouterr().out
   assert second["test"] == first["test"] and second["dev"] == first["dev"]
   with pytest.raises(ValueError, match=r"member_0 holds a checkpoint \(step 12\)"):
-    g2p.main([*flags, "--workdir", str(b)])
+    cli.main([*flags, "--workdir", str(b)])
 
 
 @pytest.mark.slow
@@ -784,10 +799,10 @@ def test_members_trained_apart_score_as_the_ensemble_run(
   member each); `--resume` without it then scores what `--members 2` in one
   run scores."""
   flags = ["--preset", "tiny", "--members", "2", "--quiet", "--examples", "0"]
-  together = g2p.main([*flags, "--workdir", str(tmp_path / "together")])
+  together = cli.main([*flags, "--workdir", str(tmp_path / "together")])
   apart = tmp_path / "apart"
   capsys.readouterr()
-  one = g2p.main([*flags, "--workdir", str(apart), "--member", "1"])
+  one = cli.main([*flags, "--workdir", str(apart), "--member", "1"])
   out = capsys.readouterr().out
   assert "member 1 (seed 1)" in out and "member 0 (seed 0)" not in out
   assert "member 1 of 2 is trained" in out and "| ensemble |" not in out
@@ -800,13 +815,13 @@ def test_members_trained_apart_score_as_the_ensemble_run(
   }
   # Member 1's checkpoint does not stop a fresh member 0, nor is it read.
   with pytest.raises(ValueError, match=r"--resume: no checkpoint in .*member_0\."):
-    g2p.main([*flags, "--workdir", str(apart), "--member", "0", "--resume"])
-  g2p.main([*flags, "--workdir", str(apart), "--member", "0"])
+    cli.main([*flags, "--workdir", str(apart), "--member", "0", "--resume"])
+  cli.main([*flags, "--workdir", str(apart), "--member", "0"])
   with pytest.raises(ValueError, match=r"member_1 holds a checkpoint \(step 12\)"):
-    g2p.main([*flags, "--workdir", str(apart), "--member", "1"])
-  resumed = g2p.main([*flags, "--workdir", str(apart), "--member", "1", "--resume"])
+    cli.main([*flags, "--workdir", str(apart), "--member", "1"])
+  resumed = cli.main([*flags, "--workdir", str(apart), "--member", "1", "--resume"])
   assert resumed["start_step"] == 12 and resumed["history"] == []
-  scored = g2p.main([*flags, "--workdir", str(apart), "--resume"])
+  scored = cli.main([*flags, "--workdir", str(apart), "--resume"])
   assert scored["start_step"] == [12, 12] and scored["history"] == [[], []]
   for split in ("dev", "test"):
     assert scored[split] == together[split]
@@ -814,7 +829,7 @@ def test_members_trained_apart_score_as_the_ensemble_run(
 
 
 def test_member_flag_errors(capsys):
-  _, config = g2p.parse_args(["--members", "3", "--member", "2", "--workdir", "d"])
+  _, config = cli.parse_args(["--members", "3", "--member", "2", "--workdir", "d"])
   assert config.members == 3
   for argv, message in [
     (["--members", "3", "--member", "1"], "--member needs --workdir"),
@@ -825,15 +840,15 @@ def test_member_flag_errors(capsys):
     (["--member", "-1", "--workdir", "d"], "--member must be in [0, 1)"),
   ]:
     with pytest.raises(SystemExit):
-      g2p.parse_args(argv)
+      cli.parse_args(argv)
     assert message in capsys.readouterr().err
 
 
 def test_members_flag(capsys):
-  _, config = g2p.parse_args(["--preset", "tiny", "--members", "3"])
+  _, config = cli.parse_args(["--preset", "tiny", "--members", "3"])
   assert config.members == 3
   with pytest.raises(SystemExit):
-    g2p.parse_args(["--members", "0"])
+    cli.parse_args(["--members", "0"])
   assert "--members must be >= 1, got 0" in capsys.readouterr().err
 
 
@@ -841,12 +856,12 @@ def test_members_flag(capsys):
   "flag", ["--decoder-dropout", "--label-smoothing", "--ema-decay"]
 )
 def test_rate_flags(flag, capsys):
-  _, config = g2p.parse_args(["--preset", "full", flag, "0.25"])
+  _, config = cli.parse_args(["--preset", "full", flag, "0.25"])
   name = flag[2:].replace("-", "_")
   assert config == dataclasses.replace(m.PRESETS["full"], **{name: 0.25})
   for bad in ("1", "-0.5"):
     with pytest.raises(SystemExit):
-      g2p.parse_args([flag, bad])
+      cli.parse_args([flag, bad])
     assert f"{flag} must be in [0, 1), got {float(bad)}" in capsys.readouterr().err
 
 
@@ -865,8 +880,8 @@ def trained_tiny(tmp_path_factory, tiny_state, tiny_step, tiny_decoder):
   """A workdir trained by the example's training loop (the tiny preset's 12
   steps, checkpoints with config and vocabularies), and its corpus."""
   workdir = tmp_path_factory.mktemp("trained")
-  corpus = g2p.load_corpus(TINY)
-  g2p.train(
+  corpus = data.load_corpus(TINY)
+  train.train(
     TINY, corpus, *tiny_state, 0, workdir, True, step_fn=tiny_step, decode=tiny_decoder
   )
   return workdir, corpus
@@ -875,7 +890,7 @@ def trained_tiny(tmp_path_factory, tiny_state, tiny_step, tiny_decoder):
 def test_check_words_normalizes_case_and_names_what_is_left_out():
   letters = data.letter_vocab()
   words = ["Kubernetes", " cat ", "O'Neil", "naïve", "", "a" * 33, "b" * 32]
-  kept, messages = g2p.check_words(words, letters)
+  kept, messages = decoding.check_words(words, letters)
   assert kept == [(0, "kubernetes"), (1, "cat"), (6, "b" * 32)]
   assert messages == [
     '"O\'Neil": characters "\'" are not in the model\'s alphabet '
@@ -906,7 +921,7 @@ def test_predict_prints_the_beam_search_best_of_each_word(
   trained_tiny, capsys, monkeypatch
 ):
   workdir, corpus = trained_tiny
-  trained = g2p.load_trained(workdir)
+  trained = checkpoints.load_trained(workdir)
   assert trained.steps == [TINY.steps] and trained.config == TINY
   assert trained.phones.tokens == corpus.phones.tokens
   words = [w for w, _ in corpus.splits["dev"][:6]]
@@ -914,22 +929,22 @@ def test_predict_prints_the_beam_search_best_of_each_word(
   # Known words, an upper-case one, and two left out: the others are still
   # transcribed, in their order, and the exit status is 1.
   argv = ["--workdir", str(workdir), words[0].upper(), "o'neil", *words[1:], "naïve"]
-  assert g2p.predict_main(argv) == 1
+  assert cli.predict_main(argv) == 1
   out, err = capsys.readouterr()
   expected = [f"{words[0].upper()}\t{' '.join(best[0])}"]
   expected += [f"{w}\t{' '.join(b)}" for w, b in zip(words[1:], best[1:], strict=True)]
   assert out.splitlines() == expected
   assert err.splitlines() == [
-    'python -m jaxlod.examples.g2p predict: left out "o\'neil": characters "\'" '
+    'python -m examples.g2p predict: left out "o\'neil": characters "\'" '
     "are not in the model's alphabet (abcdefghijklmnopqrstuvwxyz)",
-    "python -m jaxlod.examples.g2p predict: left out 'naïve': characters 'ï' are "
+    "python -m examples.g2p predict: left out 'naïve': characters 'ï' are "
     "not in the model's alphabet (abcdefghijklmnopqrstuvwxyz)",
   ]
   # The same as the training run's own evaluation decoder.
-  assert g2p.predict(trained.params, TINY, corpus, words, TINY.beam) == best
+  assert decoding.predict(trained.params, TINY, corpus, words, TINY.beam) == best
 
   # --nbest: K lines a word, best first, with their scores.
-  assert g2p.predict_main(["--workdir", str(workdir), "--nbest", "2", *words[:3]]) == 0
+  assert cli.predict_main(["--workdir", str(workdir), "--nbest", "2", *words[:3]]) == 0
   lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
   assert [line[0] for line in lines] == [w for w in words[:3] for _ in range(2)]
   assert [line[1] for line in lines[::2]] == [" ".join(b) for b in best[:3]]
@@ -938,11 +953,11 @@ def test_predict_prints_the_beam_search_best_of_each_word(
 
   # Standard input, one word a line (blank lines skipped); empty input.
   monkeypatch.setattr(sys, "stdin", io.StringIO(f"{words[1]}\n\n  {words[0]}\n"))
-  assert g2p.predict_main(["--workdir", str(workdir)]) == 0
+  assert cli.predict_main(["--workdir", str(workdir)]) == 0
   out = capsys.readouterr().out
   assert out == f"{words[1]}\t{' '.join(best[1])}\n{words[0]}\t{' '.join(best[0])}\n"
   monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-  assert g2p.predict_main(["--workdir", str(workdir)]) == 0
+  assert cli.predict_main(["--workdir", str(workdir)]) == 0
   assert capsys.readouterr() == ("", "")
 
 
@@ -957,22 +972,22 @@ def test_predict_flags_and_workdir_errors(tmp_path, capsys):
     (["cat"], "the following arguments are required: --workdir"),
   ]:
     with pytest.raises(SystemExit):
-      g2p.predict_main(argv)
+      cli.predict_main(argv)
     assert message in capsys.readouterr().err
-  assert g2p.predict_main(["--workdir", str(tmp_path), "cat"]) == 2
+  assert cli.predict_main(["--workdir", str(tmp_path), "cat"]) == 2
   assert capsys.readouterr().err == (
-    f"python -m jaxlod.examples.g2p predict: {tmp_path} holds no checkpoint of "
-    f"this example: train a model with `python -m jaxlod.examples.g2p --workdir "
+    f"python -m examples.g2p predict: {tmp_path} holds no checkpoint of "
+    f"this example: train a model with `python -m examples.g2p --workdir "
     f"{tmp_path}`.\n"
   )
 
 
 @pytest.mark.slow
 def test_predict_command_line(trained_tiny):
-  """``python -m jaxlod.examples.g2p predict`` in a process of its own."""
+  """``python -m examples.g2p predict`` in a process of its own."""
   workdir, corpus = trained_tiny
   word = corpus.splits["test"][0][0]
-  command = [sys.executable, "-m", "jaxlod.examples.g2p", "predict"]
+  command = [sys.executable, "-m", "examples.g2p", "predict"]
   done = subprocess.run(
     [*command, "--workdir", str(workdir), word, "x-ray"],
     capture_output=True,
@@ -1034,7 +1049,7 @@ def test_rescore_is_the_members_mean_forced_log_probability(both_members):
     [("EY",), ()],
     [("B", "IY", "D")],
   ]
-  got = g2p.rescore(both_members, letters, phones, words, candidates)
+  got = decoding.rescore(both_members, letters, phones, words, candidates)
   distinct = [list(dict.fromkeys(pool)) for pool in candidates]
   assert [sorted(c for c, _ in hyps) for hyps in got] == [sorted(d) for d in distinct]
   for word, hyps in zip(words, got, strict=True):
@@ -1046,7 +1061,7 @@ def test_rescore_is_the_members_mean_forced_log_probability(both_members):
       want = np.mean(logps) / ((5 + steps) / 6) ** m.LENGTH_PENALTY
       np.testing.assert_allclose(score, want, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="one list of candidates per word, got 1"):
-    g2p.rescore(both_members, letters, phones, words, candidates[:1])
+    decoding.rescore(both_members, letters, phones, words, candidates[:1])
 
 
 @pytest.fixture(scope="module")
@@ -1056,7 +1071,7 @@ def both_workdir(tmp_path_factory, both_members, tiny_state):
   vocabs = (data.letter_vocab(), data.phone_vocab())
   for k, (config, params) in enumerate(both_members):
     opt_state = m.init_state(config, NUM_PHONES)[1]
-    g2p.save_checkpoint(
+    checkpoints.save_checkpoint(
       workdir / f"member_{k}", TINY.steps, params, opt_state, config, vocabs=vocabs
     )
   return workdir
@@ -1065,26 +1080,26 @@ def both_workdir(tmp_path_factory, both_members, tiny_state):
 def test_an_ensemble_of_both_directions_rescores_its_members_hypotheses(
   both_workdir, both_members, capsys
 ):
-  trained = g2p.load_trained(both_workdir)
+  trained = checkpoints.load_trained(both_workdir)
   assert trained.config == BOTH and len(trained.params) == 2
   with pytest.raises(ValueError, match="no joint beam search"):
     m.searcher(trained.config, NUM_PHONES, 2)
   words = ["cab", "abacus", "bead", "zebra"]
-  got = g2p.transcribe(trained, words, beam=3, nbest=2)
+  got = decoding.transcribe(trained, words, beam=3, nbest=2)
   # The pool: each member's 3 best alone, in reading order.
   pools = [[] for _ in words]
   for config, params in both_members:
-    alone = g2p.Trained(config, trained.letters, trained.phones, params, [])
-    for pool, hyps in zip(pools, g2p.transcribe(alone, words, 3, 3), strict=True):
+    alone = checkpoints.Trained(config, trained.letters, trained.phones, params, [])
+    for pool, hyps in zip(pools, decoding.transcribe(alone, words, 3, 3), strict=True):
       pool.extend(h for h, _ in hyps)
-  ranked = g2p.rescore(both_members, trained.letters, trained.phones, words, pools)
+  ranked = decoding.rescore(both_members, trained.letters, trained.phones, words, pools)
   assert got == [hyps[:2] for hyps in ranked]
   assert all(len(hyps) == 2 for hyps in got)
   # The evaluations and `predict` give the best of each.
-  corpus = g2p.load_corpus(TINY)
+  corpus = data.load_corpus(TINY)
   best = [hyps[0][0] for hyps in got]
-  assert g2p.predict(trained.params, trained.config, corpus, words, 3) == best
-  assert g2p.predict_main(["--workdir", str(both_workdir), "--beam", "3", *words]) == 0
+  assert decoding.predict(trained.params, trained.config, corpus, words, 3) == best
+  assert cli.predict_main(["--workdir", str(both_workdir), "--beam", "3", *words]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert lines == [f"{w}\t{' '.join(b)}" for w, b in zip(words, best, strict=True)]
 
@@ -1096,17 +1111,17 @@ def test_members_in_directions_of_no_ensemble_are_refused(tmp_path, both_members
   for k, config in enumerate([forward, forward, backward]):
     member = dataclasses.replace(config, seed=k)
     workdir = tmp_path / f"member_{k}"
-    g2p.save_checkpoint(workdir, 1, params, opt_state, member, None, vocabs)
+    checkpoints.save_checkpoint(workdir, 1, params, opt_state, member, None, vocabs)
   with pytest.raises(
     ValueError,
     match="its members write left to right, left to right, right to left; an "
     "ensemble of both directions has its odd members in the other direction",
   ):
-    g2p.load_trained(tmp_path)
+    checkpoints.load_trained(tmp_path)
 
 
 def test_direction_flags():
-  _, config = g2p.parse_args(["--preset", "full", "--both-directions"])
+  _, config = cli.parse_args(["--preset", "full", "--both-directions"])
   assert config == dataclasses.replace(m.PRESETS["full"], both_directions=True)
-  _, config = g2p.parse_args(["--right-to-left", "--no-both-directions"])
+  _, config = cli.parse_args(["--right-to-left", "--no-both-directions"])
   assert config.right_to_left and not config.both_directions

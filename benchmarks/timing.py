@@ -1,4 +1,4 @@
-"""Side-by-side timing for the examples and benchmarks."""
+"""Side-by-side timing for the benchmarks, the examples and the notebooks."""
 
 from __future__ import annotations
 

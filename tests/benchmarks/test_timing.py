@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import pytest
 
-from jaxlod.examples.timing import measure_interleaved
+from benchmarks.timing import measure_interleaved
 
 
 def _recording_calls(names, order):

@@ -1,4 +1,5 @@
-"""CMUdict for the G2P example: lexicon, split, vocabularies and error rates.
+"""CMUdict for the G2P example: lexicon, split, vocabularies, error rates and
+the corpus of a run.
 
 The lexicon keeps the words of CMUdict spelled with the letters a-z only
 (117k of 126k: no apostrophes, dots or hyphens) and the first pronunciation
@@ -8,12 +9,16 @@ adding or removing other words never moves it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
+
+from examples.g2p import model as m
 
 SPLITS = ("train", "dev", "test")
 # Percent of the hash range in train and dev; the rest (5%) is test.
@@ -22,6 +27,12 @@ BOS, EOS = "<s>", "</s>"
 LETTERS = tuple("abcdefghijklmnopqrstuvwxyz")
 _WORD = re.compile(r"[a-z]+")
 _STRESS = "012"
+# Build the rank tables of every batch on the host (`jaxlod.data.Batcher`)
+# and pass them to the jitted functions, which then do not rank the batch.
+# On 2 CPU cores the training step and the dev-set beam search took as long
+# with them as without (benchmarks/g2p_options.py, in
+# benchmarks/results/g2p_options.json; docs/data.md).
+HOST_TABLES = True
 
 
 def split_of(word: str) -> str:
@@ -205,3 +216,54 @@ def error_rates(
   total = sum(len(r) for r in refs)
   wrong = sum(tuple(r) != tuple(h) for r, h in zip(refs, hyps, strict=True))
   return edits / max(total, 1), wrong / len(refs)
+
+
+# -- the corpus of a run -------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Corpus:
+  """The lexicon of a run, split, with its vocabularies.
+
+  Attributes:
+    splits: split name -> sorted ``(word, phonemes)`` pairs.
+    letters: the source vocabulary.
+    phones: the target vocabulary.
+    train: ``(src, tgt_in, tgt_out)`` id arrays of the train split.
+  """
+
+  splits: dict[str, list[tuple[str, tuple[str, ...]]]]
+  letters: Vocab
+  phones: Vocab
+  train: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def evenly_spaced(items: Sequence[Any], count: int | None) -> list[Any]:
+  """`count` items spread evenly over `items`, first and last included (all
+  of them when `count` is `None` or not smaller)."""
+  if count is None or count >= len(items):
+    return list(items)
+  return [items[i] for i in np.linspace(0, len(items) - 1, count).round().astype(int)]
+
+
+def load_corpus(config: m.Config) -> Corpus:
+  """The lexicon (all of it, or `max_words` evenly spaced words), split."""
+  lexicon = load_lexicon(config.stress)
+  words = evenly_spaced(list(lexicon), config.max_words)
+  lexicon = {w: lexicon[w] for w in words}
+  splits = split_lexicon(lexicon)
+  letters, phones = letter_vocab(), phone_vocab(config.stress)
+  train = encode_pairs(splits["train"], letters, phones)
+  return Corpus(splits, letters, phones, train)
+
+
+def training_examples(
+  config: m.Config, corpus: Corpus
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """The ``(src, tgt_in, tgt_out)`` ids `config`'s model trains on:
+  `corpus.train`, or with `config.right_to_left` the same words with their
+  pronunciations reversed."""
+  if not config.right_to_left:
+    return corpus.train
+  pairs = [(word, phones[::-1]) for word, phones in corpus.splits["train"]]
+  return encode_pairs(pairs, corpus.letters, corpus.phones)

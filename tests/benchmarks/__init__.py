@@ -1,0 +1,1 @@
+"""Tests of the benchmarks' shared harness, benchmarks/timing.py."""

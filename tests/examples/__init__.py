@@ -1,0 +1,1 @@
+"""Tests of examples/ (the G2P example, W1) and of ``python -m jaxlod``."""
