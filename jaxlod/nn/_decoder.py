@@ -19,6 +19,7 @@ import jax
 from jaxlod._lod import LoDTensor
 from jaxlod.nn import _common
 from jaxlod.nn._checks import check_cell
+from jaxlod.nn._recurrent import example_row
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops import _attention as core
 
@@ -96,5 +97,5 @@ class AttentionDecoder(_common.DecoderCalls, nn.Module):
 
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
     """`step` as a pure function of the variables, for `dynamic_rnn`."""
-    first = _common.example_row((carry, tgt.values, memory))
+    first = example_row((carry, tgt.values, memory))
     return pure_method(self, "step", *first)

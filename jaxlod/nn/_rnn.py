@@ -11,8 +11,16 @@ import jax.numpy as jnp
 
 from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.nn import _common
 from jaxlod.nn._checks import check_cell, check_layers
+from jaxlod.nn._recurrent import (
+  count_steps,
+  example_row,
+  run_cell,
+  run_directions,
+  run_levels,
+  run_stack,
+  stack_rates,
+)
 from jaxlod.ops._rank import RankTable
 
 
@@ -24,7 +32,7 @@ def pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
   to them, so `dynamic_rnn` can trace it inside its loop and send gradients
   to the parameters. The call's RNG streams but ``params`` (``dropout``,
   say) reach it as one key each, ``apply(*args, step=t)`` folding `t` into
-  them; ``apply.streams`` names them (see `_common.count_steps`).
+  them; ``apply.streams`` names them (see `count_steps`).
   """
   if module.is_initializing():
     getattr(module, method)(*example)
@@ -132,10 +140,10 @@ class DynamicRNN(nn.Module):
       check_cell(self.cell)
       check_leaves(initial_carry, "initial_carry")
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
-    first = _common.example_row(initial_carry)
+    first = example_row(initial_carry)
     step = pure_method(self.cell, "__call__", first, x_row)
-    step, initial_carry, unwrap = _common.count_steps(step, initial_carry)
-    out = _common.run_cell(self, step, x, initial_carry, reverse, return_carry, table)
+    step, initial_carry, unwrap = count_steps(step, initial_carry)
+    out = run_cell(self, step, x, initial_carry, reverse, return_carry, table)
     return (unwrap(out[0]), out[1]) if isinstance(out, tuple) else out
 
 
@@ -207,10 +215,10 @@ class Bidirectional(nn.Module):
     """
     keys = (None, None) if init_key is None else jax.random.split(init_key)
     keys = [{"init_key": key} for key in keys]
-    return _common.run_directions(self, x, initial_carry, return_carry, table, keys)
+    return run_directions(self, x, initial_carry, return_carry, table, keys)
 
 
-class StackedRNN(_common.StackCalls, nn.Module):
+class StackedRNN(nn.Module):
   """Layers of RNNs applied in turn, with dropout on the rows.
 
   A multi-layer RNN over LoDTensors: each layer is any module taking a
@@ -253,16 +261,40 @@ class StackedRNN(_common.StackCalls, nn.Module):
   deterministic: bool = True
   return_carry: bool = False
 
-  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
-  # own methods only: the shared ones are taken into the class.
-  __call__ = _common.StackCalls.__call__
-
   def setup(self):
     check_layers(self.layers, self)
-    rates = _common.stack_rates(
+    rates = stack_rates(
       len(self.layers), self.input_dropout, self.dropout_rate, self.output_dropout
     )
     self.dropouts = [nn.Dropout(rate) for rate in rates]
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    *,
+    deterministic: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Applies the layers in turn.
+
+    Args:
+      x: a LoDTensor ``values [token_capacity, *features]``.
+      deterministic: overrides the attribute; `False` applies dropout
+        (needs the ``'dropout'`` rng).
+      return_carry: overrides the attribute.
+      table: `x`'s rank table, given to every layer as ``table=`` (all
+        layers rank the same lengths); `None`: not passed.
+
+    Returns:
+      The last layer's outputs, a LoDTensor with `x`'s LoD; with
+      `return_carry`, ``(carries, outputs)`` where `carries` holds each
+      layer's final carry, first layer first.
+
+    Raises:
+      TypeError: if `x` or a layer's output is not a LoDTensor.
+    """
+    return run_stack(self, x, deterministic, return_carry, table)
 
 
 class HierarchicalEncoder(nn.Module):
@@ -323,4 +355,4 @@ class HierarchicalEncoder(nn.Module):
       ValueError: if `x` does not have 2 LoD levels, or for an unknown
         `pool_type`.
     """
-    return _common.run_levels(self, x, return_carry)
+    return run_levels(self, x, return_carry)

@@ -12,8 +12,14 @@ from flax import nnx
 from jaxlod import _checks
 from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.nn import _common
 from jaxlod.nn._checks import check_cell, check_layers, check_rnn_layer
+from jaxlod.nn._recurrent import (
+  run_cell,
+  run_directions,
+  run_levels,
+  run_stack,
+  stack_rates,
+)
 from jaxlod.ops._pool import check_pool_type
 from jaxlod.ops._rank import RankTable, check_ladder
 
@@ -141,7 +147,7 @@ class DynamicRNN(nnx.Module):
       check_cell(self.cell)
       check_leaves(initial_carry, "initial_carry")
     cell = functional_call(self.cell)
-    return _common.run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
+    return run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
 
 
 class Bidirectional(nnx.Module):
@@ -210,10 +216,10 @@ class Bidirectional(nnx.Module):
     as `jaxlod.nn.Bidirectional.__call__`, with `rngs` passed to both layers
     in place of ``init_key``."""
     keys = [{"rngs": rngs}] * 2
-    return _common.run_directions(self, x, initial_carry, return_carry, table, keys)
+    return run_directions(self, x, initial_carry, return_carry, table, keys)
 
 
-class StackedRNN(_common.StackCalls, nnx.Module):
+class StackedRNN(nnx.Module):
   """Layers of RNNs applied in turn, with dropout on the rows.
 
   The NNX twin of `jaxlod.nn.StackedRNN` (same rates, same order): the
@@ -257,14 +263,24 @@ class StackedRNN(_common.StackCalls, nnx.Module):
     rngs: nnx.Rngs | None = None,
   ):
     check_layers(layers, self)
-    rates = _common.stack_rates(
-      len(layers), input_dropout, dropout_rate, output_dropout
-    )
+    rates = stack_rates(len(layers), input_dropout, dropout_rate, output_dropout)
     self.layers = nnx.List(layers)
     self.dropouts = nnx.List([nnx.Dropout(rate, rngs=rngs) for rate in rates])
     _checks.check_bools(deterministic=deterministic, return_carry=return_carry)
     self.deterministic = deterministic
     self.return_carry = return_carry
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    *,
+    deterministic: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Applies the layers in turn: as `jaxlod.nn.StackedRNN.__call__`, with
+    ``deterministic=False`` drawing from ``rngs.dropout``."""
+    return run_stack(self, x, deterministic, return_carry, table)
 
 
 class HierarchicalEncoder(nnx.Module):
@@ -314,4 +330,4 @@ class HierarchicalEncoder(nnx.Module):
   def __call__(self, x: LoDTensor, *, return_carry: bool | None = None) -> Any:
     """Encodes each level-1 sequence, then each level-0 sequence of them: as
     `jaxlod.nn.HierarchicalEncoder.__call__`."""
-    return _common.run_levels(self, x, return_carry)
+    return run_levels(self, x, return_carry)

@@ -1,0 +1,205 @@
+"""What the recurrent layers of both twins run, free of either Flax API.
+
+`DynamicRNN`, `Bidirectional`, `StackedRNN` and `HierarchicalEncoder`, Linen
+and NNX alike, differ only in how they hold their parameters: each call
+body is one of the `run_*` functions below, given the layer (whose
+documented attributes it reads), as Flax's cells call the functions of
+``flax.linen.activation``. The helpers before them (zero padding rows, an
+example row, a step counter for RNG streams) serve the decoders too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxlod import _checks
+from jaxlod._checks import check_rate
+from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod.nn._checks import check_rnn_layer, split_pair
+from jaxlod.ops._pool import check_pool_type, sequence_pool
+from jaxlod.ops._rank import RankTable
+from jaxlod.ops._rnn import dynamic_rnn
+
+
+def zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
+  """`x`'s LoD over `values` ``[token_capacity, ...]``, padding rows set to 0."""
+  real = x.row_mask().reshape((-1,) + (1,) * (jnp.ndim(values) - 1))
+  return x.with_values(jnp.where(real, values, jnp.zeros((), values.dtype)))
+
+
+def example_row(tree: Any) -> Any:
+  """The first row of every leaf, ``[1, ...]``; zeros for a leaf with no rows
+  (an all-empty batch), so that a layer can still create its parameters."""
+
+  def first(a: jax.Array) -> jax.Array:
+    return a[:1] if a.shape[0] else jnp.zeros((1, *a.shape[1:]), a.dtype)
+
+  return jax.tree.map(first, tree)
+
+
+def count_steps(step: Callable, carry: Any) -> tuple[Callable, Any, Callable]:
+  """A pure step with RNG streams (a Linen method made pure by `pure_method`)
+  that draws afresh at every step, as ``flax.linen.RNN`` splits its RNGs per
+  step.
+
+  The carry gains a step counter ``[count]``: all active rows of a phase are
+  at the same step, so its maximum is the step, and each stream's key is
+  folded with it. Returns ``(step, carry, unwrap)``, `unwrap` taking the
+  counter off a final carry; a step without streams comes back unchanged.
+  """
+  if not getattr(step, "streams", ()):
+    return step, carry, lambda final: final
+  count = jax.tree.leaves(carry)[0].shape[0]
+
+  def counted(state: Any, *args: Any) -> Any:
+    inner, t = state
+    new, *rest = step(inner, *args, step=jnp.max(t, initial=0))
+    return ((new, t + 1), *rest)
+
+  return counted, (carry, jnp.zeros((count,), jnp.int32)), lambda final: final[0]
+
+
+def override(layer: Any, **values: Any) -> list[Any]:
+  """Call arguments that default to the layer's attribute of the same name."""
+  return [getattr(layer, k) if v is None else v for k, v in values.items()]
+
+
+def merge_directions(
+  x: LoDTensor,
+  forward: Any,
+  backward: Any,
+  merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None,
+) -> Any:
+  """Both directions' outputs merged row by row (default: concatenated on the
+  last axis), padding rows zero."""
+
+  def merged(f: LoDTensor, b: LoDTensor) -> LoDTensor:
+    if merge_fn is None:
+      return zero_padding(x, jnp.concatenate([f.values, b.values], axis=-1))
+    return zero_padding(x, merge_fn(f.values, b.values))
+
+  return jax.tree.map(merged, forward, backward, is_leaf=is_lod)
+
+
+def stack_rates(
+  layers: int, input_dropout: float, dropout_rate: float, output_dropout: float
+) -> list[float]:
+  """`StackedRNN`'s dropout rates: before layer ``i`` for ``i < layers``, then
+  after the last."""
+  check_rate(input_dropout, "input_dropout")
+  check_rate(dropout_rate, "dropout_rate")
+  check_rate(output_dropout, "output_dropout")
+  return [input_dropout] + [dropout_rate] * (layers - 1) + [output_dropout]
+
+
+def run_cell(
+  layer: Any,
+  step: Callable[[Any, jax.Array], tuple[Any, jax.Array]],
+  x: LoDTensor,
+  initial_carry: Any,
+  reverse: bool | None,
+  return_carry: bool | None,
+  table: RankTable | None,
+) -> Any:
+  """`DynamicRNN`'s loop: `step` over the last level of `x` with the layer's
+  `ladder` and `remat`; the outputs, or ``(carry, outputs)``."""
+  reverse, return_carry = override(layer, reverse=reverse, return_carry=return_carry)
+  _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=layer.remat)
+  outputs, carry = dynamic_rnn(
+    lambda c, x_t, _: step(c, x_t),
+    x,
+    init_carry=initial_carry,
+    reverse=reverse,
+    table=table,
+    ladder=layer.ladder,
+    remat=layer.remat,
+  )
+  return (carry, outputs) if return_carry else outputs
+
+
+def run_directions(
+  layer: Any,
+  x: LoDTensor,
+  initial_carry: Any,
+  return_carry: bool | None,
+  table: RankTable | None,
+  keys: Sequence[dict[str, Any]],
+) -> Any:
+  """`Bidirectional`'s body: ``layer.forward_rnn`` and ``layer.backward_rnn``
+  (with ``reverse=True``) over `x`, merged by ``layer.merge_fn``. `keys`
+  holds each direction's extra keyword arguments (its carry's RNGs)."""
+  x = check_lod(x, "x")
+  (return_carry,) = override(layer, return_carry=return_carry)
+  _checks.check_bool(return_carry, "return_carry")
+  check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)
+  check_rnn_layer(layer.backward_rnn, "backward_rnn", layer)
+  if layer.merge_fn is not None:
+    _checks.check_callable(layer.merge_fn, "merge_fn")
+  # Only a given table is passed on: an RNN of the documented call signature
+  # need not take one.
+  extra = {} if table is None else {"table": table}
+  runs = [
+    rnn(x, initial_carry=carry, reverse=reverse, return_carry=True, **key, **extra)
+    for rnn, carry, reverse, key in zip(
+      (layer.forward_rnn, layer.backward_rnn),
+      split_pair(initial_carry),
+      (False, True),
+      keys,
+      strict=True,
+    )
+  ]
+  (forward_carry, forward), (backward_carry, backward) = runs
+  outputs = merge_directions(x, forward, backward, layer.merge_fn)
+  return ((forward_carry, backward_carry), outputs) if return_carry else outputs
+
+
+def run_stack(
+  layer: Any,
+  x: LoDTensor,
+  deterministic: bool | None,
+  return_carry: bool | None,
+  table: RankTable | None,
+) -> Any:
+  """`StackedRNN`'s body: ``layer.dropouts[i]`` then ``layer.layers[i]`` in
+  turn, then the last dropout; the last outputs, or ``(carries, outputs)``
+  with each layer's final carry, first layer first."""
+  x = check_lod(x, "x")
+  deterministic, return_carry = override(
+    layer, deterministic=deterministic, return_carry=return_carry
+  )
+  _checks.check_bools(deterministic=deterministic, return_carry=return_carry)
+  extra = {} if table is None else {"table": table}
+  carries = []
+  for i, rnn in enumerate(layer.layers):
+    x = x.with_values(layer.dropouts[i](x.values, deterministic=deterministic))
+    if return_carry:
+      carry, x = rnn(x, return_carry=True, **extra)
+      carries.append(carry)
+    else:
+      x = rnn(x, **extra)
+    x = check_lod(x, f"the output of layer {i}")
+  x = x.with_values(layer.dropouts[-1](x.values, deterministic=deterministic))
+  return (tuple(carries), x) if return_carry else x
+
+
+def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
+  """`HierarchicalEncoder`'s body: ``layer.inner`` over the level-1
+  sequences, each pooled to one row by ``layer.pool_type``, then
+  ``layer.outer`` over each level-0 sequence of those rows."""
+  (return_carry,) = override(layer, return_carry=return_carry)
+  _checks.check_bool(return_carry, "return_carry")
+  x = check_lod(x, "x")
+  if x.num_levels != 2:
+    raise ValueError(
+      "Expected `x` to have 2 LoD levels (level 0: outer sequences of level-1 "
+      f"sequences; level 1: sequences of rows), got {x.num_levels}."
+    )
+  check_pool_type(layer.pool_type)
+  check_rnn_layer(layer.inner, "inner", layer)
+  check_rnn_layer(layer.outer, "outer", layer)
+  inner = check_lod(layer.inner(x, return_carry=False), "the inner output")
+  return layer.outer(sequence_pool(inner, layer.pool_type), return_carry=return_carry)
