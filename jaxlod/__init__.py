@@ -8,7 +8,8 @@ the rank table and the ops built on it.
 from jaxlod._buckets import Buckets
 from jaxlod._cache import enable_compilation_cache
 from jaxlod._checks import unchecked
-from jaxlod._lod import Capacity, Fault, LoDTensor
+from jaxlod._faults import Fault
+from jaxlod._lod import Capacity, LoDTensor
 
 __version__ = "0.1.0"
 

@@ -1,9 +1,14 @@
-"""LoDTensor: packed rows plus multi-level offsets, on static capacities."""
+"""LoDTensor: packed rows plus multi-level offsets, on static capacities.
+
+`Capacity` names a LoDTensor's static sizes; `is_lod`, `check_lod` and
+`check_fits` check the LoDTensor arguments and output capacities of the ops.
+The builders' and the constructor's checks are `jaxlod._lod_checks`, the
+fault record that ops under `jit` set is `jaxlod._faults`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -18,10 +23,10 @@ from jaxlod._checks import (
   check_dtype,
   check_sequence,
   is_concrete,
-  is_float_dtype,
   require,
   static_int,
 )
+from jaxlod._faults import check_sound, concrete_faults, describe_faults
 from jaxlod._host import as_array, check_fits_device, host_array, host_numbers
 from jaxlod._lod_checks import (
   check_integer_level,
@@ -46,105 +51,6 @@ class Capacity(NamedTuple):
   tokens: int
   sequences: tuple[int, ...]
   time: tuple[int, ...]
-
-
-class Fault(enum.IntFlag):
-  """Why an op under `jit` could not honour its contract (`LoDTensor.faults`).
-
-  Under `jit`, data-dependent checks are `jax.experimental.checkify` checks:
-  without `checkify.checkify` around the caller nothing raises. So an op
-  whose output would not fit, or that was given a rank table of another
-  batch, still returns a valid LoDTensor (its LoD clamped to the
-  capacities) and records the fault in the result's ``faults`` bitmask,
-  which every op passes on. Host reads of a faulted tensor (`to_list`,
-  `lengths`, `to_padded`, ...: see `LoDTensor`) raise instead of returning
-  fewer rows.
-
-  Attributes:
-    CAPACITY: the output needed more tokens, sequences or time than its
-      capacity; rows or sequences were cut.
-    TABLE: a rank table did not rank the tensor it was used with (a table
-      of another batch); the rows are in the wrong order.
-    INPUT: another data check on the arguments failed (counts or totals
-      that differ, a slice out of range, rows that do not divide into a new
-      width); the result follows the op's documented clipping.
-  """
-
-  CAPACITY = 1
-  TABLE = 2
-  INPUT = 4
-
-
-def describe_faults(faults: int) -> str:
-  """The names of the bits set in `faults`, for messages."""
-  names = [f.name for f in Fault if faults & f]
-  unknown = faults & ~sum(Fault)
-  return ", ".join(names + ([f"unknown bits {unknown:#x}"] if unknown else []))
-
-
-def faults_of(*tensors: Any) -> jax.Array:
-  """The union of the `faults` of every LoDTensor in `tensors`. Jittable."""
-  out = jnp.zeros((), jnp.int32)
-  for x in tensors:
-    out = out | jnp.asarray(x.faults, jnp.int32)
-  return out
-
-
-def fault_unless(ok: Any, fault: Fault) -> Any:
-  """0 where `ok` holds, else `fault`: 0 for a Python `True` (an eager check
-  that passed), else an int32 scalar. Jittable."""
-  if ok is True:
-    return 0
-  return jnp.where(jnp.asarray(ok), jnp.int32(0), jnp.int32(fault))
-
-
-def check_sound(x: LoDTensor) -> None:
-  """Raises for a faulted LoDTensor whose faults are concrete (host reads);
-  does nothing under `jit`, where the faults are traced and passed on."""
-  faults = x.faults
-  if not _is_array(faults) or isinstance(faults, jax.ShapeDtypeStruct):
-    return  # a leaf a transformation put there (an axis spec, None)
-  if not is_concrete(faults):
-    return
-  bits = int(np.bitwise_or.reduce(np.asarray(faults).reshape(-1), initial=0))
-  if bits:
-    raise ValueError(
-      f"This LoDTensor is faulted ({describe_faults(bits)}): an op under "
-      "`jit` could not honour its contract and returned it clamped to its "
-      "capacities, so rows may be missing or out of order. Run the caller "
-      "under `jax.experimental.checkify.checkify` to see which op and why "
-      "(and pass larger capacities, or the rank table of this batch)."
-    )
-
-
-def with_faults(x: LoDTensor, *faults: Any) -> LoDTensor:
-  """`x` with each bitmask of `faults` (ints, int32 scalars, or LoDTensors
-  whose faults it inherits) added to its own. Jittable."""
-  added = [f.faults if isinstance(f, LoDTensor) else f for f in faults]
-  added = [f for f in added if not (isinstance(f, int) and f == 0)]
-  if not added:
-    return x
-  total = faults_of(x)
-  for f in added:
-    total = total | jnp.asarray(f, jnp.int32)
-  return dataclasses.replace(x, faults=total)
-
-
-def nan_unless(ok: Any, tree: Any) -> Any:
-  """The float leaves of `tree` (arrays, or LoDTensors' values) turned NaN
-  unless `ok` (a bool scalar) holds, so that a result computed from a wrong
-  rank table under `jit` is loud in any loss; other leaves pass. Jittable."""
-  if ok is True:
-    return tree
-
-  def poison(a):
-    if isinstance(a, LoDTensor):
-      return a.with_values(poison(a.values))
-    if not is_float_dtype(jnp.result_type(a)):
-      return a
-    return jnp.where(ok, a, jnp.asarray(jnp.nan, jnp.result_type(a)))
-
-  return jax.tree.map(poison, tree, is_leaf=lambda a: isinstance(a, LoDTensor))
 
 
 # -- host-side building ----------------------------------------------------------
@@ -973,9 +879,8 @@ class LoDTensor:
       lod = f", lod={self.recursive_lengths()}"
     except (ValueError, TypeError, AttributeError):
       lod = ""
-    faults = self.faults
-    if _is_array(faults) and is_concrete(faults) and np.any(np.asarray(faults)):
-      bits = int(np.bitwise_or.reduce(np.asarray(faults).reshape(-1), initial=0))
+    bits = concrete_faults(self.faults)
+    if bits:
       lod = f", faults={describe_faults(bits)}"
     return f"{head}{lod}, capacity={self.capacity})"
 

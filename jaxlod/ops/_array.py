@@ -14,17 +14,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import check_bool, is_concrete, is_float_dtype, require, static_int
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows, index_scalar
-from jaxlod._lod import (
-  Fault,
-  LoDTensor,
-  fault_unless,
-  nan_unless,
-  owners,
-  with_faults,
-)
+from jaxlod._lod import LoDTensor, owners
 from jaxlod._vma import vary, varying_axes
-from jaxlod.ops._rank import RankTable, check_pair, check_ranked, check_table
+from jaxlod.ops._rank import (
+  RankTable,
+  check_pair,
+  check_ranked,
+  check_table,
+  nan_unless,
+)
 
 # -- the one primitive: a gather whose transpose is a known gather -------------
 

@@ -27,8 +27,9 @@ from jaxlod._checks import (
   require_each,
   static_int,
 )
+from jaxlod._faults import with_faults
 from jaxlod._host import check_fits_device, check_rows, host_numbers
-from jaxlod._lod import Capacity, LoDTensor, is_lod, with_faults
+from jaxlod._lod import Capacity, LoDTensor, is_lod
 from jaxlod.ops import _search
 from jaxlod.ops._rank import default_ladder, ladder_sizes, normalize_ladder
 from jaxlod.ops._rnn import prepare_statics

@@ -23,8 +23,9 @@ from jaxlod._checks import (
   require_each,
   static_int,
 )
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_fits_device
-from jaxlod._lod import Capacity, Fault, LoDTensor, check_lod, fault_unless, with_faults
+from jaxlod._lod import Capacity, LoDTensor, check_lod
 from jaxlod._lod_checks import check_lengths_fit, check_pad_value, per_sequence
 from jaxlod.ops._array import gather, permutation_gather
 from jaxlod.ops._segment import (

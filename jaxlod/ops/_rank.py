@@ -15,11 +15,14 @@ from jaxlod import _serial
 from jaxlod._checks import (
   check_index_leaves,
   check_sequence,
+  is_concrete,
+  is_float_dtype,
   require,
   static_float,
   static_int,
 )
-from jaxlod._lod import LoDTensor, check_lod, check_sound, is_concrete, is_lod
+from jaxlod._faults import check_sound
+from jaxlod._lod import LoDTensor, check_lod, is_lod
 
 
 def default_ladder(
@@ -318,6 +321,23 @@ def check_ranked(lengths: jax.Array, table: RankTable, name: str, level: str) ->
       f"length {int(ranked[bad])}, {name} has {int(expected[bad])}."
     )
   return True
+
+
+def nan_unless(ok: Any, tree: Any) -> Any:
+  """The float leaves of `tree` (arrays, or LoDTensors' values) turned NaN
+  unless `ok` (a bool scalar) holds, so that a result computed from a wrong
+  rank table under `jit` is loud in any loss; other leaves pass. Jittable."""
+  if ok is True:
+    return tree
+
+  def poison(a):
+    if isinstance(a, LoDTensor):
+      return a.with_values(poison(a.values))
+    if not is_float_dtype(jnp.result_type(a)):
+      return a
+    return jnp.where(ok, a, jnp.asarray(jnp.nan, jnp.result_type(a)))
+
+  return jax.tree.map(poison, tree, is_leaf=lambda a: isinstance(a, LoDTensor))
 
 
 def ladder_sizes(ladder: Any, count_capacity: int | None = None) -> list[int]:

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxlod import _checks, _lod
 from jaxlod._checks import is_concrete
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._lod_checks import check_offsets
@@ -94,7 +95,7 @@ def sequence_reshape(x: LoDTensor, new_dim: int) -> LoDTensor:
     last = _segment.offsets_from_lengths(lens)
     values = jnp.where((jnp.arange(new_tokens) < last[-1])[:, None], values, 0)
   out = LoDTensor(values, (*x.offsets[:-1], last), x.num_outer, time, x.faults)
-  return _lod.with_faults(out, _lod.fault_unless(divides, _lod.Fault.INPUT))
+  return with_faults(out, fault_unless(divides, Fault.INPUT))
 
 
 # -- sequence_scatter ---------------------------------------------------------------
@@ -331,7 +332,7 @@ def lod_reset(
     values = jnp.where(kept.reshape((-1,) + (1,) * (values.ndim - 1)), values, 0)
   out = LoDTensor(values, offsets, jnp.asarray(num_outer, jnp.int32), time)
   inputs = [a for a in (x, y) if isinstance(a, LoDTensor)]
-  return _lod.with_faults(out, *inputs, _lod.fault_unless(same, _lod.Fault.INPUT))
+  return with_faults(out, *inputs, fault_unless(same, Fault.INPUT))
 
 
 def _rows_of(x: Any) -> tuple[jax.Array, Any]:

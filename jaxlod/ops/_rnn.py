@@ -15,12 +15,19 @@ from jaxlod._checks import (
   is_float_dtype,
   require,
 )
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows
-from jaxlod._lod import Fault, LoDTensor, fault_unless, is_lod, nan_unless, with_faults
+from jaxlod._lod import LoDTensor, is_lod
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _packed
 from jaxlod.ops._array import permute_rows
-from jaxlod.ops._rank import RankTable, check_pair, normalize_ladder, rank_table
+from jaxlod.ops._rank import (
+  RankTable,
+  check_pair,
+  nan_unless,
+  normalize_ladder,
+  rank_table,
+)
 
 
 def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any, Any]:

@@ -18,7 +18,8 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import INT32, is_concrete, static_int
-from jaxlod._lod import Capacity, Fault, LoDTensor, check_fits, fault_unless, owners
+from jaxlod._faults import Fault, fault_unless
+from jaxlod._lod import Capacity, LoDTensor, check_fits, owners
 
 # -- rows and their sequences -------------------------------------------------------
 
@@ -188,7 +189,7 @@ def build(
   sequences to its count capacity and its offsets to the size of the level
   below (the token capacity for rows), rows past the last offset are
   zeroed, and ``faults`` gets `Fault.CAPACITY`, so that host reads raise.
-  The op adds its inputs' faults (`jaxlod._lod.with_faults`).
+  The op adds its inputs' faults (`jaxlod._faults.with_faults`).
 
   Args:
     values: ``[tokens, *features]`` rows; cut or zero-padded to

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
+from jaxlod._faults import with_faults
 from jaxlod._host import as_array, fill_value
-from jaxlod._lod import LoDTensor, check_lod, with_faults
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.ops import _segment
 
 # -- private helpers ------------------------------------------------------------
