@@ -19,13 +19,13 @@ import jax.numpy as jnp
 
 from jaxlod._checks import check_sizes
 from jaxlod._lod import LoDTensor
-from jaxlod.nn import _common
 from jaxlod.nn._checks import check_layer_dtypes
+from jaxlod.nn._decoding import attend_query
 from jaxlod.ops import _attention as core
 from jaxlod.ops._attention import without_keys
 
 
-class Attention(_common.AttentionCalls, nn.Module):
+class Attention(nn.Module):
   """The call protocol of the attentions: subclasses define `scores`.
 
   ``attention(query, memory, lengths=None, keys=None) -> (context,
@@ -34,10 +34,41 @@ class Attention(_common.AttentionCalls, nn.Module):
   every step.
   """
 
-  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
-  # own methods only: the shared ones are taken into the class.
-  keys = _common.AttentionCalls.keys
-  __call__ = _common.AttentionCalls.__call__
+  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
+    """What this attention precomputes from a memory: nothing (`None`)."""
+    del memory
+
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """Scores ``[b, source_capacity]`` of `query` ``[b, hidden]``."""
+    raise NotImplementedError
+
+  def __call__(
+    self,
+    query: jax.typing.ArrayLike,
+    memory: Any,
+    lengths: Any = None,
+    keys: Any = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """Attends `query` over `memory`.
+
+    Args:
+      query: ``[b, hidden]`` decoder states.
+      memory: ``[b, source_capacity, features]`` padded memory, a one-level
+        LoDTensor ``values [src_token_capacity, features]`` with ``b``
+        sequences, or a `jaxlod.ops.Memory`.
+      lengths: ``[b]`` int real lengths of an array `memory`; `None`
+        otherwise.
+      keys: ``keys(memory)``, ``[b, source_capacity, units]`` or a LoDTensor
+        with `memory`'s LoD; computed here when `None` (additive attention
+        only: the others take none).
+
+    Returns:
+      ``(context [b, features], weights [b, source_capacity])``.
+
+    Raises:
+      ValueError: for mismatched shapes or widths (naming both).
+    """
+    return attend_query(self.scores, query, memory, lengths, keys)
 
 
 class DotAttention(Attention):

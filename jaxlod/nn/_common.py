@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxlod import _checks
 from jaxlod._checks import check_integer, check_rate, check_sizes
-from jaxlod._host import as_array, check_leaves
+from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import (
   check_attention_layer,
@@ -138,49 +138,6 @@ def generate(
 
 
 # -- the methods the twins share -----------------------------------------------------
-
-
-class AttentionCalls:
-  """The call protocol of the attentions, shared by the Linen and NNX layers:
-  subclasses define `scores` (and `keys` if they precompute any)."""
-
-  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
-    """What this attention precomputes from a memory: nothing (`None`)."""
-    del memory
-
-  def scores(self, query: jax.Array, memory: Memory) -> jax.Array:
-    """Scores ``[b, source_capacity]`` of `query` ``[b, hidden]``."""
-    raise NotImplementedError
-
-  def __call__(
-    self,
-    query: jax.typing.ArrayLike,
-    memory: Any,
-    lengths: Any = None,
-    keys: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    """Attends `query` over `memory`.
-
-    Args:
-      query: ``[b, hidden]`` decoder states.
-      memory: ``[b, source_capacity, features]`` padded memory, a one-level
-        LoDTensor ``values [src_token_capacity, features]`` with ``b``
-        sequences, or a `jaxlod.ops.Memory`.
-      lengths: ``[b]`` int real lengths of an array `memory`; `None`
-        otherwise.
-      keys: ``keys(memory)``, ``[b, source_capacity, units]`` or a LoDTensor
-        with `memory`'s LoD; computed here when `None` (additive attention
-        only: the others take none).
-
-    Returns:
-      ``(context [b, features], weights [b, source_capacity])``.
-
-    Raises:
-      ValueError: for mismatched shapes or widths (naming both).
-    """
-    query = as_array(query, "query")
-    memory = core.as_memory(memory, lengths, keys)
-    return core.attend(self.scores(query, memory), memory)
 
 
 class DecoderCalls:

@@ -16,14 +16,35 @@ from flax import nnx
 
 from jaxlod._checks import check_sizes, check_width
 from jaxlod._lod import LoDTensor
-from jaxlod.nn import _common
 from jaxlod.nn._checks import check_layer_dtypes
+from jaxlod.nn._decoding import attend_query
 from jaxlod.ops import _attention as core
 from jaxlod.ops._attention import check_eps, without_keys
 
 
-class Attention(_common.AttentionCalls, nnx.Module):
-  """The call protocol of the attentions (see `jaxlod.nn.Attention`)."""
+class Attention(nnx.Module):
+  """The call protocol of the attentions (see `jaxlod.nn.Attention`):
+  subclasses define `scores`."""
+
+  def keys(self, memory: Any) -> jax.Array | LoDTensor | None:
+    """What this attention precomputes from a memory: nothing (`None`), as
+    `jaxlod.nn.Attention.keys`."""
+    del memory
+
+  def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
+    """Scores ``[b, source_capacity]`` of `query` ``[b, hidden]``: as
+    `jaxlod.nn.Attention.scores`."""
+    raise NotImplementedError
+
+  def __call__(
+    self,
+    query: jax.typing.ArrayLike,
+    memory: Any,
+    lengths: Any = None,
+    keys: Any = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """Attends `query` over `memory`: as `jaxlod.nn.Attention.__call__`."""
+    return attend_query(self.scores, query, memory, lengths, keys)
 
 
 def _linear(inputs: int, outputs: int, bias: bool, **common: Any) -> nnx.Linear:
