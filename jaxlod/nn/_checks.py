@@ -1,6 +1,7 @@
 """The checks of `jaxlod.nn`'s layers and their NNX twins: cells, the
-layers given to layers (of the owner's API, never Flax's array layers),
-dtypes, dropout keys, targets and token ids, vocabularies.
+layers given to layers (of the owner's API, never Flax's array layers), an
+encoder-decoder's arguments, dtypes, dropout keys, targets and token ids,
+vocabularies.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._checks import (
+  check_bools,
   check_callable,
   check_dtype,
   check_integer,
+  check_rate,
   check_sequence,
+  check_sizes,
   require,
 )
 from jaxlod._host import as_array
@@ -197,6 +201,38 @@ def _check_jaxlod_layer(
       f"Expected `{name}` to be {expected}, got Flax's {type(value).__name__}{tail}."
     )
   return value
+
+
+def check_seq2seq(
+  src_vocab: Any,
+  tgt_vocab: Any,
+  embed_dim: Any,
+  encoder: Any,
+  decoder: Any,
+  bridge: Any,
+  dropout: Any,
+  deterministic: Any,
+  owner: Any,
+  decoder_type: type,
+) -> None:
+  """The arguments `Seq2Seq`'s twins (`owner`) check before building their
+  layers; `decoder_type` is the twin's `AttentionDecoder`."""
+  check_sizes(src_vocab=src_vocab, tgt_vocab=tgt_vocab, embed_dim=embed_dim)
+  check_rnn_layer(encoder, "encoder", owner)
+  check_decoder(decoder, owner, decoder_type)
+  check_bools(bridge=bridge, deterministic=deterministic)
+  check_rate(dropout, "dropout", closed=False)
+
+
+def check_decoder(decoder: Any, owner: Any, decoder_type: type) -> Any:
+  """A `Seq2Seq`'s `decoder` is an `AttentionDecoder` (`decoder_type`) of
+  `owner`'s API."""
+  check_twin(decoder, "decoder", owner)
+  if not isinstance(decoder, decoder_type):
+    raise TypeError(
+      f"Expected `decoder` to be an AttentionDecoder, got {type(decoder).__name__}."
+    )
+  return decoder
 
 
 def check_layer_dtypes(dtype: Any, param_dtype: Any) -> None:

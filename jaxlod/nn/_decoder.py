@@ -17,14 +17,20 @@ import flax.linen as nn
 import jax
 
 from jaxlod._lod import LoDTensor
-from jaxlod.nn import _common
 from jaxlod.nn._checks import check_cell
+from jaxlod.nn._decoding import (
+  carry_shape,
+  precompute_memory,
+  start_state,
+  teacher_forced,
+)
 from jaxlod.nn._recurrent import example_row
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops import _attention as core
+from jaxlod.ops._rank import RankTable
 
 
-class AttentionDecoder(_common.DecoderCalls, nn.Module):
+class AttentionDecoder(nn.Module):
   """A recurrent decoder attending over a LoD memory at every step.
 
   A `dynamic_rnn` over the target sequences whose step reads the encoder's
@@ -83,12 +89,111 @@ class AttentionDecoder(_common.DecoderCalls, nn.Module):
   remat: bool = True
   ladder: Sequence[int] | None = None
 
-  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
-  # own methods only: the shared ones are taken into the class.
-  shared = _common.DecoderCalls
-  precompute, step, zero_carry = shared.precompute, shared.step, shared.zero_carry
-  initial_state, __call__ = shared.initial_state, shared.__call__
-  del shared
+  def precompute(self, memory: LoDTensor) -> core.Memory:
+    """The `jaxlod.ops.Memory` that `step` reads: `memory` padded, with what
+    the attention precomputes (``attention.keys(memory)`` on the packed
+    rows, or `None`).
+
+    Args:
+      memory: a one-level LoDTensor ``values [src_token_capacity, features]``.
+
+    Returns:
+      ``Memory(values [count_capacity, time_capacity, features], lengths
+      [count_capacity], keys [count_capacity, time_capacity, units] |
+      None)``.
+    """
+    return precompute_memory(self.attention, memory)
+
+  def step(
+    self, carry: Any, x_t: jax.typing.ArrayLike, memory: core.Memory
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """One decoder step over a batch of rows (`jaxlod.ops.decoder_step`).
+
+    Args:
+      carry: the carry, leaves ``[b, ...]`` (see `initial_state`).
+      x_t: ``[b, input_features]`` this step's inputs.
+      memory: the `jaxlod.ops.Memory` of ``b`` rows (see `precompute`).
+
+    Returns:
+      ``(carry, y_t [b, hidden + features], weights [b, source_capacity])``
+      where ``y_t = concat(h_t, context_t)``.
+    """
+    return core.decoder_step(
+      self.cell, self.attention, carry, x_t, memory, input_feeding=self.input_feeding
+    )
+
+  def zero_carry(self, memory: LoDTensor, input_features: int) -> Any:
+    """The cell's default carry for ``(count capacity, step input width)``:
+    the step input is ``x_t`` (`input_features` wide), with the memory's
+    features added under input feeding (``cell.initialize_carry`` with a
+    fixed key: Flax's cells start from zeros)."""
+    shape = carry_shape(memory, input_features, self.input_feeding)
+    return self.initialize_carry(shape)
+
+  def initial_state(
+    self, memory: LoDTensor, input_features: int, initial_carry: Any = None
+  ) -> Any:
+    """The carry `step` starts from, one row per memory sequence.
+
+    Args:
+      memory: a one-level LoDTensor ``values [src_token_capacity,
+        features]``.
+      input_features: width of ``x_t`` (the target rows, before input
+        feeding adds the context).
+      initial_carry: the cell's carry, leaves ``[count_capacity, ...]`` in
+        `memory`'s order; by default `zero_carry`.
+
+    Returns:
+      `initial_carry` (or the default), paired with a zero context
+      ``[count_capacity, features]`` when `input_feeding`.
+    """
+    return start_state(
+      memory, input_features, initial_carry, self.zero_carry, self.input_feeding
+    )
+
+  def __call__(
+    self,
+    tgt: LoDTensor,
+    memory: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    return_weights: bool = False,
+    table: RankTable | None = None,
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+    """Decodes every target sequence against its memory (teacher forcing).
+
+    Args:
+      tgt: a LoDTensor ``values [token_capacity, input_features]``, the
+        decoder inputs (e.g. embedded target tokens).
+      memory: a one-level LoDTensor ``values [src_token_capacity,
+        features]`` with one sequence per `tgt` sequence (the encoder's
+        outputs), in `tgt`'s order.
+      initial_carry: the cell's carry, leaves ``[count_capacity, ...]`` in
+        `tgt`'s order (see `initial_state`).
+      return_weights: also return the attention weights.
+      table: `tgt`'s rank table, e.g. built on the host by `jaxlod.data`
+        beside the batch; `None`: built here (see `dynamic_rnn`).
+
+    Returns:
+      A LoDTensor with `tgt`'s LoD and values ``[token_capacity, hidden +
+      features]`` = ``concat(h_t, context_t)``; with `return_weights`, the
+      pair ``(outputs, weights)``, weights a LoDTensor with `tgt`'s LoD and
+      values ``[token_capacity, source_capacity]``.
+
+    Raises:
+      ValueError: at trace time if `memory`'s count capacity differs from
+        `tgt`'s, or eagerly if their real numbers of sequences differ (under
+        `jit` through `jax.experimental.checkify`); for rows that are not
+        vectors, or widths the attention (or a cell with ``in_features``)
+        rejects; from `dynamic_rnn`, for a `table` of other lengths or whose
+        ladder is not `ladder`.
+    """
+    return teacher_forced(self, tgt, memory, initial_carry, return_weights, table)
+
+  def check_input_width(self, tgt: LoDTensor, memory: LoDTensor) -> None:
+    """Nothing to check: a Linen cell takes its input width from its first
+    call."""
+    del tgt, memory
 
   def initialize_carry(self, shape: tuple[int, int]) -> Any:
     """``cell.initialize_carry(key(0), shape)``."""

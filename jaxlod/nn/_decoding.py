@@ -1,4 +1,5 @@
-"""What the attentions of both twins run, free of either Flax API.
+"""What the attentions and the attention decoders of both twins run, free of
+either Flax API.
 
 The Linen and NNX layers differ only in how they hold their parameters;
 each of their methods is a short call to a function here (or straight to
@@ -11,10 +12,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from jaxlod._host import as_array
+from jaxlod import _checks
+from jaxlod._host import as_array, check_leaves
+from jaxlod._lod import LoDTensor
+from jaxlod.nn._checks import check_attention_layer, check_counts, check_targets
+from jaxlod.nn._recurrent import count_steps
 from jaxlod.ops import _attention as core
-from jaxlod.ops._attention import Memory
+from jaxlod.ops._attention import Memory, check_memory_lod
+from jaxlod.ops._rank import RankTable
 
 
 def attend_query(
@@ -30,3 +37,91 @@ def attend_query(
   query = as_array(query, "query")
   memory = core.as_memory(memory, lengths, keys)
   return core.attend(scores(query, memory), memory)
+
+
+def precompute_memory(attention: Any, memory: LoDTensor) -> Memory:
+  """`memory` padded, with what `attention` precomputes from it
+  (``attention.keys(memory)`` on the packed rows; `None` if it has no
+  `keys`)."""
+  memory = check_memory_lod(memory)
+  keys = getattr(attention, "keys", None)
+  return core.lod_memory(memory, None if keys is None else keys(memory))
+
+
+def carry_shape(
+  memory: LoDTensor, input_features: int, input_feeding: bool
+) -> tuple[int, int]:
+  """``(count capacity, step input width)`` of a decoder's cell: the step
+  input is ``x_t`` (`input_features` wide), with the memory's features added
+  under input feeding."""
+  memory = check_memory_lod(memory)
+  fed = memory.feature_shape[-1] if input_feeding else 0
+  return memory.capacity.sequences[-1], input_features + fed
+
+
+def start_state(
+  memory: LoDTensor,
+  input_features: int,
+  initial_carry: Any,
+  zero_carry: Callable[[LoDTensor, int], Any],
+  input_feeding: bool,
+) -> Any:
+  """A decoder's first carry: `initial_carry` (by default
+  ``zero_carry(memory, input_features)``), paired with a zero context
+  ``[count_capacity, features]`` under input feeding."""
+  memory = check_memory_lod(memory)
+  if initial_carry is None:
+    initial_carry = zero_carry(memory, input_features)
+  if not input_feeding:
+    return initial_carry
+  shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
+  return initial_carry, jnp.zeros(shape, memory.values.dtype)
+
+
+def check_decoder_call(
+  decoder: Any, tgt: Any, memory: Any, initial_carry: Any, return_weights: Any
+) -> tuple[LoDTensor, LoDTensor]:
+  """The checked ``(tgt, memory)`` of a decoder's teacher-forced call, after
+  its cell, attention, flags and the carry's leaves."""
+  tgt = check_targets(tgt)
+  memory = check_memory_lod(memory)
+  _checks.check_callable(decoder.cell, "cell")
+  check_attention_layer(decoder.attention, decoder)
+  _checks.check_bools(
+    input_feeding=decoder.input_feeding,
+    remat=decoder.remat,
+    return_weights=return_weights,
+  )
+  # `dynamic_rnn` checks the carry's leading dimensions (naming `init_carry`).
+  check_leaves(initial_carry, "initial_carry")
+  check_counts(tgt, memory)
+  decoder.check_input_width(tgt, memory)
+  return tgt, memory
+
+
+def teacher_forced(
+  decoder: Any,
+  tgt: Any,
+  memory: Any,
+  initial_carry: Any,
+  return_weights: bool,
+  table: RankTable | None,
+) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+  """`AttentionDecoder`'s call: its `step` over every target sequence
+  (`jaxlod.ops.run_decoder`), from ``decoder.initial_state`` over
+  ``decoder.precompute(memory)``, the step made pure by
+  ``decoder.pure_step``."""
+  tgt, memory = check_decoder_call(decoder, tgt, memory, initial_carry, return_weights)
+  carry = decoder.initial_state(memory, tgt.feature_shape[-1], initial_carry)
+  padded = decoder.precompute(memory)
+  step, carry, _ = count_steps(decoder.pure_step(carry, tgt, padded), carry)
+  return core.run_decoder(
+    step,
+    tgt,
+    padded,
+    carry,
+    return_weights=return_weights,
+    table=table,
+    ladder=decoder.ladder,
+    remat=decoder.remat,
+  )

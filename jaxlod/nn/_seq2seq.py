@@ -12,10 +12,18 @@ import jax.numpy as jnp
 
 from jaxlod import _checks
 from jaxlod._lod import LoDTensor
-from jaxlod.nn import _common
-from jaxlod.nn._checks import check_rngs, check_vocabs
+from jaxlod.nn._checks import check_rngs, check_seq2seq, check_vocabs
 from jaxlod.nn._decoder import AttentionDecoder
+from jaxlod.nn._encoder_decoder import (
+  Member,
+  bridged_carry,
+  decode_tokens,
+  encode_ids,
+  forced_logits,
+  generate,
+)
 from jaxlod.nn._rnn import pure_method
+from jaxlod.ops._attention import Memory
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
 from jaxlod.ops._rank import RankTable
 
@@ -40,7 +48,7 @@ class CarryBridge(nn.Module):
     return jax.tree.unflatten(tree, out)
 
 
-class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
+class Seq2Seq(nn.Module):
   """An attention encoder-decoder over LoDTensors of token ids.
 
   Source and target ids are embedded (``src_embed``, ``tgt_embed``), the
@@ -101,7 +109,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
   deterministic: bool = True
 
   def setup(self):
-    _common.check_seq2seq(
+    check_seq2seq(
       self.src_vocab,
       self.tgt_vocab,
       self.embed_dim,
@@ -111,6 +119,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
       self.dropout,
       self.deterministic,
       self,
+      AttentionDecoder,
     )
     self.drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
     self.src_embed = nn.Embed(self.src_vocab, self.embed_dim)
@@ -119,25 +128,149 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
       self.carry_bridge = CarryBridge()
     self.output = nn.Dense(self.tgt_vocab)
 
-  # Flax manages module state in (and `nn.intercept_methods` sees) a class's
-  # own methods only: the shared ones are taken into the class.
-  shared = _common.Seq2SeqCalls
-  encode, initial_state = shared.encode, shared.initial_state
-  cell_carry, precompute, decode_step = (
-    shared.cell_carry,
-    shared.precompute,
-    shared.decode_step,
-  )
-  generate, __call__ = shared.generate, shared.__call__
-  del shared
+  def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
+    """The encoder's outputs over the embedded source: the decoder's memory.
+
+    Args:
+      src: a LoDTensor of int ids, values ``[src_token_capacity]`` or
+        ``[src_token_capacity, 1]``.
+      table: `src`'s rank table (e.g. built on the host by `jaxlod.data`),
+        given to the encoder as ``table=``; `None`: not passed, the encoder
+        builds its own (an encoder given one must take ``table=``, as
+        `DynamicRNN`, `Bidirectional` and `StackedRNN` do).
+
+    Returns:
+      A LoDTensor with `src`'s LoD, values ``[src_token_capacity,
+      features]``.
+    """
+    return encode_ids(self.encoder, self.src_embed, self.src_vocab, src, table)
+
+  def initial_state(self, memory: LoDTensor) -> Any:
+    """The decoder's starting carry for `memory` (bridged or zeros).
+
+    Args:
+      memory: `encode`'s result, values ``[src_token_capacity, features]``.
+
+    Returns:
+      The carry of `decode_step`, leaves ``[count_capacity, ...]`` in
+      `memory`'s order (see `AttentionDecoder.initial_state`).
+    """
+    return self.decoder.initial_state(memory, self.embed_dim, self.cell_carry(memory))
+
+  def cell_carry(self, memory: LoDTensor) -> Any:
+    """The bridged initial cell carry, or `None` (the cell's zeros)."""
+    bridge = self.carry_bridge if self.bridge else None
+    return bridged_carry(memory, bridge, self.decoder.zero_carry, self.embed_dim)
+
+  def precompute(self, memory: LoDTensor) -> Memory:
+    """The `jaxlod.ops.Memory` of `memory` for `decode_step` (see
+    `AttentionDecoder.precompute`)."""
+    return self.decoder.precompute(memory)
+
+  def decode_step(
+    self, carry: Any, tokens: jax.typing.ArrayLike, memory: Memory
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """One decoding step from token ids to next-token logits.
+
+    Args:
+      carry: the decoder carry, leaves ``[b, ...]``.
+      tokens: ``[b]`` int ids of the previous tokens.
+      memory: the `jaxlod.ops.Memory` of ``b`` rows (see `precompute`).
+
+    Returns:
+      ``(carry, logits [b, tgt_vocab], weights [b, source_capacity])``.
+    """
+    return decode_tokens(
+      self.tgt_embed, self.decoder.step, self.output, carry, tokens, memory
+    )
+
+  def generate(
+    self,
+    src: LoDTensor,
+    settings: DecodeSettings,
+    *,
+    max_lengths: jax.typing.ArrayLike | None = None,
+    src_table: RankTable | None = None,
+  ) -> Hypotheses:
+    """Decodes every source with `jaxlod.ops.beam_search`, each source
+    stopping early: `ensemble_generate` with this model as the one member.
+
+    Args:
+      src: a LoDTensor of int source ids, values ``[src_token_capacity]``
+        or ``[src_token_capacity, 1]``; its padding sequences get no
+        hypotheses.
+      settings: the `jaxlod.ops.DecodeSettings` (``beam_size=1``: greedy).
+      max_lengths: int ``[count_capacity]`` per-source limits (see
+        `jaxlod.ops.beam_search`), or `None`.
+      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
+        the encoder builds its own.
+
+    Layers that draw (a Linen cell with ``nn.Dropout``, in the encoder or
+    the decoder) take the RNG streams of ``apply(..., rngs=...)``, the
+    decoding step afresh at every step.
+
+    Returns:
+      `jaxlod.ops.Hypotheses` in `src`'s order: token ids as a 2-level
+      LoDTensor (source -> hypotheses -> tokens, `eos` excluded) and one
+      score per hypothesis.
+
+    Raises:
+      ValueError: for `bos_id` or `eos_id` outside ``[0, tgt_vocab)``, and
+        as `beam_search` does.
+    """
+    return generate(
+      [self.member()], src, settings, max_lengths=max_lengths, src_table=src_table
+    )
+
+  def __call__(
+    self,
+    src: LoDTensor,
+    tgt_in: LoDTensor,
+    *,
+    return_weights: bool = False,
+    src_table: RankTable | None = None,
+    tgt_table: RankTable | None = None,
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+    """Teacher-forced logits of every target position.
+
+    Args:
+      src: a LoDTensor of int source ids, values ``[src_token_capacity]`` or
+        ``[src_token_capacity, 1]``.
+      tgt_in: a LoDTensor of int decoder input ids (the target shifted
+        right), values ``[token_capacity]`` or ``[token_capacity, 1]``, one
+        sequence per `src` sequence.
+      return_weights: also return the decoder's attention weights (e.g. to
+        draw which letters each output step attends to).
+      src_table: `src`'s rank table for the encoder (see `encode`); `None`:
+        the encoder builds its own.
+      tgt_table: `tgt_in`'s rank table for the decoder's loop (see
+        `AttentionDecoder`); `None`: built there. `jaxlod.data.Batcher`
+        builds both on the host with each batch (``Batch.tables``).
+
+    Returns:
+      A LoDTensor with `tgt_in`'s LoD and values ``[token_capacity,
+      tgt_vocab]``; padding rows are zeros. With `return_weights`, the pair
+      ``(logits, weights)``, weights a LoDTensor with `tgt_in`'s LoD and
+      values ``[token_capacity, src_time_capacity]`` (row ``t`` of a target
+      sequence: its weights over the source positions).
+
+    Raises:
+      TypeError: for ids that are not LoDTensors of integers.
+      ValueError: at trace time for ids of the wrong shape, `src` and
+        `tgt_in` with different count capacities (eagerly, different
+        numbers of sequences), widths the attention rejects, or a table
+        that does not describe its ids (other lengths or capacities) or
+        whose ladder is not its loop's.
+    """
+    return forced_logits(self, src, tgt_in, return_weights, src_table, tgt_table)
 
   def dropout_rows(self, values: jax.Array) -> jax.Array:
     """``Dropout(dropout)`` of packed rows (zero rows stay zero)."""
     return self.drop(values)
 
-  def member(self) -> _common.Member:
-    """This bound model as a `_common.Member` of pure functions of its
-    variables (`generate`, `ensemble_generate`).
+  def member(self) -> Member:
+    """This bound model as a `Member` of pure functions of its variables
+    (`generate`, `ensemble_generate`).
 
     Each function gets the RNG streams of the call but ``params`` (those of
     ``apply(..., rngs=...)``, or of ``bind``), a key of its own per stream,
@@ -155,7 +288,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nn.Module):
         "method='generate')`."
       )
     methods = ("encode", "initial_state", "precompute", "decode_step")
-    return _common.Member(*(pure_method(self, method) for method in methods))
+    return Member(*(pure_method(self, method) for method in methods))
 
 
 def ensemble_generate(
@@ -239,9 +372,7 @@ def ensemble_generate(
     model.bind(variables, rngs=_member_rngs(rngs, k)).member()
     for k, (model, variables) in enumerate(members)
   ]
-  return _common.generate(
-    pure, src, settings, max_lengths=max_lengths, src_table=src_table
-  )
+  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
 
 
 def _member_rngs(rngs: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:

@@ -6,19 +6,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 
 from jaxlod import _checks
 from jaxlod._checks import check_width
 from jaxlod._lod import LoDTensor
-from jaxlod.nn import _common
 from jaxlod.nn._checks import check_cell
+from jaxlod.nn._decoding import (
+  carry_shape,
+  precompute_memory,
+  start_state,
+  teacher_forced,
+)
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops import _attention as core
-from jaxlod.ops._rank import check_ladder
+from jaxlod.ops._rank import RankTable, check_ladder
 
 
-class AttentionDecoder(_common.DecoderCalls, nnx.Module):
+class AttentionDecoder(nnx.Module):
   """A recurrent decoder attending over an encoder's LoD outputs at every step.
 
   The NNX twin of `jaxlod.nn.AttentionDecoder`: the same step
@@ -70,9 +76,46 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     self.input_feeding, self.remat = input_feeding, remat
     self.ladder = check_ladder(ladder)
 
-  def initialize_carry(self, shape: tuple[int, int]) -> Any:
-    """``cell.initialize_carry(shape, nnx.Rngs(0))``."""
-    return initialize_carry(self.cell, shape)
+  def precompute(self, memory: LoDTensor) -> core.Memory:
+    """The `jaxlod.ops.Memory` that `step` reads: as
+    `jaxlod.nn.AttentionDecoder.precompute`."""
+    return precompute_memory(self.attention, memory)
+
+  def step(
+    self, carry: Any, x_t: jax.typing.ArrayLike, memory: core.Memory
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """One decoder step over a batch of rows: as
+    `jaxlod.nn.AttentionDecoder.step`."""
+    return core.decoder_step(
+      self.cell, self.attention, carry, x_t, memory, input_feeding=self.input_feeding
+    )
+
+  def zero_carry(self, memory: LoDTensor, input_features: int) -> Any:
+    """The cell's default carry: as `jaxlod.nn.AttentionDecoder.zero_carry`."""
+    shape = carry_shape(memory, input_features, self.input_feeding)
+    return self.initialize_carry(shape)
+
+  def initial_state(
+    self, memory: LoDTensor, input_features: int, initial_carry: Any = None
+  ) -> Any:
+    """The carry `step` starts from, one row per memory sequence: as
+    `jaxlod.nn.AttentionDecoder.initial_state`."""
+    return start_state(
+      memory, input_features, initial_carry, self.zero_carry, self.input_feeding
+    )
+
+  def __call__(
+    self,
+    tgt: LoDTensor,
+    memory: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    return_weights: bool = False,
+    table: RankTable | None = None,
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+    """Decodes every target sequence against its memory (teacher forcing):
+    as `jaxlod.nn.AttentionDecoder.__call__`."""
+    return teacher_forced(self, tgt, memory, initial_carry, return_weights, table)
 
   def check_input_width(self, tgt: LoDTensor, memory: LoDTensor) -> None:
     """The target rows and the fed-back context fill the cell's
@@ -86,6 +129,10 @@ class AttentionDecoder(_common.DecoderCalls, nnx.Module):
     if fed:
       what += f" {cell_width} less the {fed} memory features fed back"
     check_width("tgt", tgt.feature_shape[0], cell_width - fed, what)
+
+  def initialize_carry(self, shape: tuple[int, int]) -> Any:
+    """``cell.initialize_carry(shape, nnx.Rngs(0))``."""
+    return initialize_carry(self.cell, shape)
 
   def pure_step(self, carry: Any, tgt: LoDTensor, memory: core.Memory) -> Any:
     """`step` over a snapshot of the layer's state, for `dynamic_rnn`."""

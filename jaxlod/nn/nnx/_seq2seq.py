@@ -13,10 +13,18 @@ from flax import nnx
 from jaxlod import _checks
 from jaxlod._checks import check_sizes
 from jaxlod._lod import LoDTensor
-from jaxlod.nn import _common
-from jaxlod.nn._checks import check_vocabs
+from jaxlod.nn._checks import check_seq2seq, check_vocabs
+from jaxlod.nn._encoder_decoder import (
+  Member,
+  bridged_carry,
+  decode_tokens,
+  encode_ids,
+  forced_logits,
+  generate,
+)
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
+from jaxlod.ops._attention import Memory
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
 from jaxlod.ops._rank import RankTable
 
@@ -42,7 +50,7 @@ class CarryBridge(nnx.Module):
     return jax.tree.unflatten(tree, out)
 
 
-class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
+class Seq2Seq(nnx.Module):
   """An attention encoder-decoder over LoDTensors of token ids.
 
   The NNX twin of `jaxlod.nn.Seq2Seq`: the same layers under the same names
@@ -96,7 +104,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
     deterministic: bool = True,
     rngs: nnx.Rngs,
   ):
-    _common.check_seq2seq(
+    check_seq2seq(
       src_vocab,
       tgt_vocab,
       embed_dim,
@@ -106,6 +114,7 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
       dropout,
       deterministic,
       self,
+      AttentionDecoder,
     )
     check_sizes(features=features)
     self.src_vocab, self.tgt_vocab, self.embed_dim = src_vocab, tgt_vocab, embed_dim
@@ -126,15 +135,73 @@ class Seq2Seq(_common.Seq2SeqCalls, nnx.Module):
       )
     self.output = nnx.Linear(hidden + features, tgt_vocab, rngs=rngs)
 
+  def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
+    """The encoder's outputs over the embedded source: as
+    `jaxlod.nn.Seq2Seq.encode`."""
+    return encode_ids(self.encoder, self.src_embed, self.src_vocab, src, table)
+
+  def initial_state(self, memory: LoDTensor) -> Any:
+    """The decoder's starting carry for `memory`: as
+    `jaxlod.nn.Seq2Seq.initial_state`."""
+    return self.decoder.initial_state(memory, self.embed_dim, self.cell_carry(memory))
+
+  def cell_carry(self, memory: LoDTensor) -> Any:
+    """The bridged initial cell carry, or `None` (the cell's zeros)."""
+    return bridged_carry(
+      memory, self.carry_bridge, self.decoder.zero_carry, self.embed_dim
+    )
+
+  def precompute(self, memory: LoDTensor) -> Memory:
+    """The `jaxlod.ops.Memory` of `memory` for `decode_step`: as
+    `jaxlod.nn.Seq2Seq.precompute`."""
+    return self.decoder.precompute(memory)
+
+  def decode_step(
+    self, carry: Any, tokens: jax.typing.ArrayLike, memory: Memory
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """One decoding step from token ids to next-token logits: as
+    `jaxlod.nn.Seq2Seq.decode_step`."""
+    return decode_tokens(
+      self.tgt_embed, self.decoder.step, self.output, carry, tokens, memory
+    )
+
+  def generate(
+    self,
+    src: LoDTensor,
+    settings: DecodeSettings,
+    *,
+    max_lengths: jax.typing.ArrayLike | None = None,
+    src_table: RankTable | None = None,
+  ) -> Hypotheses:
+    """Decodes every source with `jaxlod.ops.beam_search`: as
+    `jaxlod.nn.Seq2Seq.generate`, with this model as the one member of
+    `ensemble_generate`."""
+    return generate(
+      [self.member()], src, settings, max_lengths=max_lengths, src_table=src_table
+    )
+
+  def __call__(
+    self,
+    src: LoDTensor,
+    tgt_in: LoDTensor,
+    *,
+    return_weights: bool = False,
+    src_table: RankTable | None = None,
+    tgt_table: RankTable | None = None,
+  ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+    """Teacher-forced logits of every target position: as
+    `jaxlod.nn.Seq2Seq.__call__`."""
+    return forced_logits(self, src, tgt_in, return_weights, src_table, tgt_table)
+
   def dropout_rows(self, values: jax.Array) -> jax.Array:
     """``nnx.Dropout(dropout)`` of packed rows unless `deterministic`."""
     return self.drop(values, deterministic=self.deterministic)
 
-  def member(self) -> _common.Member:
-    """This model as a `_common.Member` of pure functions (its decoding step
-    over a snapshot of its state)."""
+  def member(self) -> Member:
+    """This model as a `Member` of pure functions (its decoding step over a
+    snapshot of its state)."""
     step = functional_call(self, "decode_step")
-    return _common.Member(self.encode, self.initial_state, self.precompute, step)
+    return Member(self.encode, self.initial_state, self.precompute, step)
 
 
 def ensemble_generate(
@@ -172,6 +239,4 @@ def ensemble_generate(
       )
   check_vocabs([model.tgt_vocab for model in members])
   pure = [model.member() for model in members]
-  return _common.generate(
-    pure, src, settings, max_lengths=max_lengths, src_table=src_table
-  )
+  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
