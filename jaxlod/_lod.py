@@ -10,32 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _buckets, _checks, _lod_checks, _serial
+from jaxlod import _buckets, _lod_checks, _serial
 from jaxlod._buckets import Buckets
-from jaxlod._checks import (
-  check_dtype,
-  check_sequence,
-  is_concrete,
-  require,
-  static_int,
-)
+from jaxlod._checks import check_dtype, check_sequence, is_concrete, require, static_int
 from jaxlod._faults import check_sound, concrete_faults, describe_faults
-from jaxlod._host import as_array, check_fits_device, host_array, host_numbers
+from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod_checks import (
-  check_integer_level,
+  check_fields,
   check_lengths_fit,
   check_offsets,
   check_pad_value,
-  check_padded_lengths,
+  check_padded,
+  check_row_splits,
   check_segment_ids,
+  check_sequences,
   check_stored_lod,
+  check_values,
+  is_array,
+  lengths_to_offsets,
 )
 
 
@@ -51,56 +50,6 @@ class Capacity(NamedTuple):
   tokens: int
   sequences: tuple[int, ...]
   time: tuple[int, ...]
-
-
-# -- host-side building ----------------------------------------------------------
-
-
-def lengths_to_offsets(
-  recursive_lengths: Sequence[Any], argument: str = "recursive_lengths"
-) -> list[np.ndarray]:
-  """Paddle's length-based LoD as offsets: one int64 array per level (host).
-
-  Args:
-    recursive_lengths: one sequence of lengths per level.
-    argument: the caller's name for it, in messages.
-
-  Raises:
-    TypeError, ValueError: for a level that is not 1-D integer, or a
-      negative length.
-  """
-  offsets = []
-  for level, lengths in enumerate(recursive_lengths):
-    lengths = check_integer_level("lengths", level, lengths, argument)
-    negative = np.flatnonzero(lengths < 0)
-    if negative.size:
-      i = int(negative[0])
-      raise ValueError(
-        f"LoD level {level}, index {i}: length {lengths[i]} is negative."
-      )
-    # Offsets live in int32 on the device (and an int64 cumsum can wrap):
-    # sum exactly in Python ints first.
-    total = sum(int(n) for n in lengths)
-    if total > np.iinfo(np.int32).max:
-      raise ValueError(
-        f"LoD level {level}: the lengths sum to {total}, over the int32 "
-        f"offsets' limit {np.iinfo(np.int32).max}."
-      )
-    offsets.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-  return offsets
-
-
-def _as_values(values: Any, dtype: Any = None) -> np.ndarray:
-  array = host_numbers(values, "values")
-  if dtype is not None:
-    array = array.astype(dtype)
-  check_fits_device(array, "values")
-  if array.ndim == 0:
-    raise ValueError(
-      "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar "
-      f"of dtype {array.dtype}."
-    )
-  return array
 
 
 def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
@@ -122,10 +71,6 @@ def owners(offsets: jax.Array, items: jax.Array, count: int) -> jax.Array:
   """
   seq = jnp.searchsorted(offsets, items, side="right").astype(jnp.int32) - 1
   return jnp.clip(seq, 0, count - 1)
-
-
-def _is_array(value: Any) -> bool:
-  return isinstance(value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
 
 
 # -- the pytree ----------------------------------------------------------------
@@ -230,29 +175,7 @@ class LoDTensor:
     object.__setattr__(self, "time_capacity", time_capacity)
     if type(self.faults) is int:  # the default, or a Python int given
       object.__setattr__(self, "faults", np.asarray(self.faults, np.int32))
-    if len(offsets) == 0:
-      raise ValueError("Expected at least one LoD level, got none.")
-    if len(time_capacity) != len(offsets):
-      raise ValueError(
-        f"Expected one time capacity per level ({len(offsets)}), got {time_capacity}."
-      )
-    lead = len(self.num_outer.shape) if _is_array(self.num_outer) else 0
-    if _is_array(self.values) and len(self.values.shape) <= lead:
-      raise ValueError(
-        "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar."
-      )
-    for level, o in enumerate(offsets):
-      if _is_array(o) and (len(o.shape) != lead + 1 or o.shape[-1] < 1):
-        raise ValueError(
-          f"Expected offsets of level {level} to have shape [count_capacity + 1], "
-          f"got {tuple(o.shape)}."
-        )
-    _checks.check_index_leaves(
-      [(f"offsets of level {i}", o) for i, o in enumerate(offsets)]
-      + [("num_outer", self.num_outer), ("faults", self.faults)],
-      "the LoD is integer data, so a tree map over a LoDTensor must leave it "
-      "alone (cast the rows with `x.astype(dtype)`).",
-    )
+    check_fields(self)
 
   # -- host builders ----------------------------------------------------------
 
@@ -275,7 +198,7 @@ class LoDTensor:
       ValueError: if the LoD is malformed (the message names the level, the
         index and the values) or the batch exceeds a fixed capacity.
     """
-    values = _as_values(values)
+    values = check_values(values)
     checked = check_offsets(offsets, values.shape[0])
     return cls._build(values, checked, _buckets.resolve(buckets))
 
@@ -300,7 +223,7 @@ class LoDTensor:
       ValueError: for negative or non-integer lengths, levels whose sums
         disagree with the next level, or a batch over a fixed capacity.
     """
-    values = _as_values(values)
+    values = check_values(values)
     recursive_lengths = check_sequence(
       recursive_lengths, "recursive_lengths", "one sequence of lengths per level"
     )
@@ -326,69 +249,7 @@ class LoDTensor:
     Raises:
       ValueError: if the sequences disagree in feature shape.
     """
-    if isinstance(seqs, np.ndarray | jax.Array):
-      raise TypeError(
-        "Expected `seqs` to be a list of sequences, got an array; use "
-        "`from_padded` or `from_lengths` for arrays."
-      )
-    if not isinstance(seqs, Iterable) or isinstance(seqs, str | bytes):
-      raise TypeError(
-        f"Expected `seqs` to be a list of sequences, got {type(seqs).__name__}."
-      )
-    check_dtype(dtype, "dtype")
-    seqs = list(seqs)  # read once: a generator would be empty on a second pass
-    two_levels = any(_is_nested(s) for s in seqs)
-    if two_levels:
-      for i, group in enumerate(seqs):
-        if not isinstance(group, list | tuple):
-          raise ValueError(
-            f"Expected item {i} of a two-level `seqs` to be a list of sequences, "
-            f"got {type(group).__name__}."
-          )
-    inner = [list(s) for s in seqs] if two_levels else [list(seqs)]
-    names = [
-      f"seqs[{g}][{j}]" if two_levels else f"seqs[{j}]"
-      for g, group in enumerate(inner)
-      for j in range(len(group))
-    ]
-    flat = [
-      host_array(x, name)
-      for name, x in zip(names, (x for group in inner for x in group), strict=True)
-    ]
-    for i, x in enumerate(flat):
-      host_numbers(x, "values", where=f" in `seqs`, sequence {i}")
-      if x.ndim == 0:
-        raise ValueError(
-          f"Expected sequence {i} to have rank >= 1 ([length, *features]), got a "
-          "scalar."
-        )
-    features = {x.shape[1:] for x in flat if x.shape[0] > 0} or {
-      x.shape[1:] for x in flat
-    }
-    if len(features) > 1:
-      shown = [i for i, x in enumerate(flat) if x.shape[0] > 0] or range(len(flat))
-      first = shown[0]
-      bad = next(i for i in shown if flat[i].shape[1:] != flat[first].shape[1:])
-      raise ValueError(
-        "Expected every sequence to have the same feature shape, got "
-        f"{sorted(features)}: `{names[bad]}` has {flat[bad].shape[1:]}, "
-        f"`{names[first]}` {flat[first].shape[1:]}."
-      )
-    feature_shape = features.pop() if features else ()
-    if dtype is None:
-      # The data's dtype; empty sequences keep theirs (empty int arrays stay
-      # int), and no sequence at all gives float32.
-      typed = [x.dtype for x in flat if x.size] or [x.dtype for x in flat]
-      dtype = np.result_type(*typed) if typed else np.float32
-    rows = [x.reshape((x.shape[0], *feature_shape)) for x in flat]
-    values = (
-      np.concatenate(rows, axis=0).astype(dtype)
-      if rows
-      else np.zeros((0, *feature_shape), dtype)
-    )
-    lengths = [[x.shape[0] for x in flat]]
-    if two_levels:
-      lengths.insert(0, [len(group) for group in inner])
+    values, lengths = check_sequences(seqs, dtype)
     return cls.from_lengths(values, lengths, buckets=buckets)
 
   @classmethod
@@ -439,23 +300,8 @@ class LoDTensor:
       >>> y.recursive_lengths(), y.capacity == x.capacity
       ([[2, 0, 3]], True)
     """
-    padded = host_numbers(padded, "padded")
-    check_fits_device(padded, "padded")
-    if padded.ndim < 2:
-      raise ValueError(
-        f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "
-        f"shape {padded.shape}."
-      )
-    lengths = check_integer_level("lengths", 0, lengths, "lengths")
-    if lengths.shape[0] != padded.shape[0]:
-      raise ValueError(
-        f"Expected `lengths` to have shape ({padded.shape[0]},) (one per "
-        f"sequence of `padded`), got {lengths.shape}."
-      )
-    count = check_padded_lengths(lengths, padded.shape[1], num_sequences)
-    lengths, padded = lengths[:count], padded[:count]
-    mask = np.arange(padded.shape[1])[None, :] < lengths[:, None]
-    return cls.from_lengths(padded[mask], [lengths], buckets=buckets)
+    rows, lengths = check_padded(padded, lengths, num_sequences)
+    return cls.from_lengths(rows, [lengths], buckets=buckets)
 
   @classmethod
   def from_segment_ids(
@@ -506,7 +352,7 @@ class LoDTensor:
       >>> x.recursive_lengths(), x.values.tolist()
       ([[3, 2]], [0.0, 1.0, 2.0, 3.0, 4.0])
     """
-    values = _as_values(values)
+    values = check_values(values)
     lengths = check_segment_ids(segment_ids, positions, values.shape[0], padding_id)
     rows = int(lengths.sum())
     return cls.from_lengths(values[:rows], [lengths], buckets=buckets)
@@ -544,13 +390,8 @@ class LoDTensor:
       >>> [s.tolist() for s in x.row_splits()]
       [[0, 2, 3], [0, 3, 3, 5]]
     """
-    values = _as_values(values)
-    if isinstance(row_splits, np.ndarray | jax.Array) and row_splits.ndim == 1:
-      row_splits = [row_splits]
-    row_splits = check_sequence(row_splits, "row_splits", "a list of 1-D arrays")
-    if row_splits and all(_is_scalar(s) for s in row_splits):
-      row_splits = [row_splits]  # one level as a flat list, tuple or generator
-    checked = check_offsets(row_splits, values.shape[0], name="row_splits")
+    values = check_values(values)
+    checked = check_row_splits(row_splits, values.shape[0])
     return cls._build(values, checked, _buckets.resolve(buckets))
 
   @classmethod
@@ -698,7 +539,7 @@ class LoDTensor:
 
   def with_values(self, values: jax.Array) -> LoDTensor:
     """The same LoD over new rows ``[token_capacity, *new_features]``."""
-    if not _is_array(values):
+    if not is_array(values):
       values = as_array(values, "values")
     check_fits_device(values, "values")
     if jnp.ndim(values) == 0 or jnp.shape(values)[0] != self.capacity.tokens:
@@ -889,20 +730,6 @@ _serial.register_export(LoDTensor, "jaxlod.LoDTensor")
 _serial.register_state(
   LoDTensor, _lod_checks.check_lod_restore, _lod_checks.check_restored_lod
 )
-
-
-def _is_scalar(value: Any) -> bool:
-  """A Python or NumPy number, or a 0-d array: one split, not a level."""
-  if isinstance(value, np.ndarray | jax.Array):
-    return value.ndim == 0
-  return isinstance(value, int | float | np.generic)
-
-
-def _is_nested(seq: Any) -> bool:
-  """True for a list whose items are sequences (arrays or lists), not numbers."""
-  if isinstance(seq, np.ndarray | jax.Array) or not isinstance(seq, list | tuple):
-    return False
-  return any(isinstance(item, list | tuple | np.ndarray | jax.Array) for item in seq)
 
 
 # -- LoDTensor arguments and capacities ------------------------------------------

@@ -1,6 +1,7 @@
-"""The LoD checks: offsets and lengths given by users, the LoD stored in a
-built `LoDTensor`, padded batches and segment ids turned into LoD, and the
-state of a LoDTensor read back by `flax.serialization`.
+"""The LoD checks: the rows, sequences, offsets, lengths and row splits given
+to `LoDTensor`'s builders, the LoD stored in a built `LoDTensor`, padded
+batches and segment ids turned into LoD, and the state of a LoDTensor read
+back by `flax.serialization`.
 
 Paddle's CheckLoD on host data raises `TypeError` or `ValueError` naming the
 level, the index and both values; the per-sequence arguments and fills of
@@ -9,7 +10,7 @@ the ops on a LoDTensor are checked here too. `jaxlod._lod` builds on these.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._checks import (
+  check_dtype,
+  check_index_leaves,
   check_sequence,
   is_concrete,
   is_integer_dtype,
@@ -24,7 +27,16 @@ from jaxlod._checks import (
   static_int,
   value_text,
 )
-from jaxlod._host import as_array, fill_value, host_ints, is_structure, level_array
+from jaxlod._host import (
+  as_array,
+  check_fits_device,
+  fill_value,
+  host_array,
+  host_ints,
+  host_numbers,
+  is_structure,
+  level_array,
+)
 
 # -- per-sequence arguments and fills --------------------------------------------
 
@@ -104,6 +116,115 @@ def check_pad_value(pad_value: jax.typing.ArrayLike, x: Any) -> jax.Array:
       f"Expected `pad_value` to be a scalar or to broadcast to the feature shape "
       f"{x.feature_shape}, got shape {pad.shape}."
     ) from None
+
+
+# -- the rows and sequences given to the builders --------------------------------
+
+
+def check_values(values: Any) -> np.ndarray:
+  """The rows ``[rows, *features]`` given to a `LoDTensor` builder, as a
+  NumPy array of numbers that JAX can store (host)."""
+  array = host_numbers(values, "values")
+  check_fits_device(array, "values")
+  if array.ndim == 0:
+    raise ValueError(
+      "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar "
+      f"of dtype {array.dtype}."
+    )
+  return array
+
+
+def check_sequences(seqs: Any, dtype: Any) -> tuple[np.ndarray, list[list[int]]]:
+  """The sequences of `LoDTensor.from_sequences` as packed rows and their
+  length-based LoD (host).
+
+  Args:
+    seqs: a list (or any iterable, read once) of arrays ``[length_i,
+      *features]`` (one level), or of lists of such arrays (two levels). A
+      list of numbers counts as one 1-D sequence.
+    dtype: dtype of the rows; inferred from the data when `None`.
+
+  Returns:
+    ``(values [rows, *features], recursive_lengths)``.
+
+  Raises:
+    TypeError: for an array, or a `seqs` that is not a list of sequences.
+    ValueError: for a scalar sequence, or sequences that disagree in
+      feature shape.
+  """
+  if isinstance(seqs, np.ndarray | jax.Array):
+    raise TypeError(
+      "Expected `seqs` to be a list of sequences, got an array; use "
+      "`from_padded` or `from_lengths` for arrays."
+    )
+  if not isinstance(seqs, Iterable) or isinstance(seqs, str | bytes):
+    raise TypeError(
+      f"Expected `seqs` to be a list of sequences, got {type(seqs).__name__}."
+    )
+  check_dtype(dtype, "dtype")
+  seqs = list(seqs)  # read once: a generator would be empty on a second pass
+  two_levels = any(_is_nested(s) for s in seqs)
+  if two_levels:
+    for i, group in enumerate(seqs):
+      if not isinstance(group, list | tuple):
+        raise ValueError(
+          f"Expected item {i} of a two-level `seqs` to be a list of sequences, "
+          f"got {type(group).__name__}."
+        )
+  inner = [list(s) for s in seqs] if two_levels else [list(seqs)]
+  names = [
+    f"seqs[{g}][{j}]" if two_levels else f"seqs[{j}]"
+    for g, group in enumerate(inner)
+    for j in range(len(group))
+  ]
+  flat = [
+    host_array(x, name)
+    for name, x in zip(names, (x for group in inner for x in group), strict=True)
+  ]
+  for i, x in enumerate(flat):
+    host_numbers(x, "values", where=f" in `seqs`, sequence {i}")
+    if x.ndim == 0:
+      raise ValueError(
+        f"Expected sequence {i} to have rank >= 1 ([length, *features]), got a scalar."
+      )
+  features = {x.shape[1:] for x in flat if x.shape[0] > 0} or {
+    x.shape[1:] for x in flat
+  }
+  if len(features) > 1:
+    shown = [i for i, x in enumerate(flat) if x.shape[0] > 0] or range(len(flat))
+    first = shown[0]
+    bad = next(i for i in shown if flat[i].shape[1:] != flat[first].shape[1:])
+    raise ValueError(
+      "Expected every sequence to have the same feature shape, got "
+      f"{sorted(features)}: `{names[bad]}` has {flat[bad].shape[1:]}, "
+      f"`{names[first]}` {flat[first].shape[1:]}."
+    )
+  feature_shape = features.pop() if features else ()
+  if dtype is None:
+    # The data's dtype; empty sequences keep theirs (empty int arrays stay
+    # int), and no sequence at all gives float32.
+    typed = [x.dtype for x in flat if x.size] or [x.dtype for x in flat]
+    dtype = np.result_type(*typed) if typed else np.float32
+  rows = [x.reshape((x.shape[0], *feature_shape)) for x in flat]
+  values = (
+    np.concatenate(rows, axis=0).astype(dtype)
+    if rows
+    else np.zeros((0, *feature_shape), dtype)
+  )
+  lengths = [[x.shape[0] for x in flat]]
+  if two_levels:
+    lengths.insert(0, [len(group) for group in inner])
+  return values, lengths
+
+
+def _is_nested(seq: Any) -> bool:
+  """True for a list whose items are sequences (arrays or lists), not numbers."""
+  if isinstance(seq, np.ndarray | jax.Array) or not isinstance(seq, list | tuple):
+    return False
+  return any(isinstance(item, list | tuple | np.ndarray | jax.Array) for item in seq)
+
+
+# -- offsets and lengths ---------------------------------------------------------
 
 
 def check_integer_level(
@@ -206,6 +327,107 @@ def check_offsets(
   return checked
 
 
+def lengths_to_offsets(
+  recursive_lengths: Sequence[Any], argument: str = "recursive_lengths"
+) -> list[np.ndarray]:
+  """Paddle's length-based LoD as offsets: one int64 array per level (host).
+
+  Args:
+    recursive_lengths: one sequence of lengths per level.
+    argument: the caller's name for it, in messages.
+
+  Raises:
+    TypeError, ValueError: for a level that is not 1-D integer, or a
+      negative length.
+  """
+  offsets = []
+  for level, lengths in enumerate(recursive_lengths):
+    lengths = check_integer_level("lengths", level, lengths, argument)
+    negative = np.flatnonzero(lengths < 0)
+    if negative.size:
+      i = int(negative[0])
+      raise ValueError(
+        f"LoD level {level}, index {i}: length {lengths[i]} is negative."
+      )
+    # Offsets live in int32 on the device (and an int64 cumsum can wrap):
+    # sum exactly in Python ints first.
+    total = sum(int(n) for n in lengths)
+    if total > np.iinfo(np.int32).max:
+      raise ValueError(
+        f"LoD level {level}: the lengths sum to {total}, over the int32 "
+        f"offsets' limit {np.iinfo(np.int32).max}."
+      )
+    offsets.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+  return offsets
+
+
+def check_row_splits(row_splits: Any, num_rows: int) -> list[np.ndarray]:
+  """`tf.RaggedTensor`'s nested row splits (`LoDTensor.from_row_splits`) as
+  checked offsets: `check_offsets` of a list of levels, or of one level
+  given as a 1-D array or a flat list of ints."""
+  if isinstance(row_splits, np.ndarray | jax.Array) and row_splits.ndim == 1:
+    row_splits = [row_splits]
+  row_splits = check_sequence(row_splits, "row_splits", "a list of 1-D arrays")
+  if row_splits and all(_is_scalar(s) for s in row_splits):
+    row_splits = [row_splits]  # one level as a flat list, tuple or generator
+  return check_offsets(row_splits, num_rows, name="row_splits")
+
+
+def _is_scalar(value: Any) -> bool:
+  """A Python or NumPy number, or a 0-d array: one split, not a level."""
+  if isinstance(value, np.ndarray | jax.Array):
+    return value.ndim == 0
+  return isinstance(value, int | float | np.generic)
+
+
+# -- the LoD of a built LoDTensor ------------------------------------------------
+
+
+def is_array(value: Any) -> bool:
+  """An array or a shape struct: a leaf the checks of a built LoDTensor read
+  (not an axis spec or `None` that a transformation put there)."""
+  return isinstance(value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+
+
+def check_fields(x: Any) -> None:
+  """The shapes of a LoDTensor's fields, as its constructor checks them.
+
+  Only array leaves are checked (`LoDTensor.__post_init__` runs on whatever
+  a transformation put in the leaves); a ``num_outer`` with leading axes
+  allows the same leading axes on the other leaves.
+
+  Raises:
+    ValueError: for no levels, not one time capacity per level, a scalar
+      ``values``, or offsets not of shape ``[count_capacity + 1]``.
+    TypeError: for offsets, ``num_outer`` or ``faults`` that are not integer
+      (`check_index_leaves`).
+  """
+  offsets, time_capacity = x.offsets, x.time_capacity
+  if len(offsets) == 0:
+    raise ValueError("Expected at least one LoD level, got none.")
+  if len(time_capacity) != len(offsets):
+    raise ValueError(
+      f"Expected one time capacity per level ({len(offsets)}), got {time_capacity}."
+    )
+  lead = len(x.num_outer.shape) if is_array(x.num_outer) else 0
+  if is_array(x.values) and len(x.values.shape) <= lead:
+    raise ValueError(
+      "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar."
+    )
+  for level, o in enumerate(offsets):
+    if is_array(o) and (len(o.shape) != lead + 1 or o.shape[-1] < 1):
+      raise ValueError(
+        f"Expected offsets of level {level} to have shape [count_capacity + 1], "
+        f"got {tuple(o.shape)}."
+      )
+  check_index_leaves(
+    [(f"offsets of level {i}", o) for i, o in enumerate(offsets)]
+    + [("num_outer", x.num_outer), ("faults", x.faults)],
+    "the LoD is integer data, so a tree map over a LoDTensor must leave it "
+    "alone (cast the rows with `x.astype(dtype)`).",
+  )
+
+
 def _host_index(value: Any, name: str, where: str) -> np.ndarray:
   """An integer LoD leaf of a built tensor, read on the host."""
   if isinstance(value, jax.ShapeDtypeStruct) or not is_concrete(value):
@@ -294,6 +516,9 @@ def _check_padded_lod(
     )
 
 
+# -- padded batches and packed rows turned into LoD ------------------------------
+
+
 def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> int:
   """The lengths of a padded batch ``[count, time, *features]`` (host).
 
@@ -339,6 +564,40 @@ def check_padded_lengths(lengths: np.ndarray, time: int, num_sequences: Any) -> 
       "the padding slots after the real sequences must be empty."
     )
   return n
+
+
+def check_padded(
+  padded: Any, lengths: Any, num_sequences: Any
+) -> tuple[np.ndarray, np.ndarray]:
+  """A padded batch (`LoDTensor.from_padded`) as the packed rows of its real
+  sequences and their lengths (host).
+
+  Args:
+    padded: ``[count, time, *features]``.
+    lengths: ``[count]`` integer lengths.
+    num_sequences: how many of the `count` sequences are real, or `None`
+      (`check_padded_lengths`).
+
+  Returns:
+    ``(rows [sum(lengths), *features], lengths [num_sequences])``.
+  """
+  padded = host_numbers(padded, "padded")
+  check_fits_device(padded, "padded")
+  if padded.ndim < 2:
+    raise ValueError(
+      f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "
+      f"shape {padded.shape}."
+    )
+  lengths = check_integer_level("lengths", 0, lengths, "lengths")
+  if lengths.shape[0] != padded.shape[0]:
+    raise ValueError(
+      f"Expected `lengths` to have shape ({padded.shape[0]},) (one per "
+      f"sequence of `padded`), got {lengths.shape}."
+    )
+  count = check_padded_lengths(lengths, padded.shape[1], num_sequences)
+  lengths, padded = lengths[:count], padded[:count]
+  mask = np.arange(padded.shape[1])[None, :] < lengths[:, None]
+  return padded[mask], lengths
 
 
 def check_segment_ids(
@@ -408,6 +667,9 @@ def check_segment_ids(
         "count 0, 1, ... within each segment."
       )
   return lengths
+
+
+# -- a LoDTensor read back by `flax.serialization` -------------------------------
 
 
 def check_lod_restore(target: Any, saved: dict[str, Any], where: str) -> None:

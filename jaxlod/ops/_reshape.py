@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod import _checks, _lod
+from jaxlod import _checks
 from jaxlod._checks import is_concrete
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod._lod_checks import check_offsets
+from jaxlod._lod_checks import check_offsets, lengths_to_offsets
 from jaxlod.ops import _segment
 
 # -- private helpers ------------------------------------------------------------
@@ -247,7 +247,7 @@ def _from_lengths(lengths: Any) -> tuple[list[jax.Array], int, list[int], int]:
   levels = _as_levels(lengths)
   if not levels:
     raise ValueError("Expected `lengths` to name at least one LoD level, got none.")
-  offsets = _lod.lengths_to_offsets(levels, "lengths")
+  offsets = lengths_to_offsets(levels, "lengths")
   # The last level's total is checked against `x` below, not here.
   offsets = check_offsets(offsets, int(offsets[-1][-1]))
   time = [int(np.max(np.diff(o), initial=0)) for o in offsets]
