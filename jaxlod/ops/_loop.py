@@ -11,8 +11,9 @@ a `lax.while_loop` over steps ``[start_k, end_k)`` at the static batch size
 The backward pass runs the phases in reverse, each stepping ``t`` downward and
 calling the VJP of the step, summing the gradients of parameters and static
 inputs across steps. With ``remat=False`` the forward pass saves the step's
-VJP residuals, each in the place its `Slot` names: those that depend on the
-carry or the step input are stored per step in the schedule layout of
+VJP residuals, each in the place its `Slot` names (the static plan of what
+is stored is `jaxlod.ops._loop_plan`): those that depend on the carry or the
+step input are stored per step in the schedule layout of
 `jaxlod.ops._packed`, those that depend only on parameters and static inputs
 (a concatenated kernel, say) are computed once per phase, so nothing of size
 ``time x weights`` is stored. The residuals come from the step under
@@ -27,7 +28,6 @@ each step.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -37,36 +37,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.extend import core as jex_core
 
-from jaxlod._checks import is_float_dtype
 from jaxlod._vma import vary, varying_axes
+from jaxlod.ops._loop_plan import (
+  Leaves,
+  LoopSpec,
+  Phase,
+  SavePlan,
+  Where,
+  by_row,
+  make_plans,
+  merge,
+  residual_leaves,
+  row_groups,
+  split,
+)
 
-Leaves = list[jax.Array]  # a flat list of arrays: carry, inputs, residuals...
-ShapeDtype = tuple[tuple[int, ...], Any]  # a shape and a dtype
-# ``fn(carry_leaves, x_leaves, inv_leaves) -> (carry_leaves, y_leaves)``
-StepFn = Callable[[Leaves, Leaves, Leaves], tuple[Leaves, Leaves]]
 # ``(step_offsets, saved_offsets, lengths, phase_starts, phase_ends)``: see
 # `make_loop`.
 Bounds = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
-Where = list[tuple[int, int]]  # per stored leaf: (buffer, index in it)
 
 # -- helpers -------------------------------------------------------------------------
-
-
-def is_float(x: Any) -> bool:
-  return is_float_dtype(x.dtype)
-
-
-def _split(leaves: Sequence[Any], mask: Sequence[bool]) -> tuple[list, list]:
-  yes = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
-  no = [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]
-  return yes, no
-
-
-def _merge(yes: Sequence[Any], no: Sequence[Any], mask: Sequence[bool]) -> list:
-  yes, no = iter(yes), iter(no)
-  return [next(yes) if m else next(no) for m in mask]
 
 
 def _mask(active: jax.Array, new: jax.Array, old: jax.typing.ArrayLike) -> jax.Array:
@@ -99,317 +90,6 @@ def _set_prefix(full: jax.Array, part: jax.Array) -> jax.Array:
 
 def _pad_rows(part: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(part, [(0, rows - part.shape[0])] + [(0, 0)] * (part.ndim - 1))
-
-
-def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
-  """The shape (or `shape`), dtype and varying mesh axes of `x` (an array, or
-  a Python scalar the step closes over)."""
-  aval = jax.typeof(x)
-  shape = aval.shape if shape is None else shape
-  mat = getattr(aval, "mat", None)
-  if mat is None or not mat.varying:
-    return jax.ShapeDtypeStruct(shape, aval.dtype)
-  return jax.ShapeDtypeStruct(
-    shape, aval.dtype, sharding=aval.sharding, manual_axis_type=mat
-  )
-
-
-# -- residual slots ------------------------------------------------------------------
-
-
-class SlotKind(enum.Enum):
-  """Where the backward pass finds one residual leaf of the step's VJP.
-
-  * ``SAVED``: the leaf depends on the carry or the step input; the forward
-    pass stores it per step in buffer `Slot.index` (leaves that are one value
-    share a buffer).
-  * ``INVARIANT``: the leaf depends on neither (parameters and static inputs
-    only); it is computed once per phase.
-  * ``INPUT``: the leaf is the step input leaf `Slot.index` unchanged; the
-    backward pass reads it again from the inputs rather than storing it.
-  """
-
-  SAVED = "saved"
-  INVARIANT = "invariant"
-  INPUT = "input"
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-  """The place of one residual leaf: a kind and, but for ``INVARIANT``, an
-  index (a buffer for ``SAVED``, an input leaf for ``INPUT``)."""
-
-  kind: SlotKind
-  index: int | None = None
-
-
-INVARIANT = Slot(SlotKind.INVARIANT)
-
-
-def step_slots(
-  fn: Callable[..., Any],
-  num_step_args: int,
-  *args: Any,
-  reloadable: tuple[int, ...] = (),
-) -> tuple[Slot, ...]:
-  """Which output leaves of ``fn(*args)`` depend on its first args.
-
-  A dependency walk over the jaxpr of `fn`: inputs are the leaves of the
-  first `num_step_args` arguments; an equation's outputs depend on all its
-  inputs (conservative). Returns, per output leaf, `INVARIANT` when it
-  depends on none of them, ``Slot(INPUT, k)`` when it is, unchanged, the
-  input leaf ``reloadable[k]`` (a flat index among those leaves: the caller
-  can load it again rather than store it), else ``Slot(SAVED, i)`` with a
-  buffer number `i` shared by outputs that are the same value (so each is
-  stored once).
-  """
-  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-  num_leaves = len(jax.tree.leaves(args[:num_step_args]))
-  dependent = set(jaxpr.invars[:num_leaves])
-  for eqn in jaxpr.eqns:
-    if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
-      dependent.update(eqn.outvars)
-  reload = {jaxpr.invars[i]: Slot(SlotKind.INPUT, k) for k, i in enumerate(reloadable)}
-  slots, seen = [], {}
-  for v in jaxpr.outvars:
-    if isinstance(v, jex_core.Var) and v in reload:
-      slots.append(reload[v])
-    elif isinstance(v, jex_core.Var) and v in dependent:
-      slots.append(Slot(SlotKind.SAVED, seen.setdefault(v, len(seen))))
-    else:
-      slots.append(INVARIANT)
-  return tuple(slots)
-
-
-def _first_saved(leaves: Sequence[Any], slots: Sequence[Slot]) -> list:
-  """Per ``SAVED`` buffer, the first of `leaves` that goes there."""
-  first = {}
-  for leaf, slot in zip(leaves, slots, strict=True):
-    if slot.kind is SlotKind.SAVED:
-      first.setdefault(slot.index, leaf)
-  return [first[i] for i in range(len(first))]
-
-
-# Cheap elementwise and layout primitives: with saved residuals the backward
-# pass recomputes these from the values it keeps (e.g. ``1 - y`` of a
-# sigmoid's derivative) rather than storing their outputs for every row.
-# ``one_minus_square`` is tanh's derivative ``1 - y**2`` as one primitive
-# (JAX 0.11.2 and 0.12; no such primitive before).
-_CHEAP = frozenset({
-  "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "select_n", "copy",
-  "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-  "expand_dims", "slice", "split", "integer_pow", "square", "one_minus_square",
-})  # fmt: skip
-
-
-def _save_costly(prim: jex_core.Primitive, *_: Any, **__: Any) -> bool:
-  return prim.name not in _CHEAP
-
-
-# -- static description --------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-  """One phase: a flat step function at static batch size `size`.
-
-  ``fn(carry_leaves, x_leaves, inv_leaves) -> (carry_leaves, y_leaves)`` with
-  ``inv_leaves = static_leaves[:size] + [consts[i] for i in consts]``: the
-  phases share one list of constants (model parameters).
-  """
-
-  size: int
-  fn: StepFn
-  consts: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopSpec:
-  """Everything static about one phased loop."""
-
-  phases: tuple[Phase, ...]
-  count: int  # count capacity: rows of the carry and static inputs
-  rows: int  # rows of the time-major inputs and outputs
-  saved_rows: int  # rows of the schedule layout of stored residuals
-  time: int  # time capacity
-  carry_float: tuple[bool, ...]
-  x_float: tuple[bool, ...]
-  static_float: tuple[bool, ...]
-  const_float: tuple[bool, ...]
-  y_float: tuple[bool, ...]
-  y_tails: tuple[ShapeDtype, ...]  # per output leaf
-  return_sequences: bool
-  remat: bool
-  # Mesh axes every carry, input, static and buffer varies over (under
-  # `shard_map`; see `jaxlod._vma`), so the loops keep one type throughout.
-  vma: frozenset = frozenset()
-
-  def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """Zeros that vary over `vma`, to start a loop buffer."""
-    return vary(jnp.zeros(shape, dtype), self.vma)
-
-  def inv_float(self, phase: Phase) -> tuple[bool, ...]:
-    return self.static_float + tuple(self.const_float[i] for i in phase.consts)
-
-  def differentiable(
-    self, phase: Phase, nodiff_step: list, nodiff_inv: list
-  ) -> Callable[[list, list], tuple[list, list]]:
-    """The step as a function of its float leaves only.
-
-    ``f(diff_step, diff_inv) -> (float outputs, non-float outputs)``, where
-    step leaves are carry + input and outputs are new carry + step output.
-    """
-    step_float = self.carry_float + self.x_float
-    out_float = self.carry_float + self.y_float
-    num_carry = len(self.carry_float)
-
-    def f(diff_step: list, diff_inv: list) -> tuple[list, list]:
-      step = _merge(diff_step, nodiff_step, step_float)
-      inv = _merge(diff_inv, nodiff_inv, self.inv_float(phase))
-      new_carry, y = phase.fn(step[:num_carry], step[num_carry:], inv)
-      return _split(list(new_carry) + list(y), out_float)
-
-    # Saved residuals: keep only what `_save_costly` allows; remat recomputes
-    # the whole step anyway.
-    return f if self.remat else jax.checkpoint(f, policy=_save_costly)
-
-
-# -- what the backward pass needs ------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SavePlan:
-  """How a phase stores its per-step data for the backward pass.
-
-  Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and goes to
-  its step's rows of a schedule-layout buffer (see `_row_groups`), shared by
-  all phases. Otherwise (a residual whose leading axis is not the batch) each
-  phase stacks its leaves by step in buffers ``[time_capacity, *shape]``.
-  A residual that is a step input ``x_t`` unchanged is not stored: the
-  backward pass reads it again from the inputs.
-  """
-
-  # Residual mode: per leaf of the VJP function, its `Slot`; `None` when the
-  # plan stores the carries and the backward pass recomputes each step.
-  slots: tuple[Slot, ...] | None
-  tree: jax.tree_util.PyTreeDef | None  # residual mode: tree of the VJP function
-  shapes: tuple[ShapeDtype, ...]  # per buffer, at this phase
-
-  @property
-  def recompute(self) -> bool:
-    """True when the plan stores only the carries (``remat=True``)."""
-    return self.slots is None
-
-  @property
-  def per_step(self) -> tuple[bool, ...] | None:
-    if self.slots is None:
-      return None
-    return tuple(s.kind is not SlotKind.INVARIANT for s in self.slots)
-
-  def stacked(self, leaves: Sequence[jax.Array]) -> Leaves:
-    """The leaves to store, one per buffer."""
-    return _first_saved(leaves, self.slots)
-
-  def residuals(self, stacked: Leaves, invariants: Leaves, x: Leaves) -> Leaves:
-    """All residual leaves from the stored, invariant and input (`x`) ones."""
-    invariants = iter(invariants)
-
-    def leaf(slot: Slot) -> jax.Array:
-      if slot.kind is SlotKind.SAVED:
-        return stacked[slot.index]
-      if slot.kind is SlotKind.INPUT:
-        return x[slot.index]
-      return next(invariants)
-
-    return [leaf(slot) for slot in self.slots]
-
-
-def _residual_leaves(spec: LoopSpec, phase: Phase) -> Callable[..., Leaves]:
-  """``residuals(diff_step, nodiff_step, diff_inv, nodiff_inv)``: the leaves of
-  the step's VJP function."""
-
-  def residuals(
-    diff_step: list, nodiff_step: list, diff_inv: list, nodiff_inv: list
-  ) -> Leaves:
-    f = spec.differentiable(phase, nodiff_step, nodiff_inv)
-    _, vjp, _ = jax.vjp(f, diff_step, diff_inv, has_aux=True)
-    return jax.tree.leaves(vjp)
-
-  return residuals
-
-
-def _phase_avals(
-  spec: LoopSpec,
-  phase: Phase,
-  carry: Leaves,
-  values: Leaves,
-  statics: Leaves,
-  consts: Leaves,
-) -> tuple[list[jax.ShapeDtypeStruct], ...]:
-  """Abstract ``(diff_step, nodiff_step, diff_inv, nodiff_inv)`` of a phase."""
-  b = phase.size
-  step = [_abstract(c, (b, *c.shape[1:])) for c in carry]
-  step += [_abstract(v, (b, *v.shape[1:])) for v in values]
-  inv = [_abstract(s, (b, *s.shape[1:])) for s in statics]
-  inv += [_abstract(consts[i]) for i in phase.consts]
-  diff_step, nodiff_step = _split(step, spec.carry_float + spec.x_float)
-  diff_inv, nodiff_inv = _split(inv, spec.inv_float(phase))
-  return diff_step, nodiff_step, diff_inv, nodiff_inv
-
-
-def _input_positions(spec: LoopSpec) -> tuple[int, ...]:
-  """Where each input leaf x_t[k] sits among the step leaves as the residual
-  function receives them, flattened as (diff_step, nodiff_step)."""
-  step_mask = spec.carry_float + spec.x_float
-  diff, nodiff = _split(list(range(len(step_mask))), step_mask)
-  position = {leaf: j for j, leaf in enumerate(diff + nodiff)}
-  num_carry = len(spec.carry_float)
-  return tuple(position[num_carry + k] for k in range(len(spec.x_float)))
-
-
-def _residual_plan(
-  spec: LoopSpec, phase: Phase, avals: tuple, inputs: tuple[int, ...]
-) -> SavePlan:
-  """The plan of a phase that saves residuals (``remat=False``)."""
-  fn = _residual_leaves(spec, phase)
-  slots = step_slots(fn, 2, *avals, reloadable=inputs)
-  leaves = jax.eval_shape(fn, *avals)
-  shapes = tuple((leaf.shape, leaf.dtype) for leaf in _first_saved(leaves, slots))
-
-  def vjp_tree(*args: Any) -> Callable[..., Any]:
-    f = spec.differentiable(phase, args[1], args[3])
-    return jax.vjp(f, args[0], args[2], has_aux=True)[1]
-
-  tree = jax.tree.structure(jax.eval_shape(vjp_tree, *avals))
-  return SavePlan(slots, tree, shapes)
-
-
-def make_plans(
-  spec: LoopSpec, carry: Leaves, values: Leaves, statics: Leaves, consts: Leaves
-) -> list[SavePlan]:
-  """Per phase: what to store per step (from abstract shapes only)."""
-  inputs = _input_positions(spec)
-  plans = []
-  for phase in spec.phases:
-    if spec.remat:
-      shapes = tuple(((phase.size, *c.shape[1:]), c.dtype) for c in carry)
-      plans.append(SavePlan(None, None, shapes))
-      continue
-    avals = _phase_avals(spec, phase, carry, values, statics, consts)
-    plans.append(_residual_plan(spec, phase, avals, inputs))
-  return plans
-
-
-def by_row(spec: LoopSpec, plans: Sequence[SavePlan]) -> bool:
-  """True when every phase stores leaves ``[size_k, *tail]`` of equal tails."""
-  first = plans[0]
-  for phase, plan in zip(spec.phases, plans, strict=True):
-    if plan.slots != first.slots or len(plan.shapes) != len(first.shapes):
-      return False
-    for (shape, dtype), (shape0, dtype0) in zip(plan.shapes, first.shapes, strict=True):
-      if dtype != dtype0 or shape[:1] != (phase.size,) or shape[1:] != shape0[1:]:
-        return False
-  return True
 
 
 # -- one phase ------------------------------------------------------------------------
@@ -467,7 +147,7 @@ def _phase_data(
   step_offsets, saved_offsets, lengths, phase_starts, phase_ends = bounds
   b = phase.size
   inv = [s[:b] for s in statics] + [consts[i] for i in phase.consts]
-  diff_inv, nodiff_inv = _split(inv, spec.inv_float(phase))
+  diff_inv, nodiff_inv = split(inv, spec.inv_float(phase))
   return _PhaseData(
     diff_inv,
     nodiff_inv,
@@ -483,29 +163,10 @@ def _step_vjp(
   spec: LoopSpec, phase: Phase, data: _PhaseData, c: Leaves, x: Leaves
 ) -> tuple[Leaves, Callable[..., Any]]:
   """``(outputs, vjp)`` of the step at carry `c` and input `x`."""
-  diff_step, nodiff_step = _split(c + x, spec.carry_float + spec.x_float)
+  diff_step, nodiff_step = split(c + x, spec.carry_float + spec.x_float)
   f = spec.differentiable(phase, nodiff_step, data.nodiff_inv)
   outs, vjp, aux = jax.vjp(f, diff_step, data.diff_inv, has_aux=True)
-  return _merge(outs, aux, spec.carry_float + spec.y_float), vjp
-
-
-def _row_groups(plan: SavePlan, rows: int) -> tuple[Where, list[ShapeDtype]]:
-  """Row layout: the stored leaves of one row shape and dtype share a buffer.
-
-  Returns per stored leaf ``(buffer, index in it)`` and per buffer its shape
-  ``[count, rows, *tail]`` and dtype. One buffer per leaf would be zero-filled
-  by one broadcast that XLA then copies for each loop-carried buffer (for the
-  LSTM residuals of benchmark W1, 12 copies of 4.6 MB per call).
-  """
-  where, groups = [], {}
-  for shape, dtype in plan.shapes:
-    key = (tuple(shape[1:]), jnp.dtype(dtype))
-    group = groups.setdefault(key, [len(groups), 0])
-    where.append(tuple(group))
-    group[1] += 1
-  return where, [
-    ((count, rows, *tail), dtype) for (tail, dtype), (_, count) in groups.items()
-  ]
+  return merge(outs, aux, spec.carry_float + spec.y_float), vjp
 
 
 def _row_start(
@@ -524,7 +185,7 @@ def _store(
   leaves: Leaves,
 ) -> Leaves:
   """Stores a step's leaves at its rows (row layout: `where` from
-  `_row_groups`) or, when `where` is `None`, at index `t`."""
+  `row_groups`) or, when `where` is `None`, at index `t`."""
   if where is not None:
     buffers = list(buffers)
     for (g, j), leaf in zip(where, leaves, strict=True):
@@ -568,7 +229,7 @@ def _forward_phase(
   """One phase forward; stores per-step residuals (or carries) when planned."""
   residual_mode = plan is not None and not plan.recompute
   b = phase.size
-  where = _row_groups(plan, spec.saved_rows)[0] if row_layout else None
+  where = row_groups(plan, spec.saved_rows)[0] if row_layout else None
 
   def body(t: jax.Array, state: _ForwardState) -> _ForwardState:
     c, ys, buffers = state
@@ -580,7 +241,7 @@ def _forward_phase(
       stored = plan.stacked(jax.tree.leaves(vjp))
     else:
       stored = c if plan is not None else []
-      inv = _merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
+      inv = merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
       new_c, y = phase.fn(c, x, inv)
     buffers = _store(where, buffers, t, saved_at, stored)
     c = [_mask(active, n, o) for n, o in zip(new_c, c, strict=True)]
@@ -641,7 +302,7 @@ def _backward_phase(
   """
   b = phase.size
   buffers, invariants = saved
-  where = _row_groups(plan, spec.saved_rows)[0] if row_layout else None
+  where = row_groups(plan, spec.saved_rows)[0] if row_layout else None
   y_zeros, const_slots = _y_zeros(spec, phase), _const_slots(spec, phase)
 
   def body(i: jax.Array, state: _BackwardState) -> _BackwardState:
@@ -685,21 +346,21 @@ def _invariant_residuals(
   b = phase.size
   step = [spec.zeros((b, *c.shape[1:]), c.dtype) for c in carry]
   step += [spec.zeros((b, *v.shape[1:]), v.dtype) for v in values]
-  diff_step, nodiff_step = _split(step, spec.carry_float + spec.x_float)
-  leaves = _residual_leaves(spec, phase)(
+  diff_step, nodiff_step = split(step, spec.carry_float + spec.x_float)
+  leaves = residual_leaves(spec, phase)(
     diff_step, nodiff_step, data.diff_inv, data.nodiff_inv
   )
   return [leaf for leaf, p in zip(leaves, plan.per_step, strict=True) if not p]
 
 
 def _buffers(spec: LoopSpec, plan: SavePlan, row_layout: bool) -> Leaves:
-  # Row layout: one buffer per row shape (see `_row_groups`), each leaf at its
+  # Row layout: one buffer per row shape (see `row_groups`), each leaf at its
   # own index, so a step's store is one contiguous row copy per leaf. Packing
   # the leaves side by side along the features fused a concatenate into every
   # step's store: storing the LSTM residuals of benchmark W1 took 1.7x as long.
   if row_layout:
     return [
-      spec.zeros(shape, dtype) for shape, dtype in _row_groups(plan, spec.saved_rows)[1]
+      spec.zeros(shape, dtype) for shape, dtype in row_groups(plan, spec.saved_rows)[1]
     ]
   return [spec.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
 
@@ -742,12 +403,12 @@ def _forward(
 
 
 def _float_zeros(spec: LoopSpec, leaves: Leaves, mask: Sequence[bool]) -> Leaves:
-  return [spec.zeros(a.shape, a.dtype) for a in _split(leaves, mask)[0]]
+  return [spec.zeros(a.shape, a.dtype) for a in split(leaves, mask)[0]]
 
 
 def _fill(grads: Leaves, mask: Sequence[bool]) -> list[jax.Array | None]:
   """The float leaves' `grads`, with `None` for the others."""
-  return _merge(grads, [None] * (len(mask) - len(grads)), mask)
+  return merge(grads, [None] * (len(mask) - len(grads)), mask)
 
 
 def _backward(
@@ -761,11 +422,11 @@ def _backward(
   """Phases in reverse; cotangents of (carry, values, statics, consts)."""
   carry, values, statics, consts, bounds = primals
   row_layout = by_row(spec, plans)
-  g_carry = _split(g_carry, spec.carry_float)[0]
+  g_carry = split(g_carry, spec.carry_float)[0]
   g_values = _float_zeros(spec, values, spec.x_float)
   g_statics = _float_zeros(spec, statics, spec.static_float)
   g_consts = _float_zeros(spec, consts, spec.const_float)
-  g_ys = _split(g_ys, spec.y_float)[0] if spec.return_sequences else []
+  g_ys = split(g_ys, spec.y_float)[0] if spec.return_sequences else []
   for k in reversed(range(len(spec.phases))):
     phase = spec.phases[k]
     data = _phase_data(spec, phase, k, statics, consts, bounds)
