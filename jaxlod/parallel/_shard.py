@@ -23,9 +23,9 @@ from jaxlod._checks import (
 from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._vma import vary, varying_axes
-from jaxlod.data import Batch
-from jaxlod.nn import ensemble_generate
+from jaxlod.data._packing import Batch
 from jaxlod.nn._checks import check_rngs
+from jaxlod.nn._seq2seq import ensemble_generate
 from jaxlod.ops._decode import DecodeSettings, check_settings
 from jaxlod.ops._rank import check_table
 
