@@ -66,6 +66,8 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-# tests/multidevice runs in child processes with forced host devices
-# (tests/test_parallel.py sets JAXLOD_MULTIDEVICE there), never in this one.
-collect_ignore = [] if os.environ.get("JAXLOD_MULTIDEVICE") else ["multidevice"]
+# tests/parallel/multidevice runs in child processes with forced host devices
+# (tests/parallel/test_parallel.py sets JAXLOD_MULTIDEVICE there), never in this one.
+collect_ignore = (
+  [] if os.environ.get("JAXLOD_MULTIDEVICE") else ["parallel/multidevice"]
+)

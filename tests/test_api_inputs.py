@@ -47,13 +47,13 @@ EXEMPT = {
   "jaxlod.data.CapacityPlan": "a NamedTuple of results, built by plan_capacities",
   "jaxlod.data.LoDBatchDataset": "a grain.IterDataset (the grain extra); "
   "its arguments are the Batcher's, checked by the same helpers "
-  "(tests/test_grain.py)",
+  "(tests/data/test_grain.py)",
   # The interop extra: their arguments are torch objects (torch imported
-  # when called); their wrong inputs are tested in tests/test_interop.py.
+  # when called); their wrong inputs are tested in tests/interop/test_torch.py.
   "jaxlod.interop.from_packed_sequence": "takes a torch PackedSequence "
-  "(tests/test_interop.py)",
+  "(tests/interop/test_torch.py)",
   "jaxlod.interop.to_packed_sequence": "returns a torch PackedSequence "
-  "(tests/test_interop.py)",
+  "(tests/interop/test_torch.py)",
   # Abstract: subclasses define `scores`.
   "jaxlod.nn.Attention": "the attentions' abstract base",
   "jaxlod.nn.nnx.Attention": "the attentions' abstract base",
@@ -127,7 +127,8 @@ def test_a_wrong_input_raises_naming_the_argument(t, name, bad):
 
 
 # Decoding compiles its loops (seconds a call); these valid calls run in
-# tests/test_decode.py, tests/test_nn_generate.py and tests/test_parallel.py.
+# tests/ops/test_decode.py, tests/nn/test_generate.py and
+# tests/parallel/test_parallel.py.
 DECODING = {
   "ops.beam_search",
   "nn.Seq2Seq.generate",

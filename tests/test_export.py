@@ -22,8 +22,8 @@ from jaxlod import Buckets, Fault, LoDTensor, unchecked
 from jaxlod.nn import DynamicRNN
 from jaxlod.nn import nnx as lod_nnx
 from jaxlod.ops import Hypotheses, Memory, rank_table
-from tests.test_nn_generate import settings
-from tests.test_nn_seq2seq import _seq2seq, _seq2seq_batch
+from tests.nn.test_generate import settings
+from tests.nn.test_seq2seq import _seq2seq, _seq2seq_batch
 
 ROOT = pathlib.Path(__file__).parent.parent
 BUCKETS = Buckets.fixed(tokens=8, sequences=3, time=4)

@@ -5,8 +5,8 @@ a private *module* of the package (``from jaxlod.ops import _segment``) is
 fine, importing or reading a private *name* of another module is not
 (the house style: one home per concept, used through its public names). The scan
 reads the source (AST) and imports nothing. A second scan holds what users
-read and run (the README, the docs, the notebooks, the benchmarks) to
-jaxlod's public modules.
+read and run (the README, the docs, the notebooks, the examples, the
+benchmarks) to jaxlod's public modules.
 """
 
 import ast

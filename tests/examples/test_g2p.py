@@ -69,7 +69,7 @@ def main_reuses_tiny_functions(
   """`cli.main` builds its step and decoders anew, each compiling on its
   first call; the tests that run it several times hand it the module's,
   built by the same functions from the tiny preset, once its arguments are
-  checked. (tests/multidevice/test_g2p_devices.py lets it build its own.)
+  checked. (tests/parallel/multidevice/test_g2p_devices.py lets it build its own.)
   A new run of the tiny preset starts from `tiny_state`, the same arrays:
   `m.init_state` compiles anew each time too (jax's checkify numbers each
   traced check, so a second trace misses the persistent cache)."""

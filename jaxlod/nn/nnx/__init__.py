@@ -27,5 +27,5 @@ from jaxlod.nn.nnx._seq2seq import (
   ensemble_generate,
 )
 
-# The names of `jaxlod.nn`, one twin each (tests/test_twins.py holds them equal).
+# The names of `jaxlod.nn`, one twin each (tests/nn/test_twins.py holds them equal).
 __all__ = sorted(name for name in dir() if not name.startswith("_"))

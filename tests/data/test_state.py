@@ -13,7 +13,7 @@ import pytest
 
 from jaxlod import Buckets
 from jaxlod.data import Batcher
-from tests.test_data import SMALL, random_examples, same_batches
+from tests.data.test_batcher import SMALL, random_examples, same_batches
 
 EXAMPLES = random_examples(30)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxlod.data
-from examples.g2p import data as g2p
+from examples.g2p import data
 from examples.g2p import model as m
 from jaxlod import Buckets
 from jaxlod.data import Batch, Batcher, _extras
@@ -27,7 +27,7 @@ BUCKETS = [
   Buckets.fixed(tokens=96, sequences=16, time=12),
   Buckets.fixed(tokens=128, sequences=16, time=14),
 ]
-# The G2P example's training batches (`g2p.train`), on about 11,700 of the
+# The G2P example's training batches (`train.training_batcher`), on about 11,700 of the
 # lexicon's words, evenly spaced: every example of two epochs is checked.
 G2P = m.Config(max_words=13_000)
 
@@ -45,7 +45,7 @@ EXAMPLES = random_examples()
 
 
 def g2p_settings(config: m.Config) -> dict:
-  """The Batcher's settings in `g2p.train`, beyond the examples."""
+  """The Batcher's settings in `train.training_batcher`, beyond the examples."""
   return dict(
     buckets=m.batch_buckets(config.batch_words, config.batch_tokens),
     seed=config.seed,
@@ -56,7 +56,7 @@ def g2p_settings(config: m.Config) -> dict:
 
 @pytest.fixture(scope="module")
 def g2p_train():
-  return g2p.load_corpus(G2P).train
+  return data.load_corpus(G2P).train
 
 
 def assert_same_batches(got: list[Batch], expected: list[Batch]) -> None:

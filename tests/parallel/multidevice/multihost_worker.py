@@ -1,6 +1,6 @@
-"""One process of the multi-host test (tests/test_parallel.py).
+"""One process of the multi-host test (tests/parallel/test_parallel.py).
 
-``python -m tests.multidevice.multihost_worker OUT PROCESS_ID NUM_PROCESSES
+``python -m tests.parallel.multidevice.multihost_worker OUT PROCESS_ID NUM_PROCESSES
 PORT``: with more than one process it joins a `jax.distributed` run on
 127.0.0.1:PORT (CPU collectives through gloo); the devices per process come
 from ``XLA_FLAGS``. It trains a small `Seq2Seq` for `STEPS` data-parallel

@@ -1,5 +1,6 @@
-"""The G2P example with --devices on forced host devices (tests/test_parallel.py
-runs this module in a child process with 4 of them)."""
+"""The G2P example with --devices on forced host devices
+(tests/parallel/test_parallel.py runs this module in a child process with 4
+of them)."""
 
 from __future__ import annotations
 

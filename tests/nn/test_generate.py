@@ -15,7 +15,7 @@ import pytest
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import ensemble_generate
 from jaxlod.ops import DecodeSettings, beam_search, ensemble_step, rank_table
-from tests.test_nn_seq2seq import (
+from tests.nn.test_seq2seq import (
   S2S_SRC_BUCKETS,
   SRC_VOCAB,
   _ids,

@@ -884,7 +884,7 @@ def test_initial_state_of_a_cell_without_in_features():
 
 
 def test_errors_layers_that_take_arrays_or_are_linen():
-  """The twin of tests/test_nn_rnn.py's: a layer over LoDTensors is never one
+  """The twin of tests/nn/test_rnn.py's: a layer over LoDTensors is never one
   of Flax's layers over arrays, nor a Linen module."""
   rngs = nnx.Rngs(0)
   gru = lambda: DynamicRNN(nnx.GRUCell(FEATURES, HIDDEN, rngs=rngs))  # noqa: E731

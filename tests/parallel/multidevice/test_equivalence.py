@@ -1,6 +1,6 @@
 """Data-parallel steps over 4 devices against one device on the same examples.
 
-Run by tests/test_parallel.py in a child process with
+Run by tests/parallel/test_parallel.py in a child process with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (it must precede
 JAX's start); collected only there (tests/conftest.py).
 """
@@ -30,8 +30,8 @@ from jaxlod.nn import (
 from jaxlod.ops import DecodeSettings
 from jaxlod.parallel import data_parallel, generate, shard_batch, unstack
 from tests.helpers import assert_close
-from tests.test_nn_rngs import SETTINGS as DROP_SETTINGS
-from tests.test_nn_rngs import drop_seq2seq
+from tests.nn.test_rngs import SETTINGS as DROP_SETTINGS
+from tests.nn.test_rngs import drop_seq2seq
 
 SHARDS = 4
 HIDDEN = 6

@@ -2,7 +2,7 @@
 
 The equivalence tests need several devices, and
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` must be set before
-JAX starts: they run in a child pytest (tests/multidevice). The multi-host
+JAX starts: they run in a child pytest (tests/parallel/multidevice). The multi-host
 test starts 2 processes on 127.0.0.1 through `jax.distributed`.
 """
 
@@ -30,9 +30,9 @@ from jaxlod.parallel import (
   map_shards,
   shard_batch,
 )
-from tests.test_nn_rngs import SETTINGS, drop_seq2seq
+from tests.nn.test_rngs import SETTINGS, drop_seq2seq
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = [(np.arange(n, dtype=np.float32),) for n in (3, 1, 4, 1, 5, 2)]
 BUCKETS = Buckets.fixed(tokens=8, sequences=4, time=6)
 
@@ -142,9 +142,16 @@ def test_generate_takes_rngs(mesh):
 
 
 def test_four_devices_match_one():
-  """tests/multidevice with 4 forced host devices (equivalence, compilation
+  """tests/parallel/multidevice with 4 forced host devices (equivalence, compilation
   count, beam search, the invariant-parameter error)."""
-  command = [sys.executable, "-m", "pytest", "tests/multidevice", "-o", "addopts="]
+  command = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "tests/parallel/multidevice",
+    "-o",
+    "addopts=",
+  ]
   command += ["-p", "no:cacheprovider", "-p", "no:benchmark", "-W", "error"]
   result = subprocess.run(
     command, cwd=ROOT, env=_child_env(4), capture_output=True, text=True, timeout=600
@@ -157,7 +164,7 @@ def test_four_devices_match_one():
 
 
 def _worker(out, process_id, num_processes, port, devices):
-  command = [sys.executable, "-m", "tests.multidevice.multihost_worker"]
+  command = [sys.executable, "-m", "tests.parallel.multidevice.multihost_worker"]
   command += [str(out), str(process_id), str(num_processes), str(port)]
   return subprocess.Popen(
     command,

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 RNN_MODE_KEYS = {
   "jaxlod_s",
   "flax_capacity_s",
@@ -36,7 +36,7 @@ def _load(name: str, folder: str = "") -> dict:
   path = RESULTS / folder / f"{name}.json"
   if not path.is_file():
     pytest.fail(
-      f"{path} is missing: run `python benchmarks/{name}.py --json "
+      f"{path} is missing: run `python -m benchmarks.{name} --json "
       f"{path.relative_to(RESULTS.parents[1])}`."
     )
   report = json.loads(path.read_text())
