@@ -311,9 +311,6 @@ def static_int(
   return int(value)
 
 
-# -- rank tables -------------------------------------------------------------------
-
-
 # -- pytrees of per-sequence arrays and step functions -----------------------------
 
 
@@ -386,10 +383,7 @@ def check_index_leaves(leaves: Iterable[tuple[str, Any]], fix: str) -> None:
     raise TypeError(f"Expected integer {name}, got {np.dtype(dtype).name}: {fix}")
 
 
-# -- host arrays from Python values: ragged rows, LoD levels -----------------------
-
-
-# -- fill values' kinds, float settings that become float32 ------------------------
+# -- float settings that become float32 -------------------------------------------
 
 
 def finite_float32(value: Any, name: str, *, positive: bool = False) -> float:
