@@ -210,6 +210,20 @@ def _unstacked(batch: Any) -> Any:
   return jax.tree.map(lambda a: a[0], batch)
 
 
+def _check_one_shard_per_device(batch: Any, mesh: Mesh, axis: str) -> None:
+  """`batch` holds one shard per position of `axis`: a device given several
+  would compute on the first alone. Static shapes: raises at trace time."""
+  shards = _leading(batch)
+  size = mesh.shape[axis]
+  if shards != size:
+    raise ValueError(
+      f"Expected `batch` to hold one shard per device along mesh axis {axis!r} "
+      f"({size}), got {shards} shards on its leading axis; each device runs one "
+      "shard. Build the batches with `Batcher(shards=local_shards(mesh))` and "
+      "place them with `shard_batch`."
+    )
+
+
 def _per_device(fn, mesh, axis, check_vma, reduce_out, out_specs) -> Callable:
   def body(*args):
     *replicated, local = args
@@ -220,6 +234,7 @@ def _per_device(fn, mesh, axis, check_vma, reduce_out, out_specs) -> Callable:
   def run(*args):
     if not args:
       raise TypeError("Expected at least the stacked batch as an argument, got none.")
+    _check_one_shard_per_device(args[-1], mesh, axis)
     in_specs = (*(P(),) * (len(args) - 1), P(axis))
     mapped = jax.shard_map(
       body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
@@ -267,7 +282,9 @@ def data_parallel(
     `jax.jit`; it compiles once per capacity.
 
   Raises:
-    ValueError: if `mesh` has no axis `axis`.
+    ValueError: if `mesh` has no axis `axis`; from ``run`` (at trace time),
+      for a batch whose number of shards is not the size of `axis` (a
+      device given several shards would compute on one of them).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np
@@ -312,7 +329,7 @@ def map_shards(
     them on the host with `unstack`.
 
   Raises:
-    ValueError: if `mesh` has no axis `axis`.
+    ValueError: as `data_parallel`.
   """
   _check_axis(mesh, axis)
   check_callable(fn, "fn")

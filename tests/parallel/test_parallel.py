@@ -115,6 +115,23 @@ def test_data_parallel_on_one_device_is_the_function(mesh, check_vma):
   assert float(out[2]) == 1.0  # a constant output counts once per device
 
 
+@pytest.mark.parametrize("runner", [data_parallel, map_shards])
+def test_a_device_given_several_shards_raises(mesh, runner):
+  # Placed by hand rather than by shard_batch, 2 shards land on the one
+  # device: running the first alone would drop half the batch.
+  batch = jax.device_put(
+    _stacked(2).fields,
+    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+  )
+  run = jax.jit(runner(lambda fields: fields[0].num_rows, mesh))
+  message = (
+    r"Expected `batch` to hold one shard per device along mesh axis 'data' \(1\), "
+    r"got 2 shards on its leading axis"
+  )
+  with pytest.raises(ValueError, match=message):
+    run(batch)
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlod import Buckets, LoDTensor
 from jaxlod.data import Batcher
@@ -358,3 +360,31 @@ def test_shards_must_match_the_devices(mesh):
       rf"got {shards} shards",
     ):
       shard_batch(batch, mesh)
+
+
+def test_a_batch_of_more_shards_than_devices_raises(mesh):
+  """4 shards put with `jax.device_put` on a 2-device mesh (not by
+  `shard_batch`) would leave each device 2 shards, and `data_parallel` would
+  count one of them: 10 of 20 rows. It raises at trace time instead."""
+  small = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  examples = [(np.ones(n, np.float32),) for n in (5, 5, 5, 5)]
+  buckets = Buckets.fixed(tokens=8, sequences=2, time=8)
+  batch = next(
+    Batcher(examples, buckets, shards=4, shuffle=False, prefetch=0).iterate()
+  )
+  fields = jax.device_put(batch.fields, NamedSharding(small, P("data")))
+  rows = jax.jit(data_parallel(lambda fields: fields[0].num_rows, small))
+  with pytest.raises(
+    ValueError,
+    match=r"one shard per device along mesh axis 'data' \(2\), got 4 shards",
+  ):
+    rows(fields)
+  # On the mesh of 4, every row counts.
+  assert (
+    int(
+      jax.jit(data_parallel(lambda f: f[0].num_rows, mesh))(
+        shard_batch(batch, mesh).fields
+      )
+    )
+    == 20
+  )
