@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import jax
@@ -48,7 +49,7 @@ def enable_compilation_cache(
     ValueError: for a `min_compile_time_s` below 0, an empty `directory`
       (it is no way to turn the cache off: call nothing, or set the
       variable to ``off``), or a `directory` (or variable) naming something
-      that exists and is not a directory.
+      that exists and is not a directory (a file), or a path below one.
 
   Example:
     >>> import jax, jaxlod
@@ -83,7 +84,10 @@ def enable_compilation_cache(
 
 def _check_directory(directory: str | os.PathLike, name: str) -> None:
   """`directory` is not empty (`Path` reads "" as the current directory) and
-  is a directory or does not exist yet (JAX creates it)."""
+  is a directory or does not exist yet, below a directory (JAX creates it):
+  below a file it could never be created, and JAX would warn
+  `NotADirectoryError` on every cache access. Whether it is writable is not
+  checked: a cache filled by others may be read-only on purpose."""
   text = os.fspath(directory)
   if isinstance(text, str) and not text.strip():
     raise ValueError(
@@ -92,8 +96,17 @@ def _check_directory(directory: str | os.PathLike, name: str) -> None:
       f"'off' and pass no `directory`)."
     )
   path = Path(text).expanduser()
-  if path.exists() and not path.is_dir():
+  for existing in (path, *path.parents):
+    try:
+      mode = existing.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+      continue  # not there yet: JAX creates it, if its parent allows
+    except OSError:
+      return  # not readable (no permission): left to JAX
+    if stat.S_ISDIR(mode):
+      return
+    below = "" if existing == path else f", below {str(existing)!r}"
     raise ValueError(
       f"Expected {name} to be a directory or a path that does not exist yet, "
-      f"got {text!r}, which exists and is not a directory."
+      f"got {text!r}{below}, which exists and is not a directory."
     )

@@ -2,7 +2,8 @@
 
 `as_array` and `host_numbers` turn an argument into an array of numbers,
 refusing strings, objects, ragged lists, LoDTensors and integers beyond
-what JAX stores (`check_fits_device`); `fill_value` casts a fill exactly;
+what JAX stores (`check_fits_device`; floats: `check_floats_fit_device`);
+`fill_value` casts a fill exactly, `cast_exactly` data to a `dtype` argument;
 `check_leaves` and `check_rows` hold pytrees of such arrays to a leading
 dimension. Messages name the argument and both values.
 """
@@ -20,6 +21,7 @@ import numpy as np
 from jaxlod._checks import (
   check_integer,
   is_concrete,
+  is_float_dtype,
   is_integer_dtype,
   leaf_name,
   static_int,
@@ -114,13 +116,38 @@ def _check_fits(array: np.ndarray, name: str) -> None:
   info = np.iinfo(target)
   bad = np.flatnonzero((array < info.min) | (array > info.max))
   if bad.size:
-    where = np.unravel_index(int(bad[0]), array.shape)
-    at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
-    raise ValueError(
-      f"Expected `{name}` to fit {np.dtype(target).name} (the dtype JAX stores "
-      f"it in with jax_enable_x64 off), got {array[where]}{at}; enable x64 "
-      "or use smaller values."
-    )
+    _refuse_stored(array, np.unravel_index(int(bad[0]), array.shape), target, name)
+
+
+def check_floats_fit_device(array: np.ndarray, name: str) -> None:
+  """Host floats (and complex numbers) must stay finite in the dtype JAX
+  stores them in: with x64 off, float64 becomes float32, where a finite
+  value beyond its range would become inf. Values within it only round, as
+  any float cast does; NaN and infinities stay as they are.
+
+  Raises:
+    ValueError: naming `name`, the first such value and its index (the
+      message of `check_fits_device`).
+  """
+  if not is_float_dtype(array.dtype) or array.size == 0:
+    return
+  target = jax.dtypes.canonicalize_dtype(array.dtype)
+  change = None if target == array.dtype else _first_change(array, target)
+  if change is not None:
+    _refuse_stored(array, change[0], target, name)
+
+
+def _refuse_stored(
+  array: np.ndarray, where: tuple[int, ...], target: Any, name: str
+) -> None:
+  """The `check_fits_device` error for `array[where]`, which JAX would store in
+  `target` changed."""
+  at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
+  raise ValueError(
+    f"Expected `{name}` to fit {np.dtype(target).name} (the dtype JAX stores "
+    f"it in with jax_enable_x64 off), got {array[where]}{at}; enable x64 "
+    "or use smaller values."
+  )
 
 
 def host_array(value: Any, name: str) -> np.ndarray:
@@ -279,27 +306,137 @@ def _is_int_or_bool(dtype: Any) -> bool:
 
 def _check_exact(array: np.ndarray, dtype: np.dtype, name: str) -> None:
   """Every item of `array` is exact in the integer (or bool) `dtype`."""
-  is_bool = dtype == np.bool_
-  info = None if is_bool else jnp.iinfo(dtype)
-  low, high = (0, 1) if info is None else (int(info.min), int(info.max))
-  if is_integer_dtype(array.dtype) or array.dtype == np.bool_:
-    bad = (array < low) | (array > high)
-  else:
-    with np.errstate(invalid="ignore"):
-      imag = np.imag(array) != 0
-      real = np.real(array)
-      # `high + 1` is a power of two: exact in float64, unlike `high`.
-      bad = imag | ~np.isfinite(real) | (real != np.round(real)) | (real < low)
-      bad |= real >= high + 1
-  hits = np.flatnonzero(bad)
+  hits = np.flatnonzero(_inexact(_widened(array), dtype))
   if hits.size:
     where = np.unravel_index(int(hits[0]), array.shape)
     at = f" at index {tuple(int(i) for i in where)}" if array.ndim else ""
-    kind = "0, 1 or a bool" if is_bool else f"an integer in [{low}, {high}]"
     raise ValueError(
-      f"Expected `{name}` to be {kind} (exactly representable in the values' "
-      f"dtype {dtype.name}), got {array[where].item()}{at}."
+      f"Expected `{name}` to be {_holds(dtype)} (exactly representable in the "
+      f"values' dtype {dtype.name}), got {array[where].item()}{at}."
     )
+
+
+# -- host values cast to a dtype -------------------------------------------------
+
+
+def cast_exactly(
+  array: np.ndarray, dtype: Any, name: str, path: str | None = None
+) -> np.ndarray:
+  """`array`, host numbers of the argument `name`, cast to the `dtype`
+  argument; a value the cast would change, not merely round, is refused.
+
+  NumPy's `astype` wraps 300 to 44 in int8, truncates 1.5 to 1, turns NaN
+  into an arbitrary integer and drops imaginary parts. Into an integer
+  dtype a value must be an integer in its range; into bool, 0 or 1. Into a
+  float (or complex) dtype a value rounds to the nearest one the dtype
+  holds, as NumPy casts (float64 to float16, an int beyond 2**24 to
+  float32; a tiny one may become 0), but a finite value must stay finite:
+  float16 holds magnitudes up to 65504, and 1e5 would become inf (NaN in
+  float8_e4m3fn, which has no infinity). A real dtype takes no nonzero
+  imaginary part. NaN and infinities stay NaN and infinities.
+
+  Args:
+    array: the values, any shape.
+    dtype: the dtype argument (anything `jnp.dtype` reads).
+    name: the argument the values come from.
+    path: how the message indexes `array` (e.g. ``seqs[1]`` for
+      ``seqs[1][0]``); `name` by default.
+
+  Raises:
+    ValueError: naming `name`, `dtype`, what the dtype holds, the first value
+      the cast would change and its index.
+  """
+  dtype = jnp.dtype(dtype)
+  if array.dtype == dtype:
+    return array
+  change = _first_change(array, dtype)
+  if change is not None:
+    where, holds = change
+    at = (path or name) + "".join(f"[{int(i)}]" for i in where)
+    raise ValueError(
+      f"Expected every value of `{name}` to survive the cast to `dtype` "
+      f"{dtype.name} ({holds}), got {array[where].item()} at `{at}`."
+    )
+  return _cast(_widened(array), dtype)
+
+
+def _first_change(array: np.ndarray, dtype: np.dtype) -> tuple[Any, str] | None:
+  """The index of the first value of `array` that a cast to `dtype` would
+  change beyond a float's rounding, with what `dtype` holds; `None` when
+  the cast keeps every value (`cast_exactly`)."""
+  if array.size == 0 or array.dtype == np.bool_ or array.dtype == dtype:
+    return None
+  wide = _widened(array)
+  if dtype == np.bool_ or is_integer_dtype(dtype):
+    hits = np.flatnonzero(_inexact(wide, dtype))
+    where = np.unravel_index(int(hits[0]), array.shape) if hits.size else None
+    return None if where is None else (where, _holds(dtype))
+  cast = _cast(wide, dtype)
+  finite = np.isfinite(wide) if wide.dtype.kind in "fc" else True
+  imaginary = np.zeros(wide.shape, bool)
+  if wide.dtype.kind == "c" and not jnp.issubdtype(dtype, jnp.complexfloating):
+    imaginary = np.imag(wide) != 0
+  hits = np.flatnonzero(imaginary | (finite & ~np.isfinite(cast)))
+  if not hits.size:
+    return None
+  where = np.unravel_index(int(hits[0]), array.shape)
+  if imaginary[where]:
+    return where, "a real number: the cast drops the imaginary part"
+  return where, (
+    f"finite values up to {float(jnp.finfo(dtype).max):g} in magnitude; a "
+    f"larger one would become {cast[where].item()}"
+  )
+
+
+def _widened(array: np.ndarray) -> np.ndarray:
+  """`array` with the same values in a dtype NumPy compares with any Python
+  int: bool, a NumPy integer, float64 or wider, complex128 or wider (the
+  ml_dtypes, which NumPy files as void, and narrower floats are widened)."""
+  if array.dtype == np.bool_ or array.dtype.kind in "iu":
+    return array
+  if is_integer_dtype(array.dtype):
+    return array.astype(np.int64)
+  if jnp.issubdtype(array.dtype, jnp.complexfloating):
+    return array.astype(np.promote_types(array.dtype, np.complex128))
+  return array.astype(np.promote_types(array.dtype, np.float64))
+
+
+def _inexact(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """Where the `_widened` `array` is not exactly a value of the integer (or
+  bool) `dtype`: out of its range, fractional, NaN, infinite or complex."""
+  low, high = _range(dtype)
+  if array.dtype == np.bool_ or array.dtype.kind in "iu":
+    return (array < low) | (array > high)
+  with np.errstate(invalid="ignore"):
+    real = np.real(array)
+    bad = (np.imag(array) != 0) | ~np.isfinite(real) | (real != np.round(real))
+    # `high + 1` is a power of two: exact in float64, unlike `high`.
+    return bad | (real < low) | (real >= high + 1)
+
+
+def _range(dtype: np.dtype) -> tuple[int, int]:
+  """The smallest and largest value of an integer (or bool) `dtype`."""
+  if dtype == np.bool_:
+    return 0, 1
+  info = jnp.iinfo(dtype)
+  return int(info.min), int(info.max)
+
+
+def _holds(dtype: np.dtype) -> str:
+  """What an integer (or bool) `dtype` holds, for a message."""
+  if dtype == np.bool_:
+    return "0, 1 or a bool"
+  low, high = _range(dtype)
+  return f"an integer in [{low}, {high}]"
+
+
+def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """`array.astype(dtype)` without NumPy's warnings (an overflow, a dropped
+  imaginary part): the callers check what the cast changes."""
+  if array.dtype.kind == "c" and not jnp.issubdtype(dtype, jnp.complexfloating):
+    array = np.real(array)
+  with np.errstate(all="ignore"):
+    return array.astype(dtype)
 
 
 def check_fill_kind(value: Any, dtype: Any, name: str) -> None:
@@ -337,6 +474,24 @@ def host_ints(value: Any, name: str, size: int, per: str) -> np.ndarray:
     )
   if array.size:
     check_integer(array.dtype, name)
+  return as_int64(array, f"`{name}`")
+
+
+def as_int64(array: np.ndarray, name: str, where: str = "") -> np.ndarray:
+  """Host integers as int64, which must hold every value: uint64 beyond it
+  would wrap to negative values (2**64 - 1 to -1).
+
+  Raises:
+    ValueError: naming `name` (used as it is, e.g. "`ids`"), the value and
+      its index; `where` ends the message.
+  """
+  if array.dtype == np.uint64:
+    big = np.flatnonzero(array > np.iinfo(np.int64).max)
+    if big.size:
+      at = tuple(int(i) for i in np.unravel_index(int(big[0]), array.shape))
+      raise ValueError(
+        f"Expected {name} to fit int64, got {array[at]} at index {at}.{where}"
+      )
   return array.astype(np.int64)
 
 

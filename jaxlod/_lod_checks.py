@@ -29,7 +29,10 @@ from jaxlod._checks import (
 )
 from jaxlod._host import (
   as_array,
+  as_int64,
+  cast_exactly,
   check_fits_device,
+  check_floats_fit_device,
   fill_value,
   host_array,
   host_ints,
@@ -126,6 +129,7 @@ def check_values(values: Any) -> np.ndarray:
   NumPy array of numbers that JAX can store (host)."""
   array = host_numbers(values, "values")
   check_fits_device(array, "values")
+  check_floats_fit_device(array, "values")
   if array.ndim == 0:
     raise ValueError(
       "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar "
@@ -142,15 +146,20 @@ def check_sequences(seqs: Any, dtype: Any) -> tuple[np.ndarray, list[list[int]]]
     seqs: a list (or any iterable, read once) of arrays ``[length_i,
       *features]`` (one level), or of lists of such arrays (two levels). A
       list of numbers counts as one 1-D sequence.
-    dtype: dtype of the rows; inferred from the data when `None`.
+    dtype: dtype of the rows, a number or bool dtype; inferred from the
+      data when `None` (NumPy's promotion, but integer sequences must
+      promote to an integer: int64 with uint64 would give float64).
 
   Returns:
     ``(values [rows, *features], recursive_lengths)``.
 
   Raises:
-    TypeError: for an array, or a `seqs` that is not a list of sequences.
-    ValueError: for a scalar sequence, or sequences that disagree in
-      feature shape.
+    TypeError: for an array, or a `seqs` that is not a list of sequences; a
+      `dtype` that is not a number or bool dtype; integer sequences that
+      NumPy promotes to a float.
+    ValueError: for a scalar sequence, sequences that disagree in feature
+      shape, or a value that the cast to `dtype` would change, not merely
+      round (`cast_exactly`: 300 in int8, 1.5 in an int, 1e5 in float16).
   """
   if isinstance(seqs, np.ndarray | jax.Array):
     raise TypeError(
@@ -162,6 +171,10 @@ def check_sequences(seqs: Any, dtype: Any) -> tuple[np.ndarray, list[list[int]]]
       f"Expected `seqs` to be a list of sequences, got {type(seqs).__name__}."
     )
   check_dtype(dtype, "dtype")
+  if dtype is not None:
+    dtype = jnp.dtype(dtype)
+    if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
+      raise TypeError(f"Expected `dtype` to be a number or bool dtype, got {dtype}.")
   seqs = list(seqs)  # read once: a generator would be empty on a second pass
   two_levels = any(_is_nested(s) for s in seqs)
   if two_levels:
@@ -201,10 +214,10 @@ def check_sequences(seqs: Any, dtype: Any) -> tuple[np.ndarray, list[list[int]]]
     )
   feature_shape = features.pop() if features else ()
   if dtype is None:
-    # The data's dtype; empty sequences keep theirs (empty int arrays stay
-    # int), and no sequence at all gives float32.
-    typed = [x.dtype for x in flat if x.size] or [x.dtype for x in flat]
-    dtype = np.result_type(*typed) if typed else np.float32
+    dtype = _inferred_dtype(flat, names)
+  else:
+    pairs = zip(names, flat, strict=True)
+    flat = [cast_exactly(x, dtype, "seqs", name) for name, x in pairs]
   rows = [x.reshape((x.shape[0], *feature_shape)) for x in flat]
   values = (
     np.concatenate(rows, axis=0).astype(dtype)
@@ -215,6 +228,34 @@ def check_sequences(seqs: Any, dtype: Any) -> tuple[np.ndarray, list[list[int]]]
   if two_levels:
     lengths.insert(0, [len(group) for group in inner])
   return values, lengths
+
+
+def _inferred_dtype(flat: list[np.ndarray], names: list[str]) -> np.dtype:
+  """The sequences' dtype: NumPy's promotion of the non-empty ones' (empty
+  sequences count only when all are: empty int arrays stay int), float32
+  for none. Integer sequences must promote to an integer: NumPy promotes
+  int64 with uint64 to float64, which rounds integers beyond 2**53.
+
+  Raises:
+    TypeError: naming a signed and an unsigned sequence whose dtypes NumPy
+      promotes to a float.
+  """
+  typed = [i for i, x in enumerate(flat) if x.size] or range(len(flat))
+  if not typed:
+    return np.dtype(np.float32)
+  dtype = np.result_type(*(flat[i].dtype for i in typed))
+  ints = [i for i in typed if is_integer_dtype(flat[i].dtype)]
+  bools = sum(flat[i].dtype == np.bool_ for i in typed)
+  if ints and len(ints) + bools == len(typed) and not is_integer_dtype(dtype):
+    i = next((i for i in ints if jnp.iinfo(flat[i].dtype).min < 0), ints[0])
+    j = next((j for j in ints if jnp.iinfo(flat[j].dtype).min == 0), ints[-1])
+    raise TypeError(
+      "Expected the integer sequences of `seqs` to promote to an integer dtype, "
+      f"got {flat[i].dtype} at `{names[i]}` and {flat[j].dtype} at `{names[j]}`, "
+      f"which NumPy promotes to {dtype} (rounding integers beyond 2**53); pass "
+      "`dtype` or cast them to one dtype."
+    )
+  return dtype
 
 
 def _is_nested(seq: Any) -> bool:
@@ -261,7 +302,7 @@ def check_integer_level(
       f"Expected integer {name} at LoD level {level}, got dtype {array.dtype} "
       f"(index {bad}: {array[bad]!r}).{where}"
     )
-  return array.astype(np.int64)
+  return as_int64(array, f"{name} at LoD level {level}", where)
 
 
 def _check_ordered(
@@ -583,6 +624,7 @@ def check_padded(
   """
   padded = host_numbers(padded, "padded")
   check_fits_device(padded, "padded")
+  check_floats_fit_device(padded, "padded")
   if padded.ndim < 2:
     raise ValueError(
       f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "

@@ -3,6 +3,7 @@ compiled, the environment variable turns it off, a set directory is kept."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -96,6 +97,39 @@ def test_a_file_is_refused_as_the_directory(tmp_path):
     rf"yet, got '{file}', which exists and is not a directory\.",
   ):
     jaxlod.enable_compilation_cache(file)
+
+
+@pytest.mark.parametrize("below", ["cache", "a/b/cache"])
+def test_a_path_below_a_file_is_refused(tmp_path, below):
+  """JAX would warn NotADirectoryError on every cache access."""
+  file = tmp_path / "file"
+  file.write_text("")
+  with pytest.raises(
+    ValueError,
+    match=r"Expected `directory` to be a directory or a path that does not exist "
+    rf"yet, got '{re.escape(str(file / below))}', below '{re.escape(str(file))}', "
+    r"which exists and is not a directory\.",
+  ):
+    jaxlod.enable_compilation_cache(str(file / below))
+
+
+def test_a_path_below_a_file_in_the_environment_is_refused(tmp_path):
+  file = tmp_path / "file"
+  file.write_text("")
+  with pytest.raises(subprocess.CalledProcessError) as info:
+    run(str(file / "cache"))
+  assert (
+    "Expected the JAXLOD_COMPILATION_CACHE environment variable to be a directory "
+    f"or a path that does not exist yet, got '{file / 'cache'}', below '{file}', "
+    "which exists and is not a directory."
+  ) in info.value.stderr
+
+
+def test_a_path_below_a_directory_that_does_not_exist_yet_is_kept(tmp_path):
+  cache = tmp_path / "new" / "deeper" / "cache"
+  result = run(str(cache))
+  assert result["directory"] == result["config"] == str(cache)
+  assert cache.is_dir()
 
 
 def test_a_file_in_the_environment_is_refused(tmp_path):
