@@ -5,11 +5,11 @@ offsets on static capacities chosen by a `Buckets` policy; `jaxlod.ops` holds
 the rank table and the ops built on it.
 """
 
-from jaxlod._buckets import Buckets
+from jaxlod._buckets import Buckets, Capacity
 from jaxlod._cache import enable_compilation_cache
 from jaxlod._checks import unchecked
 from jaxlod._faults import Fault
-from jaxlod._lod import Capacity, LoDTensor
+from jaxlod._lod import LoDTensor
 
 __version__ = "0.1.0"
 

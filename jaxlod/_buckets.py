@@ -19,8 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
+
+from jaxlod._checks import require
 
 KINDS = ("tokens", "sequences", "time")
 POLICIES = ("exact", "pow2", "geometric", "explicit", "fixed")
@@ -359,3 +362,44 @@ def resolve(buckets: Buckets | None) -> Buckets:
   if not isinstance(buckets, Buckets):
     raise TypeError(f"Expected `buckets` to be a Buckets or None, got {buckets!r}.")
   return buckets
+
+
+# -- capacities ----------------------------------------------------------------------
+
+
+class Capacity(NamedTuple):
+  """The static sizes of a LoDTensor.
+
+  Attributes:
+    tokens: rows of ``values`` (token capacity).
+    sequences: per level, the number of sequence slots (count capacity).
+    time: per level, the longest sequence the tensor may hold (time capacity).
+  """
+
+  tokens: int
+  sequences: tuple[int, ...]
+  time: tuple[int, ...]
+
+
+def check_fits(real: Capacity, capacity: Capacity, where: str) -> None:
+  """Every real size is at most its capacity (eager `ValueError` or checkify).
+
+  Args:
+    real: the real sizes: Python ints (eager) or int32 scalars (jit).
+    capacity: the static capacities.
+    where: the op's name, for messages.
+  """
+  sizes = [("tokens", real.tokens, capacity.tokens)]
+  for level, (r, c) in enumerate(zip(real.sequences, capacity.sequences, strict=True)):
+    sizes.append((f"sequences at level {level}", r, c))
+  for level, (r, c) in enumerate(zip(real.time, capacity.time, strict=True)):
+    sizes.append((f"time (longest sequence) at level {level}", r, c))
+  for what, size, cap in sizes:
+    require(
+      size <= cap,
+      f"{where}: the output needs {what} {{size}}, more than its capacity {cap}; "
+      "data is never truncated. Pass a larger `capacity`.",
+      traced=f"{where}: the output needs more {what} than its capacity {cap}; "
+      "pass a larger `capacity`.",
+      size=size,
+    )

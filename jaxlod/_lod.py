@@ -1,7 +1,7 @@
 """LoDTensor: packed rows plus multi-level offsets, on static capacities.
 
-`Capacity` names a LoDTensor's static sizes; `is_lod`, `check_lod` and
-`check_fits` check the LoDTensor arguments and output capacities of the ops.
+`is_lod` and `check_lod` check the LoDTensor arguments of the ops; a
+tensor's static sizes are a `jaxlod._buckets.Capacity`.
 The builders' and the constructor's checks are `jaxlod._lod_checks`, the
 fault record that ops under `jit` set is `jaxlod._faults`.
 """
@@ -11,19 +11,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import _buckets, _lod_checks, _serial
-from jaxlod._buckets import Buckets
-from jaxlod._checks import check_dtype, check_sequence, is_concrete, require, static_int
+from jaxlod._buckets import Buckets, Capacity
+from jaxlod._checks import check_dtype, check_sequence, is_concrete, static_int
 from jaxlod._faults import check_sound, concrete_faults, describe_faults
 from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod_checks import (
   check_fields,
+  check_intact,
   check_lengths_fit,
   check_offsets,
   check_pad_value,
@@ -32,24 +33,11 @@ from jaxlod._lod_checks import (
   check_segment_ids,
   check_sequences,
   check_stored_lod,
+  check_unstacked,
   check_values,
   is_array,
   lengths_to_offsets,
 )
-
-
-class Capacity(NamedTuple):
-  """The static sizes of a LoDTensor.
-
-  Attributes:
-    tokens: rows of ``values`` (token capacity).
-    sequences: per level, the number of sequence slots (count capacity).
-    time: per level, the longest sequence the tensor may hold (time capacity).
-  """
-
-  tokens: int
-  sequences: tuple[int, ...]
-  time: tuple[int, ...]
 
 
 def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
@@ -422,18 +410,43 @@ class LoDTensor:
     return len(self.offsets)
 
   @property
+  def stack_shape(self) -> tuple[int, ...]:
+    """The leading axes of shards stacked in every leaf: ``()`` for one tensor.
+
+    A field of a `jaxlod.data.Batcher` batch with ``shards=S`` holds the S
+    shards' tensors stacked on a new leading axis: ``(S,)``. Such a
+    *stacked* tensor is a container to place and run per device
+    (`jaxlod.parallel.shard_batch`, `jaxlod.parallel.data_parallel`,
+    `jaxlod.parallel.map_shards`), where each device sees one ordinary shard.
+    Its `capacity`, `feature_shape`, `num_levels` and `astype` are per shard
+    and `validate` checks every shard; the reads of one LoD (`lengths`,
+    `num_rows`, `to_list`, ...) and every op raise a `ValueError` saying to
+    take a shard first (``jaxlod.parallel.unstack(x)[s]``).
+    """
+    return tuple(jnp.shape(self.num_outer)) if is_array(self.num_outer) else ()
+
+  @property
   def capacity(self) -> Capacity:
-    """The static capacities (tokens, sequences per level, time per level)."""
+    """The static capacities (tokens, sequences per level, time per level);
+    of each shard for a stacked tensor (`stack_shape`)."""
+    lead = len(self.stack_shape)
     return Capacity(
-      tokens=int(jnp.shape(self.values)[0]),
-      sequences=tuple(int(jnp.shape(o)[0]) - 1 for o in self.offsets),
+      tokens=int(jnp.shape(self.values)[lead]),
+      sequences=tuple(int(jnp.shape(o)[-1]) - 1 for o in self.offsets),
       time=self.time_capacity,
     )
 
   @property
   def feature_shape(self) -> tuple[int, ...]:
     """Trailing shape of each row of ``values``."""
-    return tuple(jnp.shape(self.values)[1:])
+    return tuple(jnp.shape(self.values)[len(self.stack_shape) + 1 :])
+
+  def _check_readable(self) -> None:
+    """Reads of the LoD need one unstacked tensor; eagerly (concrete leaves)
+    also an intact LoD (`validate`'s check) and no faults (`check_sound`)."""
+    check_unstacked(self)
+    check_sound(self)
+    check_intact(self)
 
   def _level(self, level: int) -> int:
     level = static_int(level, "level")
@@ -452,7 +465,7 @@ class LoDTensor:
     Padding sequences have length 0. Jittable; eagerly it raises for a
     faulted tensor (see `faults`).
     """
-    check_sound(self)
+    self._check_readable()
     return jnp.diff(self.offsets[self._level(level)])
 
   def num_sequences(self, level: int = -1) -> jax.Array:
@@ -468,7 +481,7 @@ class LoDTensor:
       (3, 2)
     """
     level = self._level(level)
-    check_sound(self)
+    self._check_readable()
     if level == 0:
       return jnp.asarray(self.num_outer)
     return self.offsets[level - 1][-1]
@@ -476,7 +489,7 @@ class LoDTensor:
   @property
   def num_rows(self) -> jax.Array:
     """Real number of rows of ``values`` (int32 scalar). Jittable."""
-    check_sound(self)
+    self._check_readable()
     return self.offsets[-1][-1]
 
   def row_mask(self) -> jax.Array:
@@ -513,7 +526,7 @@ class LoDTensor:
       >>> x.segment_ids().tolist()
       [0, 0, 2, 3, 3]
     """
-    check_sound(self)
+    self._check_readable()
     count = self.capacity.sequences[-1]
     if count == 0:  # no sequence slots: every row is padding
       return jnp.zeros((self.capacity.tokens,), jnp.int32)
@@ -542,9 +555,18 @@ class LoDTensor:
     if not is_array(values):
       values = as_array(values, "values")
     check_fits_device(values, "values")
-    if jnp.ndim(values) == 0 or jnp.shape(values)[0] != self.capacity.tokens:
+    stack, tokens = self.stack_shape, self.capacity.tokens
+    lead = jnp.shape(values)[: len(stack) + 1]
+    if stack:
+      if lead != (*stack, tokens):
+        raise ValueError(
+          f"Expected `values` of stacked shards to have leading dimensions "
+          f"{(*stack, tokens)} (shards, token capacity), got shape "
+          f"{jnp.shape(values)}."
+        )
+    elif jnp.ndim(values) == 0 or lead[0] != tokens:
       raise ValueError(
-        f"Expected `values` to have leading dimension {self.capacity.tokens} "
+        f"Expected `values` to have leading dimension {tokens} "
         f"(token capacity), got shape {jnp.shape(values)}."
       )
     return LoDTensor(
@@ -636,7 +658,7 @@ class LoDTensor:
   def _host_offsets(self) -> list[np.ndarray]:
     if not is_concrete(*self.offsets, self.num_outer, self.faults):
       raise ValueError("This method reads data on the host; it cannot run under jit.")
-    check_sound(self)
+    self._check_readable()
     real = [np.asarray(self.offsets[0])[: int(self.num_outer) + 1]]
     for o in self.offsets[1:]:
       real.append(np.asarray(o)[: int(real[-1][-1]) + 1])
@@ -669,7 +691,9 @@ class LoDTensor:
     and must not wait for the device. A LoDTensor assembled by hand, or
     restored by a checkpointer that takes the static time capacity from its
     target (orbax does), may break the invariants; this checks them.
-    `flax.serialization` restores run the same check.
+    `flax.serialization` restores run the same check, and so do the reads
+    of the LoD and the ops whenever the leaves are concrete (eagerly). A
+    stacked tensor (`stack_shape`) is checked shard by shard.
 
     Raises:
       ValueError: for offsets that are not integer, do not start at 0 or
@@ -719,7 +743,7 @@ class LoDTensor:
     try:
       lod = f", lod={self.recursive_lengths()}"
     except (ValueError, TypeError, AttributeError):
-      lod = ""
+      lod = f", shards={self.stack_shape}" if self.stack_shape else ""
     bits = concrete_faults(self.faults)
     if bits:
       lod = f", faults={describe_faults(bits)}"
@@ -740,37 +764,20 @@ def is_lod(x: Any) -> bool:
   return isinstance(x, LoDTensor)
 
 
-def check_lod(x: Any, name: str, *, levels: Sequence[int] | None = None) -> LoDTensor:
-  """`x` must be a LoDTensor, with one of the allowed numbers of levels."""
+def check_lod(
+  x: Any, name: str, *, levels: Sequence[int] | None = None, stacked: bool = False
+) -> LoDTensor:
+  """`x` must be one LoDTensor (with `stacked`, shards stacked on leading
+  axes, whose number the caller checks), with one of the allowed numbers of
+  levels; with concrete leaves (eagerly), an intact LoD."""
   if not is_lod(x):
     raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  if not stacked:
+    check_unstacked(x, name)
   if levels is not None and x.num_levels not in levels:
     allowed = " or ".join(str(n) for n in levels)
     raise ValueError(
       f"Expected `{name}` to have {allowed} LoD level(s), got {x.num_levels}."
     )
+  check_intact(x, name)
   return x
-
-
-def check_fits(real: Capacity, capacity: Capacity, where: str) -> None:
-  """Every real size is at most its capacity (eager `ValueError` or checkify).
-
-  Args:
-    real: the real sizes: Python ints (eager) or int32 scalars (jit).
-    capacity: the static capacities.
-    where: the op's name, for messages.
-  """
-  sizes = [("tokens", real.tokens, capacity.tokens)]
-  for level, (r, c) in enumerate(zip(real.sequences, capacity.sequences, strict=True)):
-    sizes.append((f"sequences at level {level}", r, c))
-  for level, (r, c) in enumerate(zip(real.time, capacity.time, strict=True)):
-    sizes.append((f"time (longest sequence) at level {level}", r, c))
-  for what, size, cap in sizes:
-    require(
-      size <= cap,
-      f"{where}: the output needs {what} {{size}}, more than its capacity {cap}; "
-      "data is never truncated. Pass a larger `capacity`.",
-      traced=f"{where}: the output needs more {what} than its capacity {cap}; "
-      "pass a larger `capacity`.",
-      size=size,
-    )

@@ -557,6 +557,42 @@ def _check_padded_lod(
     )
 
 
+def check_unstacked(x: Any, name: str | None = None) -> None:
+  """`x` is one tensor, not shards stacked on leading axes (`stack_shape`).
+
+  Args:
+    x: a LoDTensor.
+    name: the argument `x` was given as; `None` for a method's own tensor.
+  """
+  stack = x.stack_shape
+  if not stack:
+    return
+  shards = int(np.prod(stack))
+  got = (
+    f"Expected `{name}` to be one LoDTensor, got {shards} shards"
+    if name
+    else f"This LoDTensor holds {shards} shards"
+  )
+  raise ValueError(
+    f"{got} stacked on leading axes {stack} (a field of a "
+    f"`Batcher(shards={shards})` batch): an op or a read of the LoD runs on one "
+    "shard. Take one with `jaxlod.parallel.unstack(...)[s]`, or run on every "
+    "shard with `jaxlod.parallel.data_parallel` or `map_shards`."
+  )
+
+
+def check_intact(x: Any, name: str | None = None) -> None:
+  """With concrete LoD leaves (eagerly), every invariant `validate` checks:
+  a LoD that a tree map or a hand edit broke (offsets past the rows, say)
+  raises here rather than giving wrong lengths or sums. Under `jit` the
+  leaves are traced and nothing is read."""
+  leaves = (x.num_outer, *x.offsets)
+  if all(isinstance(a, jax.Array | np.ndarray) for a in leaves) and is_concrete(
+    *leaves
+  ):
+    check_stored_lod(x, f"`{name}`: " if name else "")
+
+
 # -- padded batches and packed rows turned into LoD ------------------------------
 
 

@@ -175,13 +175,32 @@ def _widened(valid: Any) -> Any:
 
 WIDENED = ("beyond_int32", FromValid(_widened, str(WIDE)))
 
+
+def _shards(valid: Any) -> Any:
+  """`valid` (LoDTensors, or a list of them) as 2 shards stacked on a new
+  leading axis: a field of a `Batcher(shards=2)` batch."""
+  return jax.tree.map(lambda a: np.stack([np.asarray(a)] * 2), valid)
+
+
+# A stacked batch where one LoDTensor (or RankTable) belongs: the error names
+# the argument and says it holds shards.
+STACKED = ("stacked", FromValid(_shards, "shards stacked on leading axes"))
+
 Bad = tuple[str, Callable[[], Any] | FromValid]
 
 BAD: dict[str, list[Bad]] = {
   # A LoDTensor.
-  "lod": [STR, NONE, OBJECT, ARRAY, STRINGS],
+  "lod": [STR, NONE, OBJECT, ARRAY, STRINGS, STACKED],
   # A list of LoDTensors.
-  "lods": [STR, NONE, OBJECT, INT, EMPTY, ("arrays", lambda: [np.zeros(3)])],
+  "lods": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    EMPTY,
+    ("arrays", lambda: [np.zeros(3)]),
+    STACKED,
+  ],
   # A numeric array.
   "array": [STR, NONE, OBJECT, STRINGS, A_LOD, RAGGED, MIXED_BOOLS, WIDENED],
   # An array or a LoDTensor.
@@ -365,7 +384,7 @@ BAD: dict[str, list[Bad]] = {
   "buckets": [STR, OBJECT, INT],
   # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.
   "capacity": [STR, OBJECT, FLOAT, NEGATIVE, BEYOND_INT32],
-  "table": [STR, NONE, OBJECT, A_LOD],
+  "table": [STR, NONE, OBJECT, A_LOD, STACKED],
   "settings": [STR, NONE, OBJECT, ("dict", lambda: {"bos_id": 0})],
   # A `jaxlod.ops.Memory`.
   "memory": [STR, NONE, OBJECT, A_LOD, ARRAY],

@@ -298,15 +298,15 @@ def test_orbax_round_trip(tmp_path):
 def test_orbax_takes_the_time_capacity_from_the_target(tmp_path, load):
   # Orbax stores the leaves only (values, offsets.0, num_outer): the restored
   # tensor gets its static time capacity from the target, unchecked, and
-  # `validate` is the check.
+  # `validate` is the check, and every host read of the LoD runs it.
   save(tmp_path / "ckpt", one_level())
   short = one_level((1,), buckets=Buckets.fixed(tokens=8, sequences=4, time=3))
   restored = load(tmp_path / "ckpt", short)
   assert restored.time_capacity == (3,)
-  assert restored.recursive_lengths() == [[5, 0, 1]]
-  with pytest.raises(
-    ValueError,
-    match=r"LoD level 0, index 0: a sequence of length 5, more than the time "
-    r"capacity 3\.",
-  ):
-    restored.validate()
+  for read in (restored.validate, restored.recursive_lengths, restored.lengths):
+    with pytest.raises(
+      ValueError,
+      match=r"LoD level 0, index 0: a sequence of length 5, more than the time "
+      r"capacity 3\.",
+    ):
+      read()

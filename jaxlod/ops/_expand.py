@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import _checks
-from jaxlod._buckets import Buckets
+from jaxlod._buckets import Buckets, Capacity
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import check_fits_device
-from jaxlod._lod import Capacity, LoDTensor, check_lod
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._lod_checks import check_level, per_sequence
 from jaxlod.ops import _segment
 from jaxlod.ops._array import masked_take

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._buckets import Buckets
+from jaxlod._buckets import Buckets, Capacity
 from jaxlod._checks import (
   check_dtype,
   check_integer,
@@ -25,7 +25,7 @@ from jaxlod._checks import (
 )
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_fits_device
-from jaxlod._lod import Capacity, LoDTensor, check_lod
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._lod_checks import check_lengths_fit, check_pad_value, per_sequence
 from jaxlod.ops._array import gather, permutation_gather
 from jaxlod.ops._segment import (

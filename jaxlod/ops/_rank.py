@@ -22,7 +22,8 @@ from jaxlod._checks import (
   static_int,
 )
 from jaxlod._faults import check_sound
-from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._lod_checks import is_array
 
 
 def default_ladder(
@@ -151,15 +152,25 @@ class RankTable:
     )
 
   @property
+  def stack_shape(self) -> tuple[int, ...]:
+    """The leading axes of shards stacked in every leaf: ``()`` for one table,
+    ``(S,)`` for the tables of a `jaxlod.data.Batcher` batch with
+    ``shards=S`` (see `jaxlod.LoDTensor.stack_shape`). The capacities and
+    `schedule_steps` of a stacked table are per shard; `items` and the ops
+    raise."""
+    return tuple(jnp.shape(self.count)) if is_array(self.count) else ()
+
+  @property
   def count_capacity(self) -> int:
-    return int(self.order.shape[0])
+    return int(jnp.shape(self.order)[-1])
 
   @property
   def time_capacity(self) -> int:
-    return int(self.batch_sizes.shape[0])
+    return int(jnp.shape(self.batch_sizes)[-1])
 
   def items(self) -> list[tuple[int, int]]:
     """Paddle's rank-table items ``(original index, length)`` (host only)."""
+    _check_one_table(self, None)
     if not is_concrete(self.order, self.lengths, self.count):
       raise ValueError("RankTable.items() reads data on the host; not under jit.")
     n = int(self.count)
@@ -173,7 +184,7 @@ class RankTable:
     token-steps and ``count_capacity * max_length`` for a padded loop.
     """
     sizes = jnp.asarray(self.ladder, jnp.int32)
-    return jnp.sum(sizes * (self.phase_ends - self.phase_starts))
+    return jnp.sum(sizes * (self.phase_ends - self.phase_starts), axis=-1)
 
 
 jax.tree_util.register_dataclass(
@@ -261,13 +272,38 @@ def rank_table(
 # -- rank tables and ladders given to the ops ------------------------------------
 
 
-def check_table(table: Any, name: str = "table", *, optional: bool = False) -> Any:
-  """`table` must be a `jaxlod.ops.RankTable` (or `None` when `optional`)."""
+def check_table(
+  table: Any, name: str = "table", *, optional: bool = False, stacked: bool = False
+) -> Any:
+  """`table` must be a `jaxlod.ops.RankTable` (or `None` when `optional`):
+  one table, or with `stacked` the shards' tables stacked on a leading axis
+  (whose number the caller checks)."""
   if optional and table is None:
     return None
   if not isinstance(table, RankTable):
     raise TypeError(f"Expected `{name}` to be a RankTable, got {type(table).__name__}.")
+  if not stacked:
+    _check_one_table(table, name)
   return table
+
+
+def _check_one_table(table: RankTable, name: str | None) -> None:
+  """`table` is one table, not shards stacked on leading axes."""
+  stack = table.stack_shape
+  if not stack:
+    return
+  shards = int(np.prod(stack))
+  got = (
+    f"Expected `{name}` to be one RankTable, got {shards} shards"
+    if name
+    else f"This RankTable holds {shards} shards"
+  )
+  raise ValueError(
+    f"{got} stacked on leading axes {stack} (an entry of a "
+    f"`Batcher(shards={shards})` batch's tables): a table ranks one shard. Take "
+    "one with `jaxlod.parallel.unstack(...)[s]`, or run on every shard with "
+    "`jaxlod.parallel.data_parallel` or `map_shards`."
+  )
 
 
 def check_pair(x: Any, table: Any, name: str) -> Any:
@@ -276,8 +312,7 @@ def check_pair(x: Any, table: Any, name: str) -> Any:
   Checks the types and capacities, and the lengths (`check_ranked`, whose
   result it returns).
   """
-  if not is_lod(x):
-    raise TypeError(f"Expected `{name}` to be a LoDTensor, got {type(x).__name__}.")
+  check_lod(x, name)
   check_table(table)
   count = x.capacity.sequences[-1]
   if count != table.count_capacity:

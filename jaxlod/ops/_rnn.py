@@ -18,6 +18,7 @@ from jaxlod._checks import (
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows
 from jaxlod._lod import LoDTensor, is_lod
+from jaxlod._lod_checks import check_unstacked
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _loop_plan, _packed
 from jaxlod.ops._array import permute_rows
@@ -39,6 +40,8 @@ def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any, Any]:
       "Expected `inputs` to be a LoDTensor or a pytree of LoDTensors, got "
       f"{type(inputs).__name__}."
     )
+  for x in leaves:
+    check_unstacked(x, "inputs")
   first, same = leaves[0], True
   for i, x in enumerate(leaves[1:], 1):
     if x.capacity != first.capacity:

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlod._buckets import Buckets
+from jaxlod._buckets import Buckets, Capacity, check_fits
 from jaxlod._checks import INT32, is_concrete, static_int
 from jaxlod._faults import Fault, fault_unless
-from jaxlod._lod import Capacity, LoDTensor, check_fits, owners
+from jaxlod._lod import LoDTensor, owners
 
 # -- rows and their sequences -------------------------------------------------------
 

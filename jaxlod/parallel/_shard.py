@@ -224,6 +224,18 @@ def _check_one_shard_per_device(batch: Any, mesh: Mesh, axis: str) -> None:
     )
 
 
+def _check_stacked(x: Any, name: str, mesh: Mesh, axis: str) -> None:
+  """`x` (a LoDTensor or a RankTable) holds one shard per device of `axis`."""
+  size = mesh.shape[axis]
+  if x.stack_shape != (size,):
+    raise ValueError(
+      f"Expected `{name}` to hold {size} shards stacked on leading axes "
+      f"({size},), one per device along mesh axis {axis!r}, got leading axes "
+      f"{x.stack_shape}. Place a `Batcher(shards=local_shards(mesh))` batch "
+      "with `shard_batch`."
+    )
+
+
 def _per_device(fn, mesh, axis, check_vma, reduce_out, out_specs) -> Callable:
   def body(*args):
     *replicated, local = args
@@ -419,10 +431,11 @@ def generate(
     ValueError: as `ensemble_generate` does, and for a mesh without `axis`.
   """
   _check_axis(mesh, axis)
-  check_lod(src, "src")
+  _check_stacked(check_lod(src, "src", stacked=True), "src", mesh, axis)
   rngs = check_rngs(rngs)
   check_settings(settings)
-  check_table(src_table, "src_table", optional=True)
+  if check_table(src_table, "src_table", optional=True, stacked=True):
+    _check_stacked(src_table, "src_table", mesh, axis)
   if max_lengths is not None:
     max_lengths = as_array(max_lengths, "max_lengths", "an array or None")
     check_integer(max_lengths.dtype, "max_lengths")
