@@ -2,7 +2,7 @@
 
 `as_array` and `host_numbers` turn an argument into an array of numbers,
 refusing strings, objects, ragged lists, LoDTensors and integers beyond
-what JAX stores (`check_fits_device`; floats: `check_floats_fit_device`);
+what JAX stores, and floats it would turn into inf (`check_fits_device`);
 `fill_value` casts a fill exactly, `cast_exactly` data to a `dtype` argument;
 `check_leaves` and `check_rows` hold pytrees of such arrays to a leading
 dimension. Messages name the argument and both values.
@@ -95,8 +95,11 @@ def _holds_tracers(value: Any) -> bool:
 
 
 def check_fits_device(value: Any, name: str) -> None:
-  """Host integers must fit the dtype JAX stores them in: with x64 off, int64
-  becomes int32 and a value beyond its range would wrap silently.
+  """Host numbers must keep their values in the dtype JAX stores them in:
+  with x64 off, int64 becomes int32, where a value beyond its range would
+  wrap silently, and float64 (complex128) becomes float32 (complex64),
+  where a finite value beyond its range would become inf. Floats within it
+  only round, as any float cast does; NaN and infinities stay as they are.
 
   Device arrays, tracers and shape structs are already stored (or have no
   values); they are not checked.
@@ -108,33 +111,22 @@ def check_fits_device(value: Any, name: str) -> None:
 
 def _check_fits(array: np.ndarray, name: str) -> None:
   """`check_fits_device` of a host array."""
-  if not is_integer_dtype(array.dtype) or array.size == 0:
+  if array.size == 0 or not (
+    is_integer_dtype(array.dtype) or is_float_dtype(array.dtype)
+  ):
     return
   target = jax.dtypes.canonicalize_dtype(array.dtype)
   if target == array.dtype:
+    return
+  if is_float_dtype(array.dtype):
+    change = _first_change(array, target)
+    if change is not None:
+      _refuse_stored(array, change[0], target, name)
     return
   info = np.iinfo(target)
   bad = np.flatnonzero((array < info.min) | (array > info.max))
   if bad.size:
     _refuse_stored(array, np.unravel_index(int(bad[0]), array.shape), target, name)
-
-
-def check_floats_fit_device(array: np.ndarray, name: str) -> None:
-  """Host floats (and complex numbers) must stay finite in the dtype JAX
-  stores them in: with x64 off, float64 becomes float32, where a finite
-  value beyond its range would become inf. Values within it only round, as
-  any float cast does; NaN and infinities stay as they are.
-
-  Raises:
-    ValueError: naming `name`, the first such value and its index (the
-      message of `check_fits_device`).
-  """
-  if not is_float_dtype(array.dtype) or array.size == 0:
-    return
-  target = jax.dtypes.canonicalize_dtype(array.dtype)
-  change = None if target == array.dtype else _first_change(array, target)
-  if change is not None:
-    _refuse_stored(array, change[0], target, name)
 
 
 def _refuse_stored(

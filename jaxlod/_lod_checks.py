@@ -32,7 +32,6 @@ from jaxlod._host import (
   as_int64,
   cast_exactly,
   check_fits_device,
-  check_floats_fit_device,
   fill_value,
   host_array,
   host_ints,
@@ -129,7 +128,6 @@ def check_values(values: Any) -> np.ndarray:
   NumPy array of numbers that JAX can store (host)."""
   array = host_numbers(values, "values")
   check_fits_device(array, "values")
-  check_floats_fit_device(array, "values")
   if array.ndim == 0:
     raise ValueError(
       "Expected `values` to have rank >= 1 ([rows, *features]), got a scalar "
@@ -660,7 +658,6 @@ def check_padded(
   """
   padded = host_numbers(padded, "padded")
   check_fits_device(padded, "padded")
-  check_floats_fit_device(padded, "padded")
   if padded.ndim < 2:
     raise ValueError(
       f"Expected `padded` to have rank >= 2 ([count, time, *features]), got "

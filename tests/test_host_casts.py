@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxlod import LoDTensor
+from jaxlod import Buckets, LoDTensor
+from jaxlod._host import as_array
+from jaxlod.data import Batcher
 
 INT64 = np.iinfo(np.int64)
 UINT64 = np.iinfo(np.uint64)
@@ -315,3 +317,30 @@ def test_uint64_levels_beyond_int64_are_refused(build, name):
   with pytest.raises(ValueError, match=rf"Expected {name}") as info:
     build(UINT64.max)
   assert f"to fit int64, got {UINT64.max} at index (1,)." in str(info.value)
+
+
+@pytest.mark.parametrize(
+  ("build", "name"),
+  [
+    (
+      lambda rows: LoDTensor.from_lengths(np.ones(2), [[2]]).with_values(rows),
+      "values",
+    ),
+    (
+      lambda rows: next(
+        Batcher(
+          [(rows,)], Buckets.fixed(tokens=4, sequences=2, time=2), shuffle=False
+        ).iterate()
+      ),
+      "examples[0][0]",
+    ),
+    (lambda rows: as_array(rows, "x"), "x"),
+  ],
+  ids=["with_values", "Batcher", "as_array"],
+)
+def test_every_host_array_keeps_its_floats_or_is_refused(build, name):
+  """The builders' check of float64 rows holds wherever host floats enter:
+  1e300 would become inf in float32 with x64 off."""
+  with pytest.raises(ValueError, match=rf"`{re.escape(name)}` to fit float32.*1e\+300"):
+    build(np.array([1e300, 1.0]))
+  build(np.array([1e30, 1.0]))  # rounds, and is kept
