@@ -11,8 +11,9 @@ from jax import export
 from jax.experimental import checkify
 
 from jaxlod import Buckets, Capacity, LoDTensor, _checks, ops, unchecked
+from jaxlod._buckets import check_fits
 from jaxlod._host import check_rows
-from jaxlod._lod import check_fits, check_lod, is_lod
+from jaxlod._lod import check_lod, is_lod
 from jaxlod._lod_checks import (
   check_integer_level,
   check_lengths_fit,
