@@ -232,10 +232,15 @@ class LoDTensor:
         *features]`` (one level), or of lists of such arrays (two levels). A
         list of numbers counts as one 1-D sequence.
       buckets: capacity policy; `None` means exact sizes.
-      dtype: dtype of ``values``; inferred from the data when `None`.
+      dtype: dtype of ``values``; inferred from the data when `None`. The
+        cast keeps every value or raises: floats may round, but nothing
+        wraps, truncates or overflows to inf.
 
     Raises:
-      ValueError: if the sequences disagree in feature shape.
+      ValueError: if the sequences disagree in feature shape, or a value
+        would not survive the cast to `dtype` (naming its index).
+      TypeError: for a `dtype` that is not a number or bool dtype, or
+        sequences NumPy would promote to float64 (int64 with uint64).
     """
     values, lengths = check_sequences(seqs, dtype)
     return cls.from_lengths(values, lengths, buckets=buckets)
@@ -537,7 +542,9 @@ class LoDTensor:
     """The same LoD over the rows cast to `dtype`; the offsets stay integer.
 
     Use it rather than a tree map, which would cast the offsets too (and
-    raise).
+    raise). A device cast, jittable, with `jax.numpy`'s rules: integers that
+    `dtype` cannot hold wrap, as in ``jnp.astype``; build from host data with
+    ``from_sequences(..., dtype=...)`` to have them refused.
 
     Example:
       >>> import numpy as np, jax.numpy as jnp
