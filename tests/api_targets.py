@@ -14,6 +14,9 @@ from jaxlod import Buckets, LoDTensor, data, ops, parallel
 from tests.api_catalogue import (
   MODEL_SETTINGS,
   SETTINGS,
+  Arg,
+  Bad,
+  FromValid,
   Target,
   add_target,
   arg,
@@ -35,6 +38,13 @@ from tests.api_catalogue import (
 
 TARGETS: list[Target] = []
 target = functools.partial(add_target, TARGETS)
+
+
+def more(a: Arg, *bad: Bad) -> Arg:
+  """`a` with more wrong values, of this argument only, not of its kind (a
+  `length_penalty` of 400 is wrong with these `steps` only)."""
+  return Arg(a.valid, a.bad + bad)
+
 
 # jaxlod ------------------------------------------------------------------------------
 
@@ -439,7 +449,14 @@ target(
     "init_carry": arg(lambda: np.zeros((2, 1), np.float32), "carry"),
     "settings": arg(SETTINGS, "settings"),
     "static_inputs": arg(None, "rows", none_ok=True),
-    "max_lengths": arg(None, "ints", none_ok=True),
+    "max_lengths": more(
+      arg(lambda: np.array([3, 3]), "ints", none_ok=True),
+      (
+        "above_max_length",
+        FromValid(lambda v: v + 1, r"<= `settings.max_length` \(3\); source 0 has 4\."),
+      ),
+      ("below_one", FromValid(lambda v: v * 0, r">= 1 .*; source 0 has 0\.")),
+    ),
     "num_sources": arg(None, "size>=0", none_ok=True),
   },
 )
@@ -454,8 +471,15 @@ target(
   ops.length_normalized,
   {
     "logp": arg(lambda: np.array([-1.0, -2.5], np.float32), "array"),
-    "steps": arg(lambda: np.array([2, 3]), "int_values"),
-    "length_penalty": arg(0.6, "float32>=0"),
+    "steps": more(
+      arg(lambda: np.array([2, 3]), "int_values"),
+      ("negative", FromValid(lambda v: -v, r">= 0 .*; item 0 has -2\.")),
+    ),
+    # 400 keeps the penalty of 2 steps finite in float32, not that of 3.
+    "length_penalty": more(
+      arg(0.6, "float32>=0"),
+      ("past_float32", FromValid(lambda v: 400.0, r"`steps` \(3\) .* float32")),
+    ),
   },
 )
 

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxlod._buckets import Capacity
 from jaxlod._checks import (
   check_callable,
   check_integer,
@@ -26,10 +27,11 @@ from jaxlod._checks import (
   require,
   require_each,
   static_int,
+  value_text,
 )
-from jaxlod._faults import with_faults
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import check_fits_device, check_rows, host_numbers
-from jaxlod._lod import Capacity, LoDTensor, is_lod
+from jaxlod._lod import LoDTensor, is_lod
 from jaxlod.ops import _search
 from jaxlod.ops._rank import default_ladder, ladder_sizes, normalize_ladder
 from jaxlod.ops._rnn import prepare_statics
@@ -152,39 +154,48 @@ def _count(init_carry: Any, statics: Any) -> int:
   )
 
 
-def _num_sources(num_sources: Any, static_inputs: Any, count: int) -> jax.Array:
-  """The real number of sources: given, from LoD static inputs, or `count`."""
+def _num_sources(
+  num_sources: Any, static_inputs: Any, count: int
+) -> tuple[jax.Array, Any]:
+  """The real number of sources (given, from LoD static inputs, or `count`),
+  and the `Fault` its checks record under `jit` (0 when they hold): a
+  `num_sources` outside ``[0, count]`` is clipped into it, LoD static
+  inputs of different counts take the first one's."""
   if num_sources is None:
     lods = [x for x in jax.tree.leaves(static_inputs, is_leaf=is_lod) if is_lod(x)]
     if not lods:
-      return jnp.asarray(count, jnp.int32)
+      return jnp.asarray(count, jnp.int32), 0
     counts = [x.num_sequences(-1) for x in lods]
+    same = True
     for i, n in enumerate(counts[1:], 1):
-      require(
+      same = same & require(
         n == counts[0],
         f"Expected every LoDTensor in `static_inputs` to hold the same number of "
         f"sequences; LoDTensor {i} differs from LoDTensor 0.",
       )
-    return jnp.asarray(counts[0], jnp.int32)
+    return jnp.asarray(counts[0], jnp.int32), fault_unless(same, Fault.INPUT)
   check_fits_device(num_sources, "num_sources")
   n = jnp.asarray(num_sources)
   if n.ndim != 0:
     raise ValueError(f"Expected `num_sources` to be a scalar, got shape {n.shape}.")
   check_integer(n.dtype, "num_sources")
-  require(
+  ok = require(
     (n >= 0) & (n <= count),
     f"Expected `num_sources` in [0, {count}] (the count capacity).",
   )
-  return n.astype(jnp.int32)
+  return jnp.clip(n, 0, count).astype(jnp.int32), fault_unless(ok, Fault.INPUT)
 
 
 def _max_lengths(
   max_lengths: Any, settings: DecodeSettings, count: int, num_sources: jax.Array
-) -> jax.Array:
-  """Per-source max lengths ``[count]``: `max_lengths`, or the settings' for all."""
+) -> tuple[jax.Array, Any]:
+  """Per-source max lengths ``[count]`` (`max_lengths`, or the settings' for
+  all), and the `Fault` their checks record under `jit` (0 when they hold):
+  a real source's max length outside ``[1, settings.max_length]`` is
+  clipped into it."""
   cap = settings.max_length
   if max_lengths is None:
-    return jnp.full((count,), cap, jnp.int32)
+    return jnp.full((count,), cap, jnp.int32), 0
   check_fits_device(max_lengths, "max_lengths")
   lengths = jnp.asarray(max_lengths)
   check_integer(lengths.dtype, "max_lengths")
@@ -194,19 +205,20 @@ def _max_lengths(
       f"{lengths.shape}."
     )
   real = jnp.arange(count) < num_sources
-  require_each(
+  positive = require_each(
     real & (lengths < 1),
     "Expected every `max_lengths` >= 1 (each source takes at least one step); "
     "source {i} has {value}.",
     value=lengths,
   )
-  require_each(
+  within = require_each(
     real & (lengths > cap),
     f"Expected every `max_lengths` <= `settings.max_length` ({cap}); "
     "source {i} has {value}.",
     value=lengths,
   )
-  return jnp.clip(lengths, 1, cap).astype(jnp.int32)
+  fault = fault_unless(positive & within, Fault.INPUT)
+  return jnp.clip(lengths, 1, cap).astype(jnp.int32), fault
 
 
 def _checked_step(
@@ -385,7 +397,11 @@ def beam_search(
   Returns:
     `Hypotheses`: up to `num_results` hypotheses per real source, at least
     one (fewer than `num_results` only when fewer can exist), sorted by
-    score, best first.
+    score, best first. Both LoDTensors carry the faults of the LoDTensors
+    in `static_inputs`, and `jaxlod.Fault.INPUT` when a check of
+    `max_lengths`, `num_sources` or `static_inputs` (see Raises) failed
+    under `jit` without checkify, which clips the max lengths and
+    `num_sources` into range: host reads of them raise.
 
   Raises:
     ValueError: at trace time for a step whose carry changes shape or dtype
@@ -393,7 +409,9 @@ def beam_search(
       the vocabulary, arguments of the wrong shape, or a length penalty
       that is inf at ``settings.max_length`` in the scores' dtype; eagerly (under `jit`
       through `jax.experimental.checkify`) for a `max_lengths` below 1 or
-      above ``settings.max_length``.
+      above ``settings.max_length``, a `num_sources` outside ``[0,
+      count_capacity]``, or LoDTensors in `static_inputs` that hold
+      different numbers of sequences.
     jax.experimental.checkify.JaxRuntimeError: only under checkify (the loop
       is traced even eagerly), for `log_probs` holding NaN or ``+inf`` or a
       live hypothesis' row of ``-inf``; without it, they are ranked last.
@@ -419,8 +437,8 @@ def beam_search(
   count = _count(init_carry, static_inputs)
   check_rows(init_carry, count, "init_carry")
   statics = prepare_statics(static_inputs, count, per="source")
-  n = _num_sources(num_sources, static_inputs, count)
-  lengths = _max_lengths(max_lengths, settings, count, n)
+  n, sources_fault = _num_sources(num_sources, static_inputs, count)
+  lengths, lengths_fault = _max_lengths(max_lengths, settings, count, n)
   beam_size, alpha = settings.beam_size, settings.length_penalty
   eos_id = settings.eos_id
 
@@ -463,15 +481,16 @@ def beam_search(
   state = _search.run(state, step, update, ladder, settings.max_length)
   final = _search.scores(state.slots, alpha)
   hyps = _results(state.slots, final, settings.results, n)
-  return faulted_by(hyps, static_inputs)
+  return faulted_by(hyps, static_inputs, sources_fault, lengths_fault)
 
 
-def faulted_by(hyps: Hypotheses, sources: Any) -> Hypotheses:
+def faulted_by(hyps: Hypotheses, sources: Any, *faults: Any) -> Hypotheses:
   """`hyps` with the faults of every LoDTensor in the pytree `sources` (the
   memories they were decoded from: an encoder run with a rank table of
-  another batch, say)."""
+  another batch, say) and the bitmasks `faults` (of the search's own
+  checks)."""
   tensors = [x for x in jax.tree.leaves(sources, is_leaf=is_lod) if is_lod(x)]
-  return Hypotheses(*(with_faults(h, *tensors) for h in hyps))
+  return Hypotheses(*(with_faults(h, *tensors, *faults) for h in hyps))
 
 
 def ensemble_step(
@@ -494,8 +513,9 @@ def ensemble_step(
     vocab])``.
 
   Raises:
-    ValueError: for no steps, or (when called) members whose vocabularies
-      differ.
+    TypeError: when called, for a member whose step returns no pair.
+    ValueError: for no steps, or (when called) a member whose logits are
+      not ``[b, vocab]``, or members whose vocabularies differ.
 
   Example:
     >>> import jax.numpy as jnp
@@ -517,8 +537,7 @@ def ensemble_step(
     for k, (step, carry, static) in enumerate(
       zip(steps, carries, statics, strict=True)
     ):
-      carry, logits = step(carry, tokens, static)
-      logits = jnp.asarray(logits)
+      carry, logits = _member_out(step(carry, tokens, static), k, tokens.shape[0])
       if k and logits.shape[-1] != log_probs[0].shape[-1]:
         raise ValueError(
           f"Expected every member to share the vocabulary: member 0 gives "
@@ -531,6 +550,23 @@ def ensemble_step(
     return tuple(new), jnp.mean(jnp.stack(log_probs), axis=0)
 
   return step_fn
+
+
+def _member_out(out: Any, k: int, b: int) -> tuple[Any, jax.Array]:
+  """Member `k`'s ``(carry, logits [b, vocab])``, checked as `beam_search`
+  checks its `step_fn`'s outputs (naming ``steps[k]``)."""
+  if not (isinstance(out, tuple | list) and len(out) == 2):
+    raise TypeError(
+      f"Expected `steps[{k}]` to return a pair (new_carry, logits), got "
+      f"{value_text(out)}."
+    )
+  logits = jnp.asarray(out[1])
+  if logits.ndim != 2 or logits.shape[0] != b:
+    raise ValueError(
+      f"Expected `steps[{k}]` to return logits of shape [{b}, vocab], got "
+      f"{logits.dtype.name}{list(logits.shape)}."
+    )
+  return out[0], logits
 
 
 # -- settings --------------------------------------------------------------------

@@ -21,7 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlod._checks import check_float, check_integer, finite_float32
+from jaxlod._checks import (
+  INT32,
+  check_float,
+  check_integer,
+  finite_float32,
+  is_concrete,
+  require_each,
+)
 from jaxlod._host import as_array
 from jaxlod._vma import vary, varying_axes
 
@@ -88,13 +95,20 @@ def length_normalized(
   """Scores as `beam_search` ranks finished hypotheses.
 
   ``logp / ((5 + steps) / 6) ** length_penalty``: GNMT's length penalty
-  (Wu et al. 2016), computed in `logp`'s dtype (as JAX stores it: NumPy's
-  float64 becomes float32 without x64).
+  (Wu et al. 2016), computed as the search scores, in float32 or wider,
+  and returned in `logp`'s dtype (as JAX stores it: NumPy's float64
+  becomes float32 without x64).
+
+  `steps` are checked as the search checks its settings: at least 0, and
+  with a penalty finite in the scores' dtype (an inf penalty would score
+  every hypothesis -0.0, above every real score). Eagerly a bad one raises;
+  under `jit` the check is a `jax.experimental.checkify` check, and its
+  entries score ``-inf`` (ranked last, never above a real score).
 
   Args:
     logp: summed log-probabilities, floats of any shape ``[...]``.
-    steps: integers, the hypotheses' tokens, counting ``eos`` where they
-      ended with it (`DecodeSettings`); broadcast against `logp`.
+    steps: integers ``>= 0``, the hypotheses' tokens, counting ``eos`` where
+      they ended with it (`DecodeSettings`); broadcast against `logp`.
     length_penalty: the exponent, as `DecodeSettings.length_penalty`: a
       static float, finite and at least 0.
 
@@ -105,7 +119,9 @@ def length_normalized(
     TypeError: for a `length_penalty` that is not a static float, `logp`
       that is not floats, or `steps` that is not integers.
     ValueError: for a negative or infinite `length_penalty`, or shapes of
-      `logp` and `steps` that do not broadcast.
+      `logp` and `steps` that do not broadcast; eagerly (under `jit`
+      through `jax.experimental.checkify`) for a negative `steps`, or one
+      whose length penalty is inf in the scores' dtype.
 
   Example:
     >>> from jaxlod.ops import length_normalized
@@ -123,9 +139,53 @@ def length_normalized(
     raise ValueError(
       f"Expected `logp` {logp.shape} and `steps` {steps.shape} to broadcast together."
     ) from None
-  if length_penalty == 0:
-    return jnp.broadcast_to(logp, shape)
-  return logp / ((5.0 + steps.astype(logp.dtype)) / 6.0) ** length_penalty
+  wide = jnp.promote_types(logp.dtype, jnp.float32)  # the search's scores
+  bad = check_steps(steps, length_penalty, wide)
+  value = normalized(logp.astype(wide), steps, length_penalty)
+  if bad is not None:
+    value = jnp.where(bad, NEG_INF, value)
+  return jnp.broadcast_to(value, shape).astype(logp.dtype)
+
+
+def normalized(logp: jax.Array, steps: jax.Array, alpha: float) -> jax.Array:
+  """`length_normalized` of checked arguments, in `logp`'s dtype."""
+  if alpha == 0:
+    return logp
+  return logp / ((5.0 + steps.astype(logp.dtype)) / 6.0) ** alpha
+
+
+def check_steps(steps: jax.Array, alpha: float, dtype) -> jax.Array | None:
+  """`length_normalized`'s `steps`: every one at least 0, and at most
+  `penalty_limit` (`check_penalty`, naming `steps`).
+
+  Returns:
+    `None` when every one is (eagerly, or it raised), else under `jit` a
+    bool mask of `steps`' shape marking the bad ones.
+  """
+  flat = steps.reshape(-1)
+  limit = penalty_limit(alpha, dtype)
+  require_each(
+    flat < 0,
+    "Expected every `steps` >= 0 (a hypothesis' tokens, `eos` included); item "
+    "{i} has {value}.",
+    value=flat,
+  )
+  if is_concrete(flat):
+    if flat.size:
+      check_penalty(alpha, int(np.max(np.asarray(flat))), dtype, name="steps")
+    return None
+  if limit == INT32.max:  # every int32 count has a finite penalty
+    return steps < 0
+  largest = float(jnp.finfo(dtype).max)
+  require_each(
+    flat > limit,
+    f"Expected every `steps` <= {limit} (with `length_penalty` {alpha}, the length "
+    f"penalty ((5 + length) / 6) ** length_penalty of a longer one is inf in the "
+    f"scores' dtype {jnp.dtype(dtype).name}, at most {largest:.4g}); item {{i}} "
+    "has {value}.",
+    value=flat,
+  )
+  return (steps < 0) | (steps > limit)
 
 
 def check_length_penalty(value: Any) -> float:
@@ -149,27 +209,48 @@ def check_length_penalty(value: Any) -> float:
   return finite_float32(value, "length_penalty")
 
 
-def check_penalty(alpha: float, max_length: int, dtype) -> None:
+def _penalty_exponent(alpha: float, length: int) -> float:
+  """The decimal exponent of the length penalty ``((5 + length) / 6) **
+  alpha``."""
+  return alpha * math.log10((5.0 + length) / 6.0)
+
+
+def penalty_limit(alpha: float, dtype) -> int:
+  """The most steps whose length penalty is finite in `dtype` (the largest
+  int32 when every int32 is): the bound `check_penalty` checks."""
+  bound = math.log10(float(jnp.finfo(dtype).max))
+  if alpha == 0 or _penalty_exponent(alpha, INT32.max) < bound:
+    return int(INT32.max)
+  low, high = -1, int(INT32.max)  # finite at `low`, inf at `high`
+  while high - low > 1:
+    mid = (low + high) // 2
+    if _penalty_exponent(alpha, mid) < bound:
+      low = mid
+    else:
+      high = mid
+  return low
+
+
+def check_penalty(alpha: float, max_length: int, dtype, name: str = "max_length"):
   """Raises a ValueError when the length penalty at `max_length` (its
   largest value) is inf in `dtype`: every score of that length would be 0
-  and outrank the others."""
-  if alpha == 0:
+  and outrank the others. `name`: the argument `max_length` comes from."""
+  if max_length <= penalty_limit(alpha, dtype):
     return
-  exponent = alpha * math.log10((5.0 + max_length) / 6.0)
+  exponent = _penalty_exponent(alpha, max_length)
   largest = float(jnp.finfo(dtype).max)
-  if exponent >= math.log10(largest):
-    raise ValueError(
-      f"Expected `length_penalty` ({alpha}) and `max_length` ({max_length}) to keep "
-      f"the length penalty ((5 + length) / 6) ** length_penalty finite in the "
-      f"scores' dtype {jnp.dtype(dtype).name} (at most {largest:.4g}), got about "
-      f"1e{exponent:.0f}: lower `length_penalty` or `max_length`."
-    )
+  raise ValueError(
+    f"Expected `length_penalty` ({alpha}) and `{name}` ({max_length}) to keep "
+    f"the length penalty ((5 + length) / 6) ** length_penalty finite in the "
+    f"scores' dtype {jnp.dtype(dtype).name} (at most {largest:.4g}), got about "
+    f"1e{exponent:.0f}: lower `length_penalty` or `{name}`."
+  )
 
 
 def scores(slots: Slots, alpha: float) -> jax.Array:
   """Normalized scores ``[count, k]`` of ended slots; ``-inf`` elsewhere."""
   steps = slots.length + slots.eos.astype(jnp.int32)
-  value = length_normalized(slots.logp, steps, alpha)
+  value = normalized(slots.logp, steps, alpha)
   return jnp.where(slots.ended & (slots.logp > NEG_INF), value, NEG_INF)
 
 
@@ -255,7 +336,7 @@ def finished(
   ended = scores(slots, alpha)
   worst_kept = lax.top_k(ended, num_results)[0][:, -1]
   best_live = jnp.max(jnp.where(live, slots.logp, NEG_INF), axis=1)
-  bound = length_normalized(best_live, max_length, alpha)
+  bound = normalized(best_live, max_length, alpha)
   return ~jnp.any(live, axis=1) | (bound < worst_kept)
 
 

@@ -715,6 +715,39 @@ def test_ensemble_step_rejects_no_members_and_other_vocabularies():
     )
 
 
+@pytest.mark.parametrize(
+  "member, error, match",
+  [
+    (
+      lambda h, t, s: logits_step(h, t, s)[1],
+      TypeError,
+      r"Expected `steps\[1\]` to return a pair \(new_carry, logits\), got Array",
+    ),
+    (
+      lambda h, t, s: (h, jnp.float32(0)),
+      ValueError,
+      r"Expected `steps\[1\]` to return logits of shape \[3, vocab\], got "
+      r"float32\[\]\.",
+    ),
+    (
+      lambda h, t, s: (h, jnp.zeros((t.shape[0],))),
+      ValueError,
+      r"`steps\[1\]` to return logits of shape \[3, vocab\], got float32\[3\]\.",
+    ),
+    (
+      lambda h, t, s: (h, jnp.zeros((1, VOCAB))),
+      ValueError,
+      r"`steps\[1\]` to return logits of shape \[3, vocab\], got float32\[1, 4\]\.",
+    ),
+  ],
+)
+def test_ensemble_step_checks_each_members_outputs(member, error, match):
+  """As `beam_search` checks its `step_fn`'s (before: a bare IndexError, an
+  unpacking error or a concatenation error from inside JAX)."""
+  with pytest.raises(error, match=match):
+    ensemble_step([logits_step, member])((INIT, INIT), TOKENS, (BIAS, BIAS))
+
+
 # -- bad inputs -----------------------------------------------------------------------
 
 
