@@ -8,7 +8,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlod._checks import check_float, check_integer, require, static_float
+from jaxlod._checks import (
+  check_float,
+  check_integer,
+  require,
+  require_each,
+  static_float,
+)
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
 
 
@@ -26,21 +33,26 @@ def sequence_cross_entropy(
 
   Args:
     logits: a LoDTensor ``values [token_capacity, vocab]`` of floats.
-    labels: a LoDTensor of int ids ``values [token_capacity]`` or
-      ``[token_capacity, 1]``, with the LoD of `logits` (the same
-      capacities; the same offsets, checked eagerly).
+    labels: a LoDTensor of int ids in ``[0, vocab)`` (in its real rows),
+      ``values [token_capacity]`` or ``[token_capacity, 1]``, with the LoD
+      of `logits` (the same capacities; the same offsets).
     label_smoothing: ``s`` in ``[0, 1]``; 0 uses the integer labels
       directly.
 
   Returns:
-    A LoDTensor with `logits`' LoD and values ``[token_capacity]``.
+    A LoDTensor with `logits`' LoD and values ``[token_capacity]``, and the
+    faults of both inputs. Under `jit`, offsets that differ or a label
+    outside ``[0, vocab)`` set `jaxlod.Fault.INPUT` in its ``faults`` (host
+    reads of it raise): such a row's loss is meaningless (NaN, or the loss
+    of another class).
 
   Raises:
     TypeError: for inputs that are not LoDTensors, float labels or integer
       logits.
-    ValueError: for shapes or capacities that differ, offsets that differ
-      (eagerly; under `jit` through `jax.experimental.checkify`), or a
-      `label_smoothing` outside ``[0, 1]``.
+    ValueError: for shapes or capacities that differ, a `label_smoothing`
+      outside ``[0, 1]``; eagerly, for offsets that differ or a real row's
+      label outside ``[0, vocab)`` (under `jit` these are
+      `jax.experimental.checkify` checks, and the result is faulted).
 
   Example:
     >>> import numpy as np
@@ -53,7 +65,7 @@ def sequence_cross_entropy(
     ([1.3863, 1.3863, 1.3863], 3)
   """
   logits, labels = check_lod(logits, "logits"), check_lod(labels, "labels")
-  values = _check_rows(logits, labels)
+  values, ok = _check_rows(logits, labels)
   label_smoothing = static_float(label_smoothing, "label_smoothing")
   if not 0.0 <= label_smoothing <= 1.0:
     raise ValueError(f"Expected `label_smoothing` in [0, 1], got {label_smoothing!r}.")
@@ -64,11 +76,14 @@ def sequence_cross_entropy(
     loss = optax.softmax_cross_entropy(scores, targets)
   else:
     loss = optax.softmax_cross_entropy_with_integer_labels(scores, values)
-  return logits.with_values(jnp.where(logits.row_mask(), loss, 0.0))
+  out = logits.with_values(jnp.where(logits.row_mask(), loss, 0.0))
+  return with_faults(out, labels, fault_unless(ok, Fault.INPUT))
 
 
 def _check_rows(logits: LoDTensor, labels: LoDTensor) -> Any:
-  """The label ids ``[token_capacity]``, once the two LoDTensors agree."""
+  """The label ids ``[token_capacity]``, once the two LoDTensors agree, and
+  whether their offsets agree and every real label is a class (`require`:
+  `True` eagerly, a bool scalar under `jit`)."""
   check_float(logits.values.dtype, "logits.values")
   check_integer(labels.values.dtype, "labels.values")
   if logits.values.ndim != 2:
@@ -86,5 +101,22 @@ def _check_rows(logits: LoDTensor, labels: LoDTensor) -> Any:
       f"values of shape {tuple(labels.values.shape)}."
     )
   same = [jnp.all(a == b) for a, b in zip(logits.offsets, labels.offsets, strict=True)]
-  require(jnp.all(jnp.stack(same)), "Expected `labels` to have the LoD of `logits`.")
-  return values
+  same = require(
+    jnp.all(jnp.stack(same)), "Expected `labels` to have the LoD of `logits`."
+  )
+  classes = logits.values.shape[1]
+  bad = logits.row_mask() & ((values < 0) | (values >= classes))
+  known = require_each(
+    bad,
+    f"Expected `labels` in [0, {classes}) (the classes of `logits`), got {{value}} "
+    "at row {i}.",
+    value=values,
+  )
+  return values, _both(same, known)
+
+
+def _both(a: Any, b: Any) -> Any:
+  """``a & b`` of two `require` outcomes, `True` when both are."""
+  if a is True:
+    return b
+  return a if b is True else a & b
