@@ -16,6 +16,7 @@ from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._lod_checks import check_offsets, lengths_to_offsets
 from jaxlod.ops import _segment
+from jaxlod.ops._rank import nan_unless
 
 # -- private helpers ------------------------------------------------------------
 
@@ -170,14 +171,18 @@ def sequence_scatter(
 
   Returns:
     ``[n, width, *features]``. Differentiable in `x` and ``updates.values``;
-    padding rows of `updates` get zero gradient.
+    padding rows of `updates` get zero gradient. Under `jit`, offsets of
+    `index` and `updates` that differ or an id outside ``[0, width)`` turn
+    a float result NaN (every item), so the failed check is loud in any
+    loss.
 
   Raises:
     TypeError: for wrong argument types or dtypes.
     ValueError: for wrong shapes or capacities (at trace time); for offsets
       of `index` and `updates` that differ, or an id outside ``[0, width)``
       (eagerly; under `jit` through `jax.experimental.checkify`: wrap the
-      caller in `checkify.checkify` to see it).
+      caller in `checkify.checkify` to see it; without it the result is
+      NaN).
 
   Example:
     >>> import numpy as np
@@ -191,7 +196,7 @@ def sequence_scatter(
   x = as_array(x, "x")
   ids, rows = _check_scatter_args(x, index, updates)
   _check_count(x, index)
-  _checks.require_each(
+  same = _checks.require_each(
     index.offsets[0] != updates.offsets[0],
     "sequence_scatter: `index` and `updates` have different LoDs: offset {i} is "
     "{got_index} in `index`, {got_updates} in `updates`.",
@@ -201,7 +206,7 @@ def sequence_scatter(
   n, width = x.shape[:2]
   layout = _segment.rows(index)
   outside = layout.valid & ((ids < 0) | (ids >= width))
-  _checks.require_each(
+  inside = _checks.require_each(
     outside,
     f"sequence_scatter: sequence {{segment}}, position {{position}}: id {{id}} is "
     f"outside [0, {width}) (the width of `x`).",
@@ -212,7 +217,8 @@ def sequence_scatter(
   keep = layout.valid & ~outside
   target = jnp.where(keep, layout.segment * width + ids.astype(jnp.int32), n * width)
   flat = x.reshape(n * width, *x.shape[2:])
-  return flat.at[target].add(rows, mode="drop").reshape(x.shape)
+  out = flat.at[target].add(rows, mode="drop").reshape(x.shape)
+  return nan_unless(inside if same is True else same & inside, out)
 
 
 # -- lod_reset -----------------------------------------------------------------------
