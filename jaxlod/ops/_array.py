@@ -354,7 +354,15 @@ def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
 
   Returns:
     The same structure with leaves ``[size, ...]``. Differentiable; the
-    backward pass pads with zeros.
+    backward pass pads with zeros. Under `jit`, a `size` below the
+    sequences active at `step` turns the float leaves NaN (rows of active
+    sequences would be lost); integer leaves are only cut.
+
+  Raises:
+    ValueError: for a `size` outside ``[0, count_capacity]`` or a concrete
+      `step` outside ``[0, time_capacity)``; eagerly, for a `size` below the
+      sequences active at `step` (under `jit` a `jax.experimental.checkify`
+      check, and the float leaves are NaN).
   """
   check_table(table)
   step = index_scalar(step, "step")
@@ -372,7 +380,7 @@ def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
   else:
     steps = jnp.asarray(table.batch_sizes)
     active = steps[jnp.clip(step, 0, table.time_capacity - 1)]
-  require(
+  kept = require(
     active <= size,
     "shrink_memory: {active} sequences are active at step {step}, more than "
     f"`size` {size}; data is never dropped.",
@@ -381,4 +389,5 @@ def shrink_memory(memory: Any, table: RankTable, step: Any, size: int) -> Any:
     step=step,
   )
   check_rows(memory, table.count_capacity, "memory")
-  return jax.tree.map(lambda leaf: _prefix(jnp.asarray(leaf), size), memory)
+  out = jax.tree.map(lambda leaf: _prefix(jnp.asarray(leaf), size), memory)
+  return nan_unless(kept, out)
