@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod import _checks
+from jaxlod._faults import with_faults
 from jaxlod._host import as_array, check_leaves
-from jaxlod._lod import LoDTensor
+from jaxlod._lod import LoDTensor, is_lod
 from jaxlod.nn._checks import check_attention_layer, check_counts, check_targets
 from jaxlod.nn._recurrent import count_steps
 from jaxlod.ops import _attention as core
@@ -115,7 +116,7 @@ def teacher_forced(
   carry = decoder.initial_state(memory, tgt.feature_shape[-1], initial_carry)
   padded = decoder.precompute(memory)
   step, carry, _ = count_steps(decoder.pure_step(carry, tgt, padded), carry)
-  return core.run_decoder(
+  outputs = core.run_decoder(
     step,
     tgt,
     padded,
@@ -125,3 +126,7 @@ def teacher_forced(
     ladder=decoder.ladder,
     remat=decoder.remat,
   )
+  if not is_lod(memory):  # a Memory: no fault record
+    return outputs
+  # The outputs read the memory: its faults (an encoder's) are theirs too.
+  return jax.tree.map(lambda x: with_faults(x, memory), outputs, is_leaf=is_lod)

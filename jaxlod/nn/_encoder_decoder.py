@@ -16,6 +16,7 @@ import jax
 
 from jaxlod import _checks
 from jaxlod._checks import check_integer
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_encoded, check_tokens
 from jaxlod.nn._recurrent import count_steps, zero_padding
@@ -34,6 +35,8 @@ def embed_ids(
   An id outside ``[0, vocab)`` on a real row raises (eagerly a `ValueError`,
   under `jit` a `jax.experimental.checkify` check): an embedding lookup
   would give NaN rows (or clamp), and decoding would then drop the source.
+  Under `jit` without checkify the embedded tensor records `Fault.INPUT`,
+  which the encoder, the decoder and `beam_search` pass on to their results.
   """
   ids = check_lod(ids, name)
   values = ids.values
@@ -45,13 +48,15 @@ def embed_ids(
       f"ids), got {tuple(ids.values.shape)}."
     )
   check_integer(values.dtype, f"{name}.values")
-  _checks.require_each(
+  in_vocab = _checks.require_each(
     ids.row_mask() & ((values < 0) | (values >= vocab)),
     f"Expected every id of `{name}` in [0, {vocab}) (the vocabulary); row "
     "{i} holds {value}.",
     value=values,
   )
-  return zero_padding(ids, embed(values))
+  return with_faults(
+    zero_padding(ids, embed(values)), fault_unless(in_vocab, Fault.INPUT)
+  )
 
 
 def encode_ids(
