@@ -225,13 +225,20 @@ def dynamic_rnn(
     [token_capacity, *y_features]``); `final_carry` has the structure of
     `init_carry`, each sequence's state after its own last step, original
     order (an empty sequence keeps its `init_carry`). Only `final_carry` when
-    `return_sequences` is `False`.
+    `return_sequences` is `False`. Under `jit`, a `table` that does not rank
+    the inputs turns the float leaves of both NaN and sets
+    `jaxlod.Fault.TABLE` in the outputs' ``faults``; inputs whose offsets
+    differ turn the float leaves of `final_carry` NaN and set
+    `jaxlod.Fault.INPUT` in the outputs' ``faults``.
 
   Raises:
     ValueError: at trace time, for inputs with different LoDs, an
       `init_carry` or static input with the wrong leading dimension, a step
       that changes a carry leaf's shape or dtype, or outputs whose shape
-      changes with the batch size.
+      changes with the batch size; eagerly, for inputs whose offsets differ
+      or a `table` that does not rank them (under `jit` these are
+      `jax.experimental.checkify` checks, and the results are poisoned as
+      above).
 
   Differentiable in reverse mode (`jax.grad`, `jax.vjp`) through a custom
   VJP; forward mode (`jax.jvp`) is not supported.
@@ -323,9 +330,13 @@ def dynamic_rnn(
   else:
     ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
   final = permute_rows(final, table.ranks, table.order, "final_carry")
-  # A table of another batch under `jit` (without `checkify`) gives wrong
-  # carries: NaN float results and a faulted output make that loud.
-  final_carry = nan_unless(ranked, jax.tree.unflatten(carry_tree, final))
+  # A table of another batch, or inputs whose LoDs differ, under `jit`
+  # (without `checkify`) give wrong carries: NaN float results and a faulted
+  # output make that loud.
+  sound = (
+    ranked if same_lod is True else same_lod if ranked is True else ranked & same_lod
+  )
+  final_carry = nan_unless(sound, jax.tree.unflatten(carry_tree, final))
   if not return_sequences:
     return final_carry
   fault = fault_unless(ranked, Fault.TABLE) | fault_unless(same_lod, Fault.INPUT)
