@@ -20,10 +20,13 @@ import inspect
 import re
 from typing import Any
 
+import jax
+import numpy as np
 import pytest
 
+from jaxlod import Fault, parallel
 from tests import api_layer_targets, api_targets
-from tests.api_catalogue import FromValid, Target
+from tests.api_catalogue import FromValid, Target, linen_params
 from tests.helpers import PUBLIC_MODULES
 
 TARGETS = api_targets.TARGETS + api_layer_targets.TARGETS
@@ -197,3 +200,57 @@ def test_every_argument_has_wrong_inputs_or_a_reason(t):
   assert not unchecked, f"{t.name}: unchecked, yet with wrong inputs: {unchecked}"
   unknown = [p for p in {*t.args, *t.unchecked} if p not in params]
   assert not unknown, f"{t.name}: not arguments: {unknown}"
+
+
+# -- the decoding fault record --------------------------------------------------------
+
+
+# Under `jit` without checkify the decoding checks above cannot raise: both
+# LoDTensors of the `Hypotheses` record `Fault.INPUT` and host reads raise.
+# Each case: a target, an argument, and a wrong value made from the valid one.
+def _set_first(values: Any, value: int) -> np.ndarray:
+  out = np.array(values)
+  out.reshape(-1)[0] = value
+  return out
+
+
+FAULTS = [
+  ("ops.beam_search", "max_lengths", lambda v: np.array([4, 3])),
+  *(
+    (name, arg, bad)
+    for name in DECODING - {"ops.beam_search", "parallel.generate"}
+    for arg, bad in (
+      ("max_lengths", lambda v: np.array([4, 3])),
+      ("src", lambda v: v.with_values(_set_first(v.values, 8))),
+    )
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  ("name", "argument", "bad"),
+  sorted(FAULTS, key=lambda c: (c[0], c[1])),
+  ids=[f"{n}-{a}" for n, a, _ in sorted(FAULTS, key=lambda c: (c[0], c[1]))],
+)
+def test_under_jit_a_decoding_check_is_recorded_in_faults(name, argument, bad):
+  (t,) = [t for t in TARGETS if t.name == name]
+  linen_params()  # made eagerly: cached, they must not be made under `jit`
+  kwargs = _valid(t)
+  wrong = bad(kwargs[argument])
+  hyps = jax.jit(lambda value: t.call(**{**kwargs, argument: value}))(wrong)
+  for tensor in hyps:
+    assert int(tensor.faults) & Fault.INPUT, (name, argument)
+    with pytest.raises(ValueError, match=r"This LoDTensor is faulted \(INPUT\)"):
+      tensor.to_list()
+
+
+def test_parallel_generate_records_its_decoding_faults():
+  """`parallel.generate` decodes under `map_shards`, traced: the same record."""
+  (t,) = [t for t in TARGETS if t.name == "parallel.generate"]
+  kwargs = _valid(t)
+  limits = parallel.shard_batch(np.array([[4, 3]]), kwargs["mesh"])
+  for hyps in t.call(**{**kwargs, "max_lengths": limits}):
+    for tensor in hyps:
+      assert int(tensor.faults) & Fault.INPUT
+      with pytest.raises(ValueError, match=r"This LoDTensor is faulted \(INPUT\)"):
+        tensor.to_list()
