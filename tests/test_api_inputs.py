@@ -7,9 +7,9 @@ arguments) and a catalogue of wrong inputs per kind of argument
 `object()`, a float where an int is required, a negative int, an array of the
 wrong rank, floats where integers are needed, a LoDTensor where an array is
 expected and the reverse, stacked shards where one LoDTensor belongs, ...).
-Each case passes one wrong input, every other
-argument valid, and expects a `TypeError` or `ValueError` whose message names
-the argument in backticks: never a bare error from inside JAX, NumPy or Flax.
+Each case passes one wrong input, every other argument valid, and expects a
+`TypeError` or `ValueError` whose message names the argument in backticks:
+never a bare error from inside JAX, NumPy or Flax.
 The table is complete: every public name, and every argument of every target,
 is covered or exempted below with a reason. Under `jit`, where the decoders'
 data checks cannot raise, the last tests check their fault record.
