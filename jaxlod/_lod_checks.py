@@ -556,26 +556,27 @@ def _check_padded_lod(
 
 
 def check_unstacked(x: Any, name: str | None = None) -> None:
-  """`x` is one tensor, not shards stacked on leading axes (`stack_shape`).
+  """`x` is one LoDTensor or RankTable, not shards stacked on leading axes
+  (its `stack_shape`: a `Batcher(shards=S)` batch's fields and tables).
 
   Args:
-    x: a LoDTensor.
-    name: the argument `x` was given as; `None` for a method's own tensor.
+    x: a LoDTensor or a RankTable.
+    name: the argument `x` was given as; `None` for a method's own `x`.
   """
   stack = x.stack_shape
   if not stack:
     return
-  shards = int(np.prod(stack))
+  shards, kind = int(np.prod(stack)), type(x).__name__
   got = (
-    f"Expected `{name}` to be one LoDTensor, got {shards} shards"
+    f"Expected `{name}` to be one {kind}, got {shards} shards"
     if name
-    else f"This LoDTensor holds {shards} shards"
+    else f"This {kind} holds {shards} shards"
   )
   raise ValueError(
-    f"{got} stacked on leading axes {stack} (a field of a "
-    f"`Batcher(shards={shards})` batch): an op or a read of the LoD runs on one "
-    "shard. Take one with `jaxlod.parallel.unstack(...)[s]`, or run on every "
-    "shard with `jaxlod.parallel.data_parallel` or `map_shards`."
+    f"{got} stacked on leading axes {stack} (from a `Batcher(shards={shards})` "
+    "batch): ops and reads of the LoD run on one shard. Take one with "
+    "`jaxlod.parallel.unstack(...)[s]`, or run on every shard with "
+    "`jaxlod.parallel.data_parallel` or `map_shards`."
   )
 
 

@@ -23,7 +23,7 @@ from jaxlod._checks import (
 )
 from jaxlod._faults import check_sound
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod._lod_checks import is_array
+from jaxlod._lod_checks import check_unstacked, is_array
 
 
 def default_ladder(
@@ -170,7 +170,7 @@ class RankTable:
 
   def items(self) -> list[tuple[int, int]]:
     """Paddle's rank-table items ``(original index, length)`` (host only)."""
-    _check_one_table(self, None)
+    check_unstacked(self)
     if not is_concrete(self.order, self.lengths, self.count):
       raise ValueError("RankTable.items() reads data on the host; not under jit.")
     n = int(self.count)
@@ -283,27 +283,8 @@ def check_table(
   if not isinstance(table, RankTable):
     raise TypeError(f"Expected `{name}` to be a RankTable, got {type(table).__name__}.")
   if not stacked:
-    _check_one_table(table, name)
+    check_unstacked(table, name)
   return table
-
-
-def _check_one_table(table: RankTable, name: str | None) -> None:
-  """`table` is one table, not shards stacked on leading axes."""
-  stack = table.stack_shape
-  if not stack:
-    return
-  shards = int(np.prod(stack))
-  got = (
-    f"Expected `{name}` to be one RankTable, got {shards} shards"
-    if name
-    else f"This RankTable holds {shards} shards"
-  )
-  raise ValueError(
-    f"{got} stacked on leading axes {stack} (an entry of a "
-    f"`Batcher(shards={shards})` batch's tables): a table ranks one shard. Take "
-    "one with `jaxlod.parallel.unstack(...)[s]`, or run on every shard with "
-    "`jaxlod.parallel.data_parallel` or `map_shards`."
-  )
 
 
 def check_pair(x: Any, table: Any, name: str) -> Any:
