@@ -26,10 +26,11 @@ from jaxlod._checks import (
   check_width,
   finite_float32,
   is_integer_dtype,
+  require_each,
 )
 from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.ops._rank import RankTable
+from jaxlod.ops._rank import RankTable, nan_unless
 from jaxlod.ops._rnn import dynamic_rnn
 
 COSINE_EPS = 1e-8
@@ -270,10 +271,14 @@ def masked_attention(
     lengths: ``[b]`` integer real lengths, ``0 <= lengths <= source_capacity``.
 
   Returns:
-    ``(context [b, features], weights [b, source_capacity])``.
+    ``(context [b, features], weights [b, source_capacity])``. Under `jit`, a
+    length outside ``[0, source_capacity]`` turns both NaN (every item), so
+    the failed check is loud in any loss.
 
   Raises:
-    ValueError: for shapes that disagree (naming both).
+    ValueError: for shapes that disagree (naming both); eagerly, for a
+      length outside ``[0, source_capacity]`` (under `jit` a
+      `jax.experimental.checkify` check, and the results are NaN).
 
   Example:
     >>> import numpy as np
@@ -306,7 +311,14 @@ def masked_attention(
     raise TypeError(
       f"Expected `lengths` to have an integer dtype, got {lengths.dtype}."
     )
-  real = jnp.arange(scores.shape[1])[None, :] < lengths[:, None]
+  capacity = scores.shape[1]
+  fits = require_each(
+    (lengths < 0) | (lengths > capacity),
+    f"Expected `lengths` in [0, {capacity}] (the source capacity), got {{length}} "
+    "at index {i}.",
+    length=lengths,
+  )
+  real = jnp.arange(capacity)[None, :] < lengths[:, None]
   masked = jnp.where(real, scores, -jnp.inf)
   top = jnp.max(masked, axis=1, keepdims=True, initial=-jnp.inf)
   top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
@@ -314,12 +326,14 @@ def masked_attention(
   total = jnp.sum(exp, axis=1, keepdims=True)
   weights = exp / jnp.where(total > 0, total, 1.0)
   context = jnp.einsum("bs,bsf->bf", weights, memory)
-  return context, weights
+  return nan_unless(fits, (context, weights))
 
 
 def attend(scores: jax.typing.ArrayLike, memory: Memory) -> tuple[jax.Array, jax.Array]:
   """`masked_attention` of `scores` over a `Memory`: ``(context [b,
-  features], weights [b, source_capacity])``."""
+  features], weights [b, source_capacity])``; NaN under `jit` for a
+  ``memory.lengths`` outside ``[0, source_capacity]`` (eagerly a
+  `ValueError`)."""
   memory = check_memory(memory)
   return masked_attention(scores, memory.values, memory.lengths)
 
