@@ -25,6 +25,7 @@ from jaxlod._checks import (
   check_rank,
   check_width,
   finite_float32,
+  is_concrete,
   is_integer_dtype,
   require_each,
 )
@@ -148,7 +149,19 @@ def as_memory(
     raise TypeError(
       f"Expected `lengths` to have an integer dtype, got {lengths.dtype}."
     )
-  return Memory(values, lengths, _check_padded_keys(keys, values))
+  fits = _check_lengths(lengths, values.shape[1])
+  return Memory(nan_unless(fits, values), lengths, _check_padded_keys(keys, values))
+
+
+def _check_lengths(lengths: jax.Array, capacity: int) -> Any:
+  """Every length in ``[0, capacity]`` (`require_each`: eagerly raises,
+  under `jit` returns whether they are)."""
+  return require_each(
+    (lengths < 0) | (lengths > capacity),
+    f"Expected `lengths` in [0, {capacity}] (the source capacity), got {{length}} "
+    "at index {i}.",
+    length=lengths,
+  )
 
 
 def _check_padded_keys(keys: jax.Array | None, values: jax.Array) -> jax.Array | None:
@@ -288,6 +301,14 @@ def masked_attention(
     >>> context.tolist(), weights.tolist()
     ([[2.0], [0.0]], [[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
   """
+  return _masked_attention(scores, memory, lengths, check_lengths=True)
+
+
+def _masked_attention(
+  scores: Any, memory: Any, lengths: Any, *, check_lengths: bool
+) -> tuple[jax.Array, jax.Array]:
+  """`masked_attention`, checking the range of `lengths` only when
+  `check_lengths` (the shapes always: they are static)."""
   check_fits_device(lengths, "lengths")
   scores = as_array(scores, "scores")
   memory = as_array(memory, "memory")
@@ -311,14 +332,8 @@ def masked_attention(
     raise TypeError(
       f"Expected `lengths` to have an integer dtype, got {lengths.dtype}."
     )
-  capacity = scores.shape[1]
-  fits = require_each(
-    (lengths < 0) | (lengths > capacity),
-    f"Expected `lengths` in [0, {capacity}] (the source capacity), got {{length}} "
-    "at index {i}.",
-    length=lengths,
-  )
-  real = jnp.arange(capacity)[None, :] < lengths[:, None]
+  fits = _check_lengths(lengths, scores.shape[1]) if check_lengths else True
+  real = jnp.arange(scores.shape[1])[None, :] < lengths[:, None]
   masked = jnp.where(real, scores, -jnp.inf)
   top = jnp.max(masked, axis=1, keepdims=True, initial=-jnp.inf)
   top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
@@ -331,11 +346,18 @@ def masked_attention(
 
 def attend(scores: jax.typing.ArrayLike, memory: Memory) -> tuple[jax.Array, jax.Array]:
   """`masked_attention` of `scores` over a `Memory`: ``(context [b,
-  features], weights [b, source_capacity])``; NaN under `jit` for a
-  ``memory.lengths`` outside ``[0, source_capacity]`` (eagerly a
-  `ValueError`)."""
+  features], weights [b, source_capacity])``.
+
+  A decoder calls this at every step, so under `jit` the memory's lengths
+  are not checked here but where the `Memory` was made: `lod_memory` takes
+  them from a LoD, `as_memory` checks them (its values NaN under `jit` for a
+  length outside ``[0, source_capacity]``). Eagerly they are checked here
+  too, as `masked_attention` checks them.
+  """
   memory = check_memory(memory)
-  return masked_attention(scores, memory.values, memory.lengths)
+  return _masked_attention(
+    scores, memory.values, memory.lengths, check_lengths=is_concrete(memory.lengths)
+  )
 
 
 def decoder_step(
