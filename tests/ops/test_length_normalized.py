@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from jax.experimental import checkify
 
 from jaxlod.ops import DecodeSettings, beam_search, length_normalized
@@ -114,11 +114,13 @@ ALPHAS = st.sampled_from([0.0, 0.6, 1.0, 2.0, 50.0, 400.0])
   logp=st.lists(st.floats(-100, 0, width=32), min_size=4, max_size=4),
   steps=st.lists(st.integers(-8, 40), min_size=4, max_size=4),
 )
+@example(alpha=0.6, logp=[0.0, 0.0, 0.0, 0.0], steps=[0, 0, 0, -6])
 def test_never_above_a_real_score(alpha, logp, steps):
   """Eagerly a bad entry raises; under `jit` it scores -inf and checkify
   reports it; a good one is the formula, finite, never above 0."""
   logp, steps = np.float32(logp), np.int32(steps)
-  with np.errstate(over="ignore"):
+  # A negative base (steps below -5) has no real power: NaN, a bad entry.
+  with np.errstate(over="ignore", invalid="ignore"):
     penalty = ((5.0 + steps.astype(np.float64)) / 6.0) ** alpha
   bad = (steps < 0) | ~(penalty <= float(np.finfo(np.float32).max))
   err, got = checked(jnp.asarray(logp), jnp.asarray(steps), alpha)
