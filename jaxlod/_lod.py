@@ -416,7 +416,7 @@ class LoDTensor:
 
   @property
   def stack_shape(self) -> tuple[int, ...]:
-    """The leading axes of shards stacked in every leaf: ``()`` for one tensor.
+    """The leading axes of shards stacked in every leaf, ``()`` for one tensor.
 
     A field of a `jaxlod.data.Batcher` batch with ``shards=S`` holds the S
     shards' tensors stacked on a new leading axis: ``(S,)``. Such a

@@ -153,7 +153,7 @@ class RankTable:
 
   @property
   def stack_shape(self) -> tuple[int, ...]:
-    """The leading axes of shards stacked in every leaf: ``()`` for one table,
+    """The leading axes of shards stacked in every leaf, ``()`` for one table,
     ``(S,)`` for the tables of a `jaxlod.data.Batcher` batch with
     ``shards=S`` (see `jaxlod.LoDTensor.stack_shape`). The capacities and
     `schedule_steps` of a stacked table are per shard; `items` and the ops
