@@ -5,7 +5,6 @@ decodings stay at 0."""
 
 import functools
 
-import flax.linen as nn
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,8 @@ from hypothesis import given, settings
 from jax.experimental import checkify
 
 from jaxlod import Buckets, Fault, LoDTensor
-from jaxlod.nn import AttentionDecoder, DotAttention, DynamicRNN, Seq2Seq
 from jaxlod.ops import DecodeSettings, beam_search
+from tests.ops.test_decode_inputs import model_and_params as decode_inputs_model
 
 VOCAB, COUNT = 5, 4
 SETTINGS = DecodeSettings(bos_id=0, eos_id=4, max_length=3, beam_size=2)
@@ -124,16 +123,10 @@ def test_faults_exactly_when_checkify_reports(lengths, num_sources):
 
 @functools.cache
 def model_and_params():
-  src = LoDTensor.from_sequences([np.array([3, 1, 4]), np.array([1, 5])])
-  tgt = LoDTensor.from_sequences([np.array([0, 2]), np.array([0, 6, 2])])
-  model = Seq2Seq(
-    src_vocab=8,
-    tgt_vocab=9,
-    embed_dim=5,
-    encoder=DynamicRNN(nn.GRUCell(4)),
-    decoder=AttentionDecoder(nn.GRUCell(4), DotAttention()),
-  )
-  return model, model.init(jax.random.key(0), src, tgt)
+  """The model and parameters of tests/ops/test_decode_inputs.py, made once
+  and eagerly (`generate` reads them under `jit`)."""
+  model, params, _ = decode_inputs_model()
+  return model, params
 
 
 MODEL_SETTINGS = DecodeSettings(bos_id=0, eos_id=1, max_length=4, beam_size=2)
