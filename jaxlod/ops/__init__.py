@@ -39,6 +39,7 @@ from jaxlod.ops._pad import (
   sequence_reverse,
   sequence_unpad,
 )
+from jaxlod.ops._plan import LoopPlan, default_plan
 from jaxlod.ops._pool import (
   sequence_first_step,
   sequence_last_step,
@@ -54,6 +55,7 @@ from jaxlod.ops._window import sequence_conv, sequence_enumerate
 __all__ = [
   "DecodeSettings",
   "Hypotheses",
+  "LoopPlan",
   "Memory",
   "additive_scores",
   "as_memory",
@@ -69,6 +71,7 @@ __all__ = [
   "array_to_lod",
   "beam_search",
   "default_ladder",
+  "default_plan",
   "dynamic_rnn",
   "lod_reset",
   "lod_to_array",

@@ -95,6 +95,28 @@ def _pad_rows(part: jax.Array, rows: int) -> jax.Array:
 # -- one phase ------------------------------------------------------------------------
 
 
+def _steps(
+  spec: LoopSpec,
+  data: _PhaseData,
+  step: Callable[[jax.Array, Any], Any],
+  state: Any,
+) -> Any:
+  """Runs ``state = step(i, state)`` for the phase's ``i`` in ``[0, last -
+  first)``, `spec.unroll` of them per `lax.while_loop` iteration (the last
+  iteration's extra ``i`` run too: `step` masks them)."""
+  if spec.unroll == 1:
+    return lax.fori_loop(0, data.last - data.first, step, state)
+  k = spec.unroll
+
+  def body(j: jax.Array, state: Any) -> Any:
+    for u in range(k):
+      state = step(j * k + u, state)
+    return state
+
+  trips = (data.last - data.first + k - 1) // k
+  return lax.fori_loop(jnp.zeros_like(trips), trips, body, state)
+
+
 @dataclasses.dataclass(frozen=True)
 class _PhaseData:
   """A phase's traced operands."""
@@ -107,9 +129,39 @@ class _PhaseData:
   first: jax.Array  # first step
   last: jax.Array  # one past the last step
 
-  def cells(self, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Step `t`: active rows, first time-major row, first schedule row."""
-    return t < self.lengths, self.step_offsets[t], self.saved_offsets[t]
+  def cells(self, t: jax.Array) -> _Cells:
+    """Step `t` of the phase."""
+    return _Cells(t, t < self.lengths, self.step_offsets[t], self.saved_offsets[t])
+
+  def masked_cells(self, spec: LoopSpec, size: int, t: jax.Array) -> _Cells:
+    """Step `t` going forward, which may be past the phase's end (``unroll >
+    1``): such a step has no active row, and reads and writes only the
+    spare rows past the data (`LoopSpec.stored_rows`)."""
+    valid = t < self.last
+    at = jnp.clip(t, 0, spec.time - 1)
+    return _Cells(
+      jnp.where(valid, t, spec.time),
+      (t < self.lengths) & valid,
+      jnp.where(valid, self.step_offsets[at], spec.rows - size),
+      jnp.where(valid, self.saved_offsets[at], spec.saved_rows),
+    )
+
+  def first_cells(self, t: jax.Array) -> _Cells:
+    """Step `t` going backward, which may be before the phase's start
+    (``unroll > 1``): such a step has no active row and reads the phase's
+    first step, whose stored values are real (so its zero cotangents give
+    zero gradients, never ``0 * inf``)."""
+    at = jnp.maximum(t, self.first)
+    return _Cells(at, (t < self.lengths) & (t >= self.first), *self.cells(at)[2:])
+
+
+class _Cells(NamedTuple):
+  """Where one step reads and writes."""
+
+  t: jax.Array  # the step, as stored leaves are indexed by step
+  active: jax.Array  # [size] bool, the rows that take the step
+  offset: jax.Array  # first time-major row
+  saved_at: jax.Array  # first schedule row
 
 
 class _Saved(NamedTuple):
@@ -229,11 +281,13 @@ def _forward_phase(
   """One phase forward; stores per-step residuals (or carries) when planned."""
   residual_mode = plan is not None and not plan.recompute
   b = phase.size
-  where = row_groups(plan, spec.saved_rows)[0] if row_layout else None
+  where = row_groups(plan, spec.stored_rows)[0] if row_layout else None
 
-  def body(t: jax.Array, state: _ForwardState) -> _ForwardState:
+  def body(i: jax.Array, state: _ForwardState) -> _ForwardState:
     c, ys, buffers = state
-    active, offset, saved_at = data.cells(t)
+    t = data.first + i
+    at = data.cells(t) if spec.unroll == 1 else data.masked_cells(spec, b, t)
+    t, active, offset, saved_at = at
     x = [_slab(v, offset, b) for v in values]
     if residual_mode:
       out, vjp = _step_vjp(spec, phase, data, c, x)
@@ -251,7 +305,7 @@ def _forward_phase(
       ys = [_put(buf, offset, leaf) for buf, leaf in zip(ys, y, strict=True)]
     return _ForwardState(c, ys, buffers)
 
-  return lax.fori_loop(data.first, data.last, body, state)
+  return _steps(spec, data, body, state)
 
 
 def _y_zeros(spec: LoopSpec, phase: Phase) -> Leaves:
@@ -302,13 +356,15 @@ def _backward_phase(
   """
   b = phase.size
   buffers, invariants = saved
-  where = row_groups(plan, spec.saved_rows)[0] if row_layout else None
+  where = row_groups(plan, spec.stored_rows)[0] if row_layout else None
   y_zeros, const_slots = _y_zeros(spec, phase), _const_slots(spec, phase)
 
   def body(i: jax.Array, state: _BackwardState) -> _BackwardState:
     g_c, g_values, g_statics, g_consts = state
-    t = data.first + data.last - 1 - i
-    active, offset, saved_at = data.cells(t)
+    t = data.last - 1 - i
+    t, active, offset, saved_at = (
+      data.cells(t) if spec.unroll == 1 else data.first_cells(t)
+    )
     stored = _load(where, buffers, t, saved_at, b)
     x = [_slab(v, offset, b) for v in values]
     if plan.recompute:
@@ -328,7 +384,7 @@ def _backward_phase(
     g_statics, g_consts = _accumulate(g_statics, g_consts, g_inv, const_slots)
     return _BackwardState(g_c, g_values, g_statics, g_consts)
 
-  return lax.fori_loop(data.first, data.last, body, state)
+  return _steps(spec, data, body, state)
 
 
 # -- all phases ---------------------------------------------------------------------
@@ -360,9 +416,11 @@ def _buffers(spec: LoopSpec, plan: SavePlan, row_layout: bool) -> Leaves:
   # step's store: storing the LSTM residuals of benchmark W1 took 1.7x as long.
   if row_layout:
     return [
-      spec.zeros(shape, dtype) for shape, dtype in row_groups(plan, spec.saved_rows)[1]
+      spec.zeros(shape, dtype) for shape, dtype in row_groups(plan, spec.stored_rows)[1]
     ]
-  return [spec.zeros((spec.time, *shape), dtype) for shape, dtype in plan.shapes]
+  return [
+    spec.zeros((spec.stored_steps, *shape), dtype) for shape, dtype in plan.shapes
+  ]
 
 
 def _forward(

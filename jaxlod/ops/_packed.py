@@ -110,16 +110,21 @@ def unpack(rows: jax.Array, layout: TimeMajor) -> jax.Array:
   return gather(rows, *layout.to_rows, *layout.to_time_major)
 
 
-def schedule_offsets(table: RankTable) -> jax.Array:
+def schedule_offsets(
+  time_capacity: int,
+  ladder: Sequence[int],
+  phase_starts: jax.Array,
+  phase_ends: jax.Array,
+) -> jax.Array:
   """First schedule row of each step: int32 ``[time_capacity]``.
 
   Step ``t`` of phase ``k`` owns ``ladder[k]`` rows; steps past the longest
   sequence own none.
   """
-  steps = jnp.arange(table.time_capacity, dtype=jnp.int32)[:, None]
-  starts = jnp.asarray(table.phase_starts)[None, :]
-  ends = jnp.asarray(table.phase_ends)[None, :]
-  sizes = jnp.asarray(table.ladder, jnp.int32)[None, :]
+  steps = jnp.arange(time_capacity, dtype=jnp.int32)[:, None]
+  starts = jnp.asarray(phase_starts)[None, :]
+  ends = jnp.asarray(phase_ends)[None, :]
+  sizes = jnp.asarray(ladder, jnp.int32)[None, :]
   per_step = jnp.sum(jnp.where((steps >= starts) & (steps < ends), sizes, 0), axis=1)
   return (jnp.cumsum(per_step) - per_step).astype(jnp.int32)
 

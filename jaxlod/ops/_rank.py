@@ -202,18 +202,28 @@ def _table_arrays(xp, lengths, time_capacity: int, ladder: tuple[int, ...]):
   sorted_lengths = lengths[order].astype(i32)
   steps = xp.arange(time_capacity, dtype=i32)
   batch_sizes = xp.sum(sorted_lengths[None, :] > steps[:, None], axis=1).astype(i32)
-  extended = xp.concatenate([sorted_lengths, xp.zeros((1,), i32)])
-  phase_starts = extended[xp.asarray(ladder, dtype=i32)]
-  phase_ends = extended[xp.asarray((*ladder[1:], 0), dtype=i32)]
+  phase_starts, phase_ends = phase_bounds(xp, sorted_lengths, ladder)
   return dict(
     order=order,
     ranks=ranks,
     lengths=sorted_lengths,
     batch_sizes=batch_sizes,
-    max_length=extended[0],
+    max_length=xp.concatenate([sorted_lengths, xp.zeros((1,), i32)])[0],
     phase_starts=phase_starts,
     phase_ends=phase_ends,
   )
+
+
+def phase_bounds(xp, sorted_lengths, ladder: Sequence[int]) -> tuple:
+  """The phase plan of `ladder` over lengths in rank order (descending):
+  ``(phase_starts, phase_ends)``, int32 ``[len(ladder)]`` each, with `xp`
+  either `numpy` or `jax.numpy`. Phase ``k`` runs the steps where
+  ``ladder[k + 1] < batch_sizes[t] <= ladder[k]``."""
+  i32 = xp.int32
+  extended = xp.concatenate([xp.asarray(sorted_lengths, i32), xp.zeros((1,), i32)])
+  phase_starts = extended[xp.asarray(ladder, dtype=i32)]
+  phase_ends = extended[xp.asarray((*ladder[1:], 0), dtype=i32)]
+  return phase_starts, phase_ends
 
 
 def rank_table(

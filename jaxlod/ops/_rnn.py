@@ -22,11 +22,13 @@ from jaxlod._lod_checks import check_unstacked
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _loop_plan, _packed
 from jaxlod.ops._array import permute_rows
+from jaxlod.ops._plan import LoopPlan, resolve_plan
 from jaxlod.ops._rank import (
   RankTable,
   check_pair,
   nan_unless,
   normalize_ladder,
+  phase_bounds,
   rank_table,
 )
 
@@ -177,6 +179,7 @@ def dynamic_rnn(
   ladder: Sequence[int] | None = None,
   return_sequences: bool = True,
   remat: bool = False,
+  plan: LoopPlan | None = None,
 ) -> Any:
   """Runs a recurrent step over every sequence of a LoDTensor, padding-free.
 
@@ -218,6 +221,11 @@ def dynamic_rnn(
       read again. Recomputing costs one more forward step per step but
       fills a smaller buffer; for LSTM and GRU cells on CPU the two modes
       measure within noise of each other (see ``benchmarks/rnn.py``).
+    plan: how the loop runs (a `jaxlod.ops.LoopPlan`): its bodies (the
+      ladder, or one or a few sizes where rows are nearly free) and the
+      steps per `lax.while_loop` iteration. `None`: `default_plan()` of
+      the backend at trace time. A plan with `bodies` set takes its own
+      sizes whatever the table's ladder, and conflicts with `ladder`.
 
   Returns:
     ``(outputs, final_carry)``: `outputs` has the structure of ``y_t`` with
@@ -232,7 +240,8 @@ def dynamic_rnn(
     `jaxlod.Fault.INPUT` in the outputs' ``faults``.
 
   Raises:
-    ValueError: at trace time, for inputs with different LoDs, an
+    ValueError: at trace time, for inputs with different LoDs, a `ladder`
+      with a `plan` whose `bodies` is set, an
       `init_carry` or static input with the wrong leading dimension, a step
       that changes a carry leaf's shape or dtype, or outputs whose shape
       changes with the batch size; eagerly, for inputs whose offsets differ
@@ -259,8 +268,15 @@ def dynamic_rnn(
   lods, x_tree, same_lod = _flatten_inputs(inputs)
   x0 = lods[0]
   check_bools(reverse=reverse, return_sequences=return_sequences, remat=remat)
+  plan = resolve_plan(plan)
+  if plan.bodies is not None and ladder is not None:
+    raise ValueError(
+      f"Got both `ladder` {tuple(ladder)} and `plan` with bodies={plan.bodies}; "
+      "pass one: a plan with `bodies` chooses its own batch sizes."
+    )
   table, ranked = _resolve_table(x0, table, ladder)
   count = table.count_capacity
+  loop_ladder = plan.ladder(count, table.ladder)
   check_rows(init_carry, count, "init_carry")
   statics = prepare_statics(static_inputs, count)
   carry_leaves, carry_tree = jax.tree.flatten(init_carry)
@@ -283,7 +299,7 @@ def dynamic_rnn(
       x_tree,
       values,
       statics,
-      table.ladder,
+      loop_ladder,
     )
 
   phases, consts, y_tails, y_tree = convert()
@@ -297,7 +313,7 @@ def dynamic_rnn(
     count=count,
     rows=x0.capacity.tokens + count,
     saved_rows=_packed.schedule_rows(
-      x0.capacity.tokens, table.time_capacity, table.ladder
+      x0.capacity.tokens, table.time_capacity, loop_ladder
     ),
     time=table.time_capacity,
     carry_float=_float_flags(carry),
@@ -308,15 +324,20 @@ def dynamic_rnn(
     y_tails=y_tails,
     return_sequences=return_sequences,
     remat=remat,
+    unroll=plan.unroll,
     vma=vma,
   )
+  if loop_ladder == table.ladder:
+    starts, ends = table.phase_starts, table.phase_ends
+  else:
+    starts, ends = phase_bounds(jnp, table.lengths, loop_ladder)
   bounds = vary(
     (
       layout.step_offsets,
-      _packed.schedule_offsets(table),
+      _packed.schedule_offsets(table.time_capacity, loop_ladder, starts, ends),
       jnp.asarray(table.lengths),
-      jnp.asarray(table.phase_starts),
-      jnp.asarray(table.phase_ends),
+      jnp.asarray(starts),
+      jnp.asarray(ends),
     ),
     vma,
   )

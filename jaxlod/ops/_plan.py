@@ -1,0 +1,148 @@
+"""How the loops run on a backend: `LoopPlan` and `default_plan`.
+
+On a CPU a step's cost falls with its rows, so the phased loop runs a
+ladder of shrinking batch sizes, one compiled body each. On a GPU a step is
+a handful of small kernels whose time hardly depends on the rows: every
+ladder size is a compiled body that buys nothing, and a `lax.while_loop`
+whose trip count XLA cannot know copies its predicate to the host and waits
+for it on every iteration. A plan says which of these mechanisms a loop
+uses. It is static, hashable data, passed with the call (or held by a
+layer): never a global that would change a jitted function behind its
+cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxlod._checks import static_int
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+  """How `jaxlod.ops.dynamic_rnn`, the layers over it and the decoding loops
+  run. Static and hashable; `default_plan` picks one per backend.
+
+  Attributes:
+    bodies: the most loop bodies (static batch sizes) a loop compiles.
+      `None` (the CPU's plan): one per size of the rank table's ladder, so
+      the batch shrinks as sequences end. ``n``: the count capacity and
+      ``n - 1`` halvings of it, each rounded up to a multiple of 8 (a tile
+      of rows); ``1`` runs every step at the full batch, the right choice
+      where rows are nearly free. For decoding, the sizes that finished
+      sources are compacted to (``1``: a batch-wide stop).
+    unroll: time steps per iteration of each `lax.while_loop` (Flax's and
+      `lax.scan`'s ``unroll``). A loop's trip count depends on the lengths,
+      so XLA cannot know it; on a GPU every iteration then waits for its
+      predicate on the host. With ``unroll=k`` that wait comes once per
+      ``k`` steps; steps past a phase's end are masked (they compute, and
+      change nothing). ``1`` (the CPU's plan) masks nothing.
+    hoist: the recurrent layers of `jaxlod.nn` compute the input
+      projection of Flax's separable cells (``LSTMCell``,
+      ``OptimizedLSTMCell``, ``GRUCell``, ``SimpleCell``, ``MGUCell`` and
+      their NNX twins) as one product over all packed rows before the loop,
+      and the recurrent kernel's gradient as one product after it, so the
+      loop keeps only the recurrent product (cuDNN's design). `False` by
+      default on every backend: it ships as a default only where the
+      benchmark shows it faster (``benchmarks/hoist.py``).
+
+  Raises:
+    ValueError: for `bodies` not `None` or an int >= 1, `unroll` not an
+      int >= 1, or `hoist` not a bool.
+
+  Example:
+    >>> from jaxlod.ops import LoopPlan
+    >>> LoopPlan(bodies=2).ladder(64, (64, 52, 44))
+    (64, 32)
+    >>> LoopPlan().ladder(64, (64, 52, 44))
+    (64, 52, 44)
+  """
+
+  bodies: int | None = None
+  unroll: int = 1
+  hoist: bool = False
+
+  def __post_init__(self):
+    if self.bodies is not None:
+      _check_count(self.bodies, "bodies")
+    _check_count(self.unroll, "unroll")
+    if not isinstance(self.hoist, bool):
+      raise ValueError(f"Expected `hoist` to be a bool, got {self.hoist!r}.")
+
+  def ladder(
+    self, count_capacity: int, table_ladder: tuple[int, ...]
+  ) -> tuple[int, ...]:
+    """The batch sizes of the loop's bodies, largest first.
+
+    Args:
+      count_capacity: the loop's batch capacity (the first size).
+      table_ladder: the rank table's ladder, used as is when `bodies` is
+        `None`.
+    """
+    if self.bodies is None:
+      return tuple(table_ladder)
+    sizes = [int(count_capacity)]
+    for _ in range(self.bodies - 1):
+      size = min(_round_up(-(-sizes[-1] // 2), 8), sizes[-1] - 1)
+      if size < 1:
+        break
+      sizes.append(size)
+    return tuple(sizes)
+
+
+def _check_count(value, name: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"Expected `{name}` to be an int >= 1, got {value!r}.")
+  static_int(value, name, minimum=1)
+
+
+# One body: on one H100 (benchmarks/results/h100/rnn.json) a padded scan at
+# the full batch to the longest length costs what jaxlod's ladder of
+# shrinking sizes costs (W1 4.93 ms against 5.07 for the phased scans). The
+# number of steps per host wait is not yet measured on a GPU:
+# benchmarks/accelerator.sh measures unroll 1, 4, 8 and 16 side by side.
+_ACCELERATOR = LoopPlan(bodies=1, unroll=8)
+
+
+def default_plan(backend: str | None = None) -> LoopPlan:
+  """The plan for `backend` (default: `jax.default_backend()`).
+
+  * ``"cpu"``: `LoopPlan()`, the ladder and one step per iteration.
+  * ``"gpu"``, ``"tpu"`` and any other: ``LoopPlan(bodies=1, unroll=8)``:
+    one body at the full batch (rows are nearly free there; a TPU pads
+    rows to tiles) and 8 steps per host wait.
+
+  The loops call this at trace time when given no plan, so a jitted
+  function traced for one backend keeps that backend's plan; pass a plan
+  to choose another (the tests force the accelerator's on the CPU).
+
+  Raises:
+    ValueError: for a `backend` that is not a string.
+  """
+  if backend is None:
+    backend = jax.default_backend()
+  if not isinstance(backend, str):
+    raise ValueError(f"Expected `backend` to be a string, got {backend!r}.")
+  return LoopPlan() if backend == "cpu" else _ACCELERATOR
+
+
+def resolve_plan(plan: LoopPlan | None, name: str = "plan") -> LoopPlan:
+  """`plan`, or the backend's `default_plan` when `None`.
+
+  Raises:
+    TypeError: for anything but a `LoopPlan` or `None`, naming `name`.
+  """
+  if plan is None:
+    return default_plan()
+  if not isinstance(plan, LoopPlan):
+    raise TypeError(
+      f"Expected `{name}` to be a jaxlod.ops.LoopPlan or None, got "
+      f"{type(plan).__name__}."
+    )
+  return plan
