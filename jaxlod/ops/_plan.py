@@ -14,6 +14,7 @@ cache.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -146,3 +147,25 @@ def resolve_plan(plan: LoopPlan | None, name: str = "plan") -> LoopPlan:
       f"{type(plan).__name__}."
     )
   return plan
+
+
+def plan_with_ladder(plan: LoopPlan | None, ladder: Any) -> LoopPlan:
+  """The plan of a loop given `plan` and a `ladder` (either may be `None`).
+
+  A ladder asked for explicitly runs: with no `plan`, the backend's plan
+  keeps its other choices and takes the ladder for its bodies.
+
+  Raises:
+    TypeError: for a `plan` that is not a `LoopPlan` or `None`.
+    ValueError: for both a `ladder` and a `plan` whose `bodies` is set.
+  """
+  explicit = plan is not None
+  plan = resolve_plan(plan)
+  if ladder is None or plan.bodies is None:
+    return plan
+  if explicit:
+    raise ValueError(
+      f"Got both `ladder` {tuple(ladder)} and `plan` with bodies={plan.bodies}; "
+      "pass one: a plan with `bodies` chooses its own batch sizes."
+    )
+  return dataclasses.replace(plan, bodies=None)

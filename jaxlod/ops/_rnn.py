@@ -22,7 +22,7 @@ from jaxlod._lod_checks import check_unstacked
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _loop_plan, _packed
 from jaxlod.ops._array import permute_rows
-from jaxlod.ops._plan import LoopPlan, resolve_plan
+from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._rank import (
   RankTable,
   check_pair,
@@ -224,8 +224,9 @@ def dynamic_rnn(
     plan: how the loop runs (a `jaxlod.ops.LoopPlan`): its bodies (the
       ladder, or one or a few sizes where rows are nearly free) and the
       steps per `lax.while_loop` iteration. `None`: `default_plan()` of
-      the backend at trace time. A plan with `bodies` set takes its own
-      sizes whatever the table's ladder, and conflicts with `ladder`.
+      the backend at trace time, with a given `ladder` taking the place
+      of its `bodies`. A plan with `bodies` set takes its own sizes
+      whatever the table's ladder, and conflicts with `ladder`.
 
   Returns:
     ``(outputs, final_carry)``: `outputs` has the structure of ``y_t`` with
@@ -268,12 +269,7 @@ def dynamic_rnn(
   lods, x_tree, same_lod = _flatten_inputs(inputs)
   x0 = lods[0]
   check_bools(reverse=reverse, return_sequences=return_sequences, remat=remat)
-  plan = resolve_plan(plan)
-  if plan.bodies is not None and ladder is not None:
-    raise ValueError(
-      f"Got both `ladder` {tuple(ladder)} and `plan` with bodies={plan.bodies}; "
-      "pass one: a plan with `bodies` chooses its own batch sizes."
-    )
+  plan = plan_with_ladder(plan, ladder)
   table, ranked = _resolve_table(x0, table, ladder)
   count = table.count_capacity
   loop_ladder = plan.ladder(count, table.ladder)
