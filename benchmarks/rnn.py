@@ -46,16 +46,45 @@ capacity (only lowered when that would take over
 inside the traced function, beside ``_cache_size()`` and the XLA
 compilations seen.
 
+``--plan`` sets the `jaxlod.ops.LoopPlan` of ``jaxlod`` and
+``jaxlod_remat``: ``default`` passes none (`dynamic_rnn` then takes
+`jaxlod.ops.default_plan` of the backend: the ladder on a CPU, one body
+and 8 steps per ``while`` iteration on a GPU), ``cpu`` is ``LoopPlan()``
+and ``accelerator`` ``default_plan("gpu")``, forced on any backend. The
+report records the choice, and per workload the plan each jaxlod arm ran
+and its loop's batch sizes (``plans``).
+
+``--candidates`` adds, on every workload run (``--candidates W1,W2``: on
+those only), an arm per plan candidate, timed in the same interleaved
+rounds as the others: ``jaxlod_ladder`` (``LoopPlan()``),
+``jaxlod_unroll1``, ``jaxlod_unroll4`` and ``jaxlod_unroll16`` (one body,
+that many steps per iteration; 8 is the ``jaxlod`` arm's on a GPU),
+``jaxlod_bodies2`` (two bodies, 8 steps) and ``jaxlod_hoisted`` (one body,
+8 steps, ``hoist=True``: the input projection of every row as one product
+before the loop, through `jaxlod.nn.DynamicRNN` holding the same Flax cell,
+whose parameters are ``{"cell": params}``). Their times are in ``train``
+and ``forward`` beside the others', their differences from ``jaxlod`` in
+``equality``, and the workload's ``candidates`` gives each one's plan, loop
+sizes, forward, train and compile times, their ratios to ``jaxlod``'s and
+whether it computes what ``jaxlod`` does (``matches_jaxlod``); the report's
+``candidates`` lists the workloads that ran them. An arm
+that cannot be built (a plan its layer does not take) is reported in
+``candidates`` with the error, and not timed.
+
 Workloads: W1 sentences (LSTM 256, batch 64, log-normal lengths, mean about
 30, cap 128), W2 documents (GRU 128, batch 32, long-tailed lengths, mean
 about 200, cap 1024), W3 words (LSTM 128, batch 256, English word lengths
-1-28, mean about 7.5).
+1-28, mean about 7.5). ``S`` is a tiny workload (LSTM 16, batch 8) for
+checking the script end to end, not for timing; it runs only when named.
 
 Run:
   python -m benchmarks.rnn [--workloads W1,W2,W3] [--repeats N] [--json PATH]
-                           [--torch-threads N]
+                           [--torch-threads N] [--plan {default,cpu,accelerator}]
+                           [--candidates [W1,W2,W3]]
 
-The JSON report goes to stdout (and to ``--json PATH``); progress to stderr.
+The JSON report goes to stdout (and to ``--json PATH``, rewritten after each
+workload, so a run stopped early keeps the workloads it finished); progress
+to stderr.
 """
 
 from __future__ import annotations
@@ -63,6 +92,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -77,6 +107,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxlod
+import jaxlod.nn
 import jaxlod.ops
 from benchmarks.timing import machine_info as _machine_info
 from benchmarks.timing import measure_interleaved, write_report
@@ -91,6 +122,27 @@ COMPILE_CHECK_BATCHES = 100
 # this long (estimated from the timed median); otherwise only lower it.
 COMPILE_CHECK_CALL_BUDGET_S = 60.0
 MATCH_ATOL = 1e-4
+# A candidate matches jaxlod when its outputs do (`MATCH_ATOL`) and its loss
+# and largest gradient difference are within this of jaxlod's (relative):
+# other batch sizes and a hoisted product round differently.
+CANDIDATE_RTOL = 1e-3
+
+# `--plan`: the plan of the `jaxlod` and `jaxlod_remat` arms (`None`: pass
+# none, `dynamic_rnn`'s own default for the backend).
+PLANS: dict[str, jaxlod.ops.LoopPlan | None] = {
+  "default": None,
+  "cpu": jaxlod.ops.LoopPlan(),
+  "accelerator": jaxlod.ops.default_plan("gpu"),
+}
+# `--candidates`: arms measuring each plan candidate beside `jaxlod`.
+CANDIDATES: dict[str, jaxlod.ops.LoopPlan] = {
+  "jaxlod_ladder": jaxlod.ops.LoopPlan(),
+  "jaxlod_unroll1": jaxlod.ops.LoopPlan(bodies=1, unroll=1),
+  "jaxlod_unroll4": jaxlod.ops.LoopPlan(bodies=1, unroll=4),
+  "jaxlod_unroll16": jaxlod.ops.LoopPlan(bodies=1, unroll=16),
+  "jaxlod_bodies2": jaxlod.ops.LoopPlan(bodies=2, unroll=8),
+  "jaxlod_hoisted": jaxlod.ops.LoopPlan(bodies=1, unroll=8, hoist=True),
+}
 
 # Relative frequencies of the lengths 1..28 of distinct English words (a
 # vocabulary or word list; running text, dominated by short function words,
@@ -178,7 +230,20 @@ WORKLOADS = {
     token_capacity=3072,
     sample_lengths=word_lengths,
   ),
+  # Not a measurement: the script end to end in seconds (run only by name).
+  "S": Workload(
+    "tiny (end-to-end check)",
+    "lstm",
+    batch=8,
+    features=16,
+    hidden=16,
+    time_capacity=16,
+    token_capacity=128,
+    sample_lengths=lognormal_lengths(mean=6, sigma=0.6, cap=16),
+  ),
 }
+# The workloads run when none are named.
+DEFAULT_WORKLOADS = ("W1", "W2", "W3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,19 +339,19 @@ def _train_step(loss: Callable, traces: dict) -> Callable:
   return jax.jit(step)
 
 
-def jaxlod_arm(cell: nn.RNNCellBase, batch: Batch, remat: bool) -> Arm:
-  def forward(params, x, table):
-    def step(carry, x_t, static):
-      del static
-      return cell.apply({"params": params}, carry, x_t)
-
-    init = zero_carry(cell, x.capacity.sequences[-1], x.feature_shape[0])
-    return jaxlod.ops.dynamic_rnn(step, x, init_carry=init, table=table, remat=remat)
+def _lod_loss(forward: Callable) -> Callable:
+  """The loss of a jaxlod arm whose `forward` returns ``(outputs, carry)``."""
 
   def loss(params, x, table):
     outputs, carry = forward(params, x, table)
     real = jnp.arange(outputs.capacity.tokens) < outputs.num_rows
     return masked_square_sum(outputs.values, real) + jnp.sum(final_hidden(carry))
+
+  return loss
+
+
+def _lod_arm(forward: Callable, batch: Batch) -> Arm:
+  """An arm of `forward(params, x, table) -> (outputs, carry)` on the LoDTensor."""
 
   def compare(result):
     outputs, carry = result
@@ -295,11 +360,59 @@ def jaxlod_arm(cell: nn.RNNCellBase, batch: Batch, remat: bool) -> Arm:
   traces = {"train": 0}
   return Arm(
     jax.jit(forward),
-    _train_step(loss, traces),
+    _train_step(_lod_loss(forward), traces),
     (batch.lod, jax.device_put(batch.table)),
     compare,
     traces,
   )
+
+
+def jaxlod_arm(
+  cell: nn.RNNCellBase,
+  batch: Batch,
+  remat: bool,
+  plan: jaxlod.ops.LoopPlan | None = None,
+) -> Arm:
+  """`dynamic_rnn` of `cell` with `remat` and `plan` (`None`: its default)."""
+
+  def forward(params, x, table):
+    def step(carry, x_t, static):
+      del static
+      return cell.apply({"params": params}, carry, x_t)
+
+    init = zero_carry(cell, x.capacity.sequences[-1], x.feature_shape[0])
+    return jaxlod.ops.dynamic_rnn(
+      step, x, init_carry=init, table=table, remat=remat, plan=plan
+    )
+
+  return _lod_arm(forward, batch)
+
+
+def layer_arm(cell: nn.RNNCellBase, batch: Batch, plan: jaxlod.ops.LoopPlan) -> Arm:
+  """`jaxlod.nn.DynamicRNN` of `cell` under `plan` (a hoisting plan hoists
+  the input projection of Flax's cells), on the parameters of `cell` alone:
+  the layer holds them under ``cell``.
+
+  Raises:
+    TypeError: where the layer takes no `plan`.
+  """
+  layer = jaxlod.nn.DynamicRNN(cell, return_carry=True, plan=plan)
+
+  def forward(params, x, table):
+    init = zero_carry(cell, x.capacity.sequences[-1], x.feature_shape[0])
+    variables = {"params": {"cell": params}}
+    carry, outputs = layer.apply(variables, x, initial_carry=init, table=table)
+    return outputs, carry
+
+  return _lod_arm(forward, batch)
+
+
+def candidate_arm(cell: nn.RNNCellBase, batch: Batch, plan: jaxlod.ops.LoopPlan):
+  """The arm of one `CANDIDATES` plan: through the layer when it hoists
+  (hoisting is the layers' choice; `dynamic_rnn` runs any step)."""
+  if plan.hoist:
+    return layer_arm(cell, batch, plan)
+  return jaxlod_arm(cell, batch, remat=False, plan=plan)
 
 
 def flax_arm(cell: nn.RNNCellBase, batch: Batch, time: int) -> Arm:
@@ -567,12 +680,18 @@ def compile_check(w: Workload, arm: Arm, params: Any, batch: Batch, train_s: flo
 
 
 def build_arms(
-  w: Workload, params: Any, batch: Batch, torch_device: str = "cpu"
+  w: Workload,
+  params: Any,
+  batch: Batch,
+  torch_device: str = "cpu",
+  plan: jaxlod.ops.LoopPlan | None = None,
 ) -> dict[str, Arm | None]:
+  """The arms of `w`, `jaxlod` and `jaxlod_remat` under `plan` (`None`:
+  `dynamic_rnn`'s default)."""
   cell = make_cell(w)
   return {
-    "jaxlod": jaxlod_arm(cell, batch, remat=False),
-    "jaxlod_remat": jaxlod_arm(cell, batch, remat=True),
+    "jaxlod": jaxlod_arm(cell, batch, remat=False, plan=plan),
+    "jaxlod_remat": jaxlod_arm(cell, batch, remat=True, plan=plan),
     "flax_capacity": flax_arm(cell, batch, w.time_capacity),
     "flax_exact": flax_arm(cell, batch, batch.longest),
     "floor": floor_arm(cell, batch),
@@ -581,6 +700,21 @@ def build_arms(
     ),
     "phased_scans": phased_scans_arm(cell, batch),
   }
+
+
+def build_candidates(
+  w: Workload, batch: Batch
+) -> tuple[dict[str, Arm | None], dict[str, str]]:
+  """The arms of `CANDIDATES`, and the error of each that could not be
+  built (that arm `None`)."""
+  cell, arms, errors = make_cell(w), {}, {}
+  for name, plan in CANDIDATES.items():
+    try:
+      arms[name] = candidate_arm(cell, batch, plan)
+    except TypeError as error:  # a layer that takes no such plan
+      arms[name], errors[name] = None, f"{type(error).__name__}: {error}"
+      print(f"  {name}: not built ({errors[name]})", file=sys.stderr)
+  return arms, errors
 
 
 def time_arms(arms: dict, params: Any, mode: str, repeats: int) -> dict:
@@ -638,12 +772,62 @@ def batch_stats(w: Workload, batch: Batch) -> dict[str, Any]:
   }
 
 
+def plan_record(plan: jaxlod.ops.LoopPlan | None, batch: Batch) -> dict[str, Any]:
+  """What a jaxlod arm ran: the plan it was given (`None`: none), the plan
+  that ran (the backend's default for `None`) and its loop's batch sizes."""
+  ran = plan if plan is not None else jaxlod.ops.default_plan()
+  table = batch.table
+  return {
+    "given": plan and dataclasses.asdict(plan),
+    "ran": dataclasses.asdict(ran),
+    "loop_ladder": list(ran.ladder(table.count_capacity, table.ladder)),
+  }
+
+
+def candidate_summary(
+  timings: dict, equality: dict, plans: dict, errors: dict
+) -> dict[str, Any]:
+  """Each candidate's plan, times and ratios to `jaxlod`'s, or its error."""
+  out = {}
+  for name in CANDIDATES:
+    entry = dict(plans[name])
+    if name in errors:
+      out[name] = {**entry, "error": errors[name]}
+      continue
+    for mode in ("forward", "train"):
+      t, ref = timings[mode][name], timings[mode]["jaxlod"]
+      entry[f"{mode}_s"] = t["median_s"]
+      entry[f"{mode}_compile_s"] = t["compile_s"]
+      entry[f"{mode}_ratio_to_jaxlod"] = _ratio(t["median_s"], ref["median_s"])
+      entry[f"{mode}_compile_ratio_to_jaxlod"] = _ratio(
+        t["compile_s"], ref["compile_s"]
+      )
+    same = equality[name]
+    entry["matches_jaxlod"] = (
+      same["outputs_match"]
+      and same["loss_rel_diff_vs_jaxlod"] <= CANDIDATE_RTOL
+      and same["grad_max_rel_diff_vs_jaxlod"] <= CANDIDATE_RTOL
+    )
+    out[name] = entry
+  return out
+
+
 def run_workload(
-  w: Workload, repeats: int, torch_device: str = "cpu"
+  w: Workload,
+  repeats: int,
+  torch_device: str = "cpu",
+  plan: jaxlod.ops.LoopPlan | None = None,
+  candidates: bool = False,
 ) -> dict[str, Any]:
   batch = make_batch(w, np.random.default_rng(0))
   params = init_params(make_cell(w), w)
-  arms = build_arms(w, params, batch, torch_device)
+  arms = build_arms(w, params, batch, torch_device, plan)
+  plans = {name: plan_record(plan, batch) for name in ("jaxlod", "jaxlod_remat")}
+  errors = {}
+  if candidates:
+    extra, errors = build_candidates(w, batch)
+    arms.update(extra)
+    plans.update({name: plan_record(p, batch) for name, p in CANDIDATES.items()})
   timings = {
     mode: time_arms(arms, params, mode, repeats) for mode in ("forward", "train")
   }
@@ -663,7 +847,10 @@ def run_workload(
       for name, arm in arms.items()
       if name != "jaxlod"
     },
+    "plans": plans,
   }
+  if candidates:
+    result["candidates"] = candidate_summary(timings, result["equality"], plans, errors)
   result["compiles"] = compile_check(w, arms["jaxlod"], params, batch, train_s)
   return result
 
@@ -700,9 +887,23 @@ def workload_names(parser: argparse.ArgumentParser, args: Any) -> list[str]:
   return names
 
 
+def candidate_workloads(
+  parser: argparse.ArgumentParser, value: str, workloads: list[str]
+) -> list[str]:
+  """The workloads of ``--candidates``: none (``""``), every one run
+  (``"all"``), or those named, each of them run."""
+  if value == "all":
+    return list(workloads)
+  names = [name.strip() for name in value.split(",") if name.strip()]
+  missing = [name for name in names if name not in workloads]
+  if missing:
+    parser.error(f"--candidates names {missing}, which --workloads does not run")
+  return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workloads", default=",".join(WORKLOADS))
+  parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--json", type=Path, default=None, help="also write here")
   parser.add_argument(
@@ -719,8 +920,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     help="the torch arm's device (default: cuda when JAX runs on a GPU and "
     "torch sees one, else cpu)",
   )
+  parser.add_argument(
+    "--plan",
+    choices=list(PLANS),
+    default="default",
+    help="the LoopPlan of the jaxlod and jaxlod_remat arms: default passes "
+    "none (dynamic_rnn's default for the backend), cpu is LoopPlan(), "
+    'accelerator default_plan("gpu")',
+  )
+  parser.add_argument(
+    "--candidates",
+    nargs="?",
+    const="all",
+    default="",
+    metavar="WORKLOADS",
+    help="also time an arm per plan candidate ("
+    + ", ".join(CANDIDATES)
+    + ") on every workload run, or on those named (comma-separated)",
+  )
   args = parser.parse_args(argv)
   args.workloads = workload_names(parser, args)
+  args.candidates = candidate_workloads(parser, args.candidates, args.workloads)
   if args.torch_threads < 1:
     parser.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
   return args
@@ -736,16 +956,26 @@ def main(argv: list[str] | None = None) -> None:
     if torch_device == "cuda" and not torch.cuda.is_available():
       sys.exit("--torch-device cuda: torch sees no CUDA device.")
   start = time.perf_counter()
+  plan = PLANS[args.plan]
   report = {
     "machine": machine_info(torch_device),
     "repeats": args.repeats,
+    "plan": {"name": args.plan, "plan": plan and dataclasses.asdict(plan)},
+    "candidates": args.candidates,
     "workloads": {},
   }
   for name in args.workloads:
     print(f"{name}: {WORKLOADS[name].description}", file=sys.stderr)
     report["workloads"][name] = run_workload(
-      WORKLOADS[name], args.repeats, torch_device
+      WORKLOADS[name],
+      args.repeats,
+      torch_device,
+      plan,
+      candidates=name in args.candidates,
     )
+    report["wall_s"] = time.perf_counter() - start
+    if args.json is not None:  # what is done so far, should the run stop
+      args.json.write_text(json.dumps(report, indent=2) + "\n")
   report["wall_s"] = time.perf_counter() - start
   write_report(report, args.json)
 
