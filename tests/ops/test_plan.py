@@ -1,0 +1,295 @@
+"""`LoopPlan`: every plan's `dynamic_rnn` against the padded masked scan.
+
+The accelerator plans (one or two bodies, several steps per `while`
+iteration) are forced on the CPU here: their values and gradients must be
+those of the masked `lax.scan`, in float32 and float64, with empty
+sequences, both directions, both backward modes and every capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxlod import Buckets, LoDTensor
+from jaxlod.ops import LoopPlan, default_plan, dynamic_rnn, rank_table
+from tests.helpers import assert_close
+from tests.ops.test_rnn import CELLS, _batch, _loss, _padded_outputs, masked_scan
+
+ACCELERATOR = default_plan("gpu")
+PLANS = {
+  "cpu": LoopPlan(),
+  "accelerator": ACCELERATOR,
+  "one_body": LoopPlan(bodies=1),
+  "one_body_unroll3": LoopPlan(bodies=1, unroll=3),
+  "two_bodies_unroll8": LoopPlan(bodies=2, unroll=8),
+  "ladder_unroll4": LoopPlan(unroll=4),
+}
+
+
+def _losses(step, params, x, init_carry, reverse, remat, plan, table=None):
+  """jaxlod under `plan` and the masked scan: ``(loss, (outputs, carry))``."""
+
+  def jaxlod_loss(params, values, init_carry):
+    outputs, final = dynamic_rnn(
+      lambda c, x_t, s: step(params, c, x_t, s),
+      x.with_values(values),
+      init_carry=init_carry,
+      reverse=reverse,
+      remat=remat,
+      table=table,
+      plan=plan,
+    )
+    ys = _padded_outputs(outputs)
+    return _loss(ys, final), (ys, final)
+
+  def reference_loss(params, values, init_carry):
+    ys, final, _ = masked_scan(step, params, x.with_values(values), init_carry, reverse)
+    return _loss(ys, final), (ys, final)
+
+  return jaxlod_loss, reference_loss
+
+
+def _both(loss, args):
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+
+
+# -- values and gradients ---------------------------------------------------------
+
+
+# The CPU's plan is `dynamic_rnn`'s default there: tests/ops/test_rnn.py.
+@pytest.mark.parametrize("plan", sorted(set(PLANS) - {"cpu", "one_body"}))
+@pytest.mark.parametrize("cell", sorted(CELLS))
+@pytest.mark.parametrize(
+  ("reverse", "remat"), [(False, False), (True, True)], ids=["forward", "reverse-remat"]
+)
+def test_every_plan_matches_the_masked_scan_float32(plan, cell, reverse, remat):
+  step, params, init = CELLS[cell](jnp.float32)
+  x = _batch([4, 0, 7, 1, 3, 7, 2, 0, 5], np.float32, Buckets.pow2(minimum=8))
+  init_carry = init(jax.random.key(2), x.capacity.sequences[-1])
+  got_loss, ref_loss = _losses(step, params, x, init_carry, reverse, remat, PLANS[plan])
+  args = (params, x.values, init_carry)
+  (loss, outputs), grads = _both(got_loss, args)
+  (want, ref_outputs), ref_grads = _both(ref_loss, args)
+  assert_close(outputs, ref_outputs, rtol=1e-5, atol=1e-5)
+  assert_close(loss, want, rtol=1e-5, atol=1e-5)
+  # Gradients sum over up to a few dozen steps: float32 round-off.
+  assert_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "plan", sorted(set(PLANS) - {"cpu", "one_body", "one_body_unroll3"})
+)
+@pytest.mark.parametrize("cell", ["custom", "lstm"])
+@pytest.mark.parametrize(
+  ("reverse", "remat"), [(False, True), (True, False)], ids=["forward-remat", "reverse"]
+)
+def test_accelerator_plans_match_the_masked_scan_float64(plan, cell, reverse, remat):
+  with jax.enable_x64(True):
+    step, params, init = CELLS[cell](jnp.float64)
+    x = _batch(
+      [4, 0, 6, 1, 3, 6], np.float64, Buckets.fixed(tokens=24, sequences=8, time=8)
+    )
+    init_carry = init(jax.random.key(2), 8)
+    got_loss, ref_loss = _losses(
+      step, params, x, init_carry, reverse, remat, PLANS[plan]
+    )
+    args = (params, x.values, init_carry)
+    (_, outputs), grads = _both(got_loss, args)
+    (_, ref_outputs), ref_grads = _both(ref_loss, args)
+    assert_close(outputs, ref_outputs, rtol=1e-12, atol=1e-12)
+    assert_close(grads, ref_grads, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+  lengths=st.lists(st.integers(0, 9), min_size=1, max_size=8),
+  unroll=st.sampled_from([2, 3, 5, 16]),
+  bodies=st.sampled_from([None, 1, 2]),
+  reverse=st.booleans(),
+)
+def test_random_lods_under_every_unroll(lengths, unroll, bodies, reverse):
+  """Steps past a phase's end (the last iteration's extra ones) change no
+  value and no gradient, whatever the lengths, including all-empty batches."""
+  with jax.enable_x64(True):
+    step, params, init = CELLS["gru"](jnp.float64)
+    x = _batch(lengths, np.float64, Buckets.fixed(tokens=72, sequences=8, time=9))
+    init_carry = init(jax.random.key(2), 8)
+    plan = LoopPlan(bodies=bodies, unroll=unroll)
+    got_loss, ref_loss = _losses(step, params, x, init_carry, reverse, False, plan)
+    args = (params, x.values, init_carry)
+    (_, outputs), grads = _both(got_loss, args)
+    (_, ref_outputs), ref_grads = _both(ref_loss, args)
+    assert_close(outputs, ref_outputs, rtol=1e-12, atol=1e-12)
+    assert_close(grads, ref_grads, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("plan", ["accelerator", "ladder_unroll4"])
+def test_masked_steps_never_reach_the_gradients(plan):
+  """A step whose gradient is NaN at zero input (``sqrt(w * x)``): the masked
+  steps past a phase's end read real rows, so nothing turns NaN."""
+  lengths = [5, 1, 0, 3]
+  rows = np.linspace(0.5, 2.0, sum(lengths), dtype=np.float32)[:, None]
+  x = LoDTensor.from_lengths(
+    rows, [lengths], buckets=Buckets.fixed(tokens=24, sequences=4, time=6)
+  )
+
+  def loss(w):
+    step = lambda c, x_t, _: (c + jnp.sqrt(w * x_t), c)  # noqa: E731
+    _, carry = dynamic_rnn(step, x, init_carry=jnp.zeros((4, 1)), plan=PLANS[plan])
+    return jnp.sum(carry)
+
+  def reference(w):
+    return sum(jnp.sum(jnp.sqrt(w * jnp.asarray(s))) for s in x.to_list())
+
+  got = jax.jit(jax.grad(loss))(jnp.float32(1.5))
+  np.testing.assert_allclose(got, jax.grad(reference)(1.5), rtol=1e-5)
+
+
+def test_a_table_of_another_ladder_runs_the_plans_bodies():
+  """A data pipeline's table (built with the CPU ladder) under a plan with
+  `bodies`: the plan's phases come from the table's lengths."""
+  step, params, init = CELLS["lstm"](jnp.float32)
+  x = _batch([9, 2, 2, 6, 1, 1, 3, 8, 4, 4, 2], np.float32, Buckets.pow2(minimum=8))
+  table = rank_table(x, ladder=(16, 8, 4, 2))
+  init_carry = init(jax.random.key(2), 16)
+  for plan in (ACCELERATOR, LoopPlan(bodies=2, unroll=3)):
+    got_loss, ref_loss = _losses(step, params, x, init_carry, False, False, plan, table)
+    args = (params, x.values, init_carry)
+    (_, outputs), grads = _both(got_loss, args)
+    (_, ref_outputs), ref_grads = _both(ref_loss, args)
+    assert_close(outputs, ref_outputs, rtol=1e-5, atol=1e-5)
+    assert_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+
+
+# -- one compilation ----------------------------------------------------------------
+
+
+def test_one_compilation_over_many_batches_with_the_accelerator_plan():
+  step, params, init = CELLS["lstm"](jnp.float32)
+  buckets = Buckets.fixed(tokens=64, sequences=8, time=16)
+  traces = []
+
+  @jax.jit
+  def train_step(params, x, table, init_carry):
+    traces.append(1)
+
+    def loss(params):
+      outputs, final = dynamic_rnn(
+        lambda c, x_t, s: step(params, c, x_t, s),
+        x,
+        init_carry=init_carry,
+        table=table,
+        plan=ACCELERATOR,
+      )
+      return jnp.sum(outputs.values**2) + jnp.sum(final[1])
+
+    return jax.value_and_grad(loss)(params)
+
+  rng = np.random.default_rng(0)
+  init_carry = init(jax.random.key(0), 8)
+  for _ in range(12):
+    lengths = rng.integers(0, 9, size=rng.integers(1, 9))
+    x = _batch(lengths.tolist(), np.float32, buckets, seed=int(rng.integers(1 << 30)))
+    jax.block_until_ready(train_step(params, x, rank_table(x), init_carry))
+  assert len(traces) == 1
+  assert train_step._cache_size() == 1
+
+
+def test_the_accelerator_plan_compiles_one_body():
+  """One body: one forward and one backward `while` loop, where the CPU's
+  ladder has one per size."""
+  step, params, init = CELLS["lstm"](jnp.float32)
+  x = _batch([5, 2, 7, 0, 3, 1, 1, 6], np.float32, Buckets.pow2(minimum=8))
+  init_carry = init(jax.random.key(2), 8)
+
+  def whiles(plan):
+    loss, _ = _losses(step, params, x, init_carry, False, False, plan)
+    grad = jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1, 2))
+    return str(jax.make_jaxpr(grad)(params, x.values, init_carry)).count("while[")
+
+  assert whiles(ACCELERATOR) == 2
+  assert whiles(LoopPlan()) == 2 * len(rank_table(x).ladder)
+
+
+# -- the plan as data ---------------------------------------------------------------
+
+
+def test_default_plan_per_backend():
+  assert default_plan("cpu") == LoopPlan()
+  assert default_plan("gpu") == default_plan("tpu") == LoopPlan(bodies=1, unroll=8)
+  assert default_plan() == default_plan(jax.default_backend())
+  assert not default_plan("gpu").hoist  # not the default before it is measured
+
+
+def test_a_plan_is_static_hashable_data():
+  plan = LoopPlan(bodies=2, unroll=4)
+  assert hash(plan) == hash(LoopPlan(bodies=2, unroll=4))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.unroll = 1  # type: ignore[misc]
+  # A jitted function with the plan as a static argument: one trace per plan.
+  traces = []
+
+  def f(x, plan):
+    traces.append(plan)
+    return x + plan.unroll
+
+  f = jax.jit(f, static_argnums=1)
+  f(1.0, plan), f(2.0, LoopPlan(bodies=2, unroll=4)), f(1.0, LoopPlan())
+  assert len(traces) == 2
+
+
+def test_ladders_of_bodies():
+  assert LoopPlan().ladder(64, (64, 52, 44)) == (64, 52, 44)
+  assert LoopPlan(bodies=1).ladder(64, (64, 52)) == (64,)
+  assert LoopPlan(bodies=3).ladder(64, (64,)) == (64, 32, 16)
+  assert LoopPlan(bodies=2).ladder(20, (20,)) == (20, 16)
+  assert LoopPlan(bodies=4).ladder(2, (2,)) == (2, 1)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "message"),
+  [
+    (dict(bodies=0), r"Expected `bodies` to be an int >= 1, got 0"),
+    (dict(bodies=True), r"Expected `bodies` to be an int >= 1, got True"),
+    (dict(bodies=1.5), r"Expected `bodies` to be an int >= 1, got 1.5"),
+    (dict(unroll=0), r"Expected `unroll` to be an int >= 1, got 0"),
+    (dict(unroll="8"), r"Expected `unroll` to be an int >= 1, got '8'"),
+    (dict(hoist=1), r"Expected `hoist` to be a bool, got 1"),
+  ],
+)
+def test_bad_plans_raise(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    LoopPlan(**kwargs)
+
+
+def test_bad_plan_arguments_raise():
+  x = _batch([3, 1], np.float32)
+
+  def step(h, x_t, _):
+    return h + x_t.sum(-1), h
+
+  with pytest.raises(TypeError, match=r"Expected `plan` to be a jaxlod.ops.LoopPlan"):
+    dynamic_rnn(step, x, init_carry=jnp.zeros(2), plan="gpu")
+  with pytest.raises(ValueError, match=r"Expected `backend` to be a string, got 3"):
+    default_plan(3)
+  with pytest.raises(
+    ValueError, match=r"Got both `ladder` \(2,\) and `plan` with bodies=1"
+  ):
+    dynamic_rnn(step, x, init_carry=jnp.zeros(2), ladder=(2,), plan=ACCELERATOR)
+
+
+def test_an_explicit_ladder_runs_under_the_default_plan():
+  """A layer's or caller's ladder is honoured whatever the backend: the
+  default plan's bodies give way to it."""
+  from jaxlod.ops._plan import plan_with_ladder
+
+  assert plan_with_ladder(None, (8, 4)).bodies is None
+  assert plan_with_ladder(None, (8, 4)).unroll == default_plan().unroll
+  assert plan_with_ladder(ACCELERATOR, None) is ACCELERATOR
