@@ -22,12 +22,20 @@ subprocess so the high-water marks do not mix). Time: the median of
 interleaved runs of both arms in one process (compile excluded). Tokens per
 second count the real source and target tokens of the batch.
 
-Usage: ``python -m benchmarks.attention [--repeats N] [--json PATH]``.
+``--plan`` sets the `jaxlod.ops.LoopPlan` of jaxlod's loops (the model's,
+its encoder's and its decoder's): ``default`` passes none (the backend's
+`jaxlod.ops.default_plan`), ``cpu`` is ``LoopPlan()`` and ``accelerator``
+``default_plan("gpu")``, forced on any backend; the report records it.
+
+Usage: ``python -m benchmarks.attention [--repeats N] [--json PATH]
+[--plan {default,cpu,accelerator}]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import resource
 import subprocess
@@ -45,6 +53,7 @@ import optax
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
+from jaxlod.ops import LoopPlan, default_plan
 
 HIDDEN = 256
 EMBED = 256
@@ -55,6 +64,12 @@ MEAN_LENGTH = 40
 TIME_CAPACITY = 128
 TOKEN_CAPACITY = 2048
 BUCKETS = Buckets.fixed(tokens=TOKEN_CAPACITY, sequences=BATCH, time=TIME_CAPACITY)
+# `--plan`: the `LoopPlan` of jaxlod's loops (`None`: pass none, the backend's).
+PLANS: dict[str, LoopPlan | None] = {
+  "default": None,
+  "cpu": LoopPlan(),
+  "accelerator": default_plan("gpu"),
+}
 
 # -- the batch --------------------------------------------------------------------
 
@@ -101,19 +116,31 @@ def make_batch(seed: int = 0) -> dict[str, Any]:
 # -- the two models (one parameter tree) ------------------------------------------
 
 
-def make_model() -> Seq2Seq:
+def make_model(plan: str = "default") -> Seq2Seq:
+  """The jaxlod model; the `PLANS` entry `plan` runs its loops (the model's,
+  its encoder's and its decoder's; the parameters do not depend on it)."""
+  field = {} if PLANS[plan] is None else {"plan": PLANS[plan]}
   return Seq2Seq(
     src_vocab=VOCAB,
     tgt_vocab=VOCAB,
     embed_dim=EMBED,
-    encoder=DynamicRNN(nn.OptimizedLSTMCell(HIDDEN)),
-    decoder=AttentionDecoder(nn.OptimizedLSTMCell(HIDDEN), AdditiveAttention(UNITS)),
+    encoder=DynamicRNN(nn.OptimizedLSTMCell(HIDDEN), **field),
+    decoder=AttentionDecoder(
+      nn.OptimizedLSTMCell(HIDDEN), AdditiveAttention(UNITS), **field
+    ),
     bridge=False,
+    **field,
   )
 
 
-def jaxlod_loss(params: Any, src: LoDTensor, tgt_in: LoDTensor, tgt_out: LoDTensor):
-  logits = make_model().apply(params, src, tgt_in)
+def jaxlod_loss(
+  params: Any,
+  src: LoDTensor,
+  tgt_in: LoDTensor,
+  tgt_out: LoDTensor,
+  plan: str = "default",
+):
+  logits = make_model(plan).apply(params, src, tgt_in)
   ids = tgt_out.values.reshape(-1)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits.values, ids)
   real = jnp.arange(ce.shape[0]) < tgt_out.num_rows
@@ -156,20 +183,23 @@ def init_params(batch: dict[str, Any]) -> Any:
   return make_model().init(jax.random.key(0), src, tgt_in)
 
 
-def train_step(arm: str):
+def train_step(arm: str, plan: str = "default"):
+  """The jitted value and gradient of `arm`'s loss (jaxlod's under `plan`)."""
   loss, _ = ARMS[arm]
+  if arm == "jaxlod":
+    loss = functools.partial(loss, plan=plan)
   return jax.jit(jax.value_and_grad(loss))
 
 
 # -- measurements -------------------------------------------------------------------
 
 
-def measure_memory(arm: str) -> dict[str, Any]:
+def measure_memory(arm: str, plan: str = "default") -> dict[str, Any]:
   """Temporary bytes of the compiled step, and this process's peak RSS."""
   batch = make_batch()
   params = init_params(batch)
   args = batch[ARMS[arm][1]]
-  compiled = train_step(arm).lower(params, *args).compile()
+  compiled = train_step(arm, plan).lower(params, *args).compile()
   analysis = compiled.memory_analysis()
   loss, _ = jax.block_until_ready(compiled(params, *args))
   return {
@@ -182,9 +212,17 @@ def measure_memory(arm: str) -> dict[str, Any]:
   }
 
 
-def memory_in_subprocess(arm: str) -> dict[str, Any]:
+def memory_in_subprocess(arm: str, plan: str = "default") -> dict[str, Any]:
   out = subprocess.run(
-    [sys.executable, "-m", "benchmarks.attention", "--memory-of", arm],
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.attention",
+      "--memory-of",
+      arm,
+      "--plan",
+      plan,
+    ],
     check=True,
     capture_output=True,
     text=True,
@@ -192,10 +230,10 @@ def memory_in_subprocess(arm: str) -> dict[str, Any]:
   return json.loads(out.stdout)
 
 
-def measure_time(repeats: int) -> dict[str, Any]:
+def measure_time(repeats: int, plan: str = "default") -> dict[str, Any]:
   batch = make_batch()
   params = init_params(batch)
-  steps = {arm: train_step(arm) for arm in ARMS}
+  steps = {arm: train_step(arm, plan) for arm in ARMS}
   calls = {
     arm: (
       lambda arm=arm: steps[arm](params, *batch[ARMS[arm][1]]),
@@ -217,11 +255,16 @@ def measure_time(repeats: int) -> dict[str, Any]:
   }
 
 
-def run(repeats: int) -> dict[str, Any]:
+def run(repeats: int, plan: str = "default") -> dict[str, Any]:
   start = time.perf_counter()
-  memory = {arm: memory_in_subprocess(arm) for arm in ARMS}
-  timing = measure_time(repeats)
-  report: dict[str, Any] = {"machine": machine_info(), "repeats": repeats}
+  memory = {arm: memory_in_subprocess(arm, plan) for arm in ARMS}
+  timing = measure_time(repeats, plan)
+  given = PLANS[plan] and dataclasses.asdict(PLANS[plan])
+  report: dict[str, Any] = {
+    "machine": machine_info(),
+    "repeats": repeats,
+    "plan": {"name": plan, "plan": given},
+  }
   for arm in ARMS:
     step_s = timing["times"][arm]["median_s"]
     report[arm] = {
@@ -256,14 +299,21 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", type=Path, default=None, help="also write here")
+  parser.add_argument(
+    "--plan",
+    choices=list(PLANS),
+    default="default",
+    help="the LoopPlan of jaxlod's loops: default passes none (the backend's), "
+    'cpu is LoopPlan(), accelerator default_plan("gpu")',
+  )
   parser.add_argument("--memory-of", choices=list(ARMS), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.memory_of:
-    print(json.dumps(measure_memory(args.memory_of)))
+    print(json.dumps(measure_memory(args.memory_of, args.plan)))
     return
   if args.repeats < 1:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
-  write_report(run(args.repeats), args.json)
+  write_report(run(args.repeats, args.plan), args.json)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,20 @@ One attention encoder-decoder, one batch, decoded twice by
 Both arms share every other setting (one `jaxlod.ops.DecodeSettings`, a
 static argument of the jitted call) and differ only in ``ladder``.
 
+``--plan`` sets the `jaxlod.ops.LoopPlan` of both arms' settings and of the
+encoder: ``default`` passes none (the backend's `jaxlod.ops.default_plan`:
+on a CPU the ladder of halvings and one step per ``while`` iteration, on a
+GPU one phase and 8 steps), ``cpu`` is ``LoopPlan()`` and ``accelerator``
+``default_plan("gpu")``, forced on any backend. Under a plan whose
+``bodies`` is set, the ``batchwide`` arm runs that plan with one body
+(``ladder=()`` and such a plan exclude each other), so with one body the
+two arms run the same schedule. Several plans, comma-separated
+(``--plan default,cpu``), are timed side by side in the same rounds: the
+first one's arms are ``jaxlod`` and ``batchwide`` (the keys above), each
+other's ``jaxlod_<plan>`` and ``batchwide_<plan>``, and ``plans`` gives
+every plan's settings, times, compile times, ratios to the first plan's
+``jaxlod`` and whether its hypotheses are identical to them.
+
 The model: embeddings (256), an LSTM encoder (256), an LSTM decoder (256)
 with additive (Bahdanau) attention over the encoder outputs, its initial
 carry bridged from the pooled encoder outputs, an output projection,
@@ -35,18 +49,23 @@ on where each source stops.
 
 Time: the median of interleaved runs of both arms in one process, each a
 jitted call blocked on its results; compile (lower and compile, ahead of
-time) is timed separately. ``identical``: token ids and offsets exactly
+time) is timed separately (an arm whose settings equal an earlier arm's
+runs that arm's program, compiled once: ``same_program_as`` names it, and
+its ``compile_s`` is that program's).
+``identical``: token ids and offsets exactly
 equal and scores within 1e-5 (absolute); ``met``: a speedup of at least
 1.5 and identical results. ``decode_steps``: from a separate run of the
 same model whose decoder step reports its batch size through
 `jax.debug.callback` (not timed).
 
-Usage: ``python -m benchmarks.decode [--repeats N] [--json PATH]``.
+Usage: ``python -m benchmarks.decode [--repeats N] [--json PATH]
+[--plan {default,cpu,accelerator}[,...]]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -59,7 +78,7 @@ import numpy as np
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import AdditiveAttention, AttentionDecoder, DynamicRNN, Seq2Seq
-from jaxlod.ops import DecodeSettings
+from jaxlod.ops import DecodeSettings, LoopPlan, default_plan
 
 HIDDEN = 256
 EMBED = 256
@@ -77,6 +96,12 @@ LENGTH_CAPACITY = OUTPUT_FACTOR * LONG_FACTOR * SHORT[1]
 BUCKETS = Buckets.fixed(tokens=1024, sequences=BATCH, time=LONG_FACTOR * SHORT[1])
 SCORE_TOLERANCE = 1e-5
 TARGET = 1.5
+# `--plan`: the `LoopPlan` of both arms (`None`: pass none, the backend's).
+PLANS: dict[str, LoopPlan | None] = {
+  "default": None,
+  "cpu": LoopPlan(),
+  "accelerator": default_plan("gpu"),
+}
 
 # -- the batch and the model --------------------------------------------------------
 
@@ -99,12 +124,18 @@ def make_batch(seed: int = 0) -> tuple[LoDTensor, jax.Array]:
   return src, jnp.asarray(OUTPUT_FACTOR * lengths, jnp.int32)
 
 
-def make_model(cls: type[Seq2Seq] = Seq2Seq) -> Seq2Seq:
+def _plan_field(plan: LoopPlan | None) -> dict[str, LoopPlan]:
+  """`plan` as a keyword argument, or none for `None` (the default)."""
+  return {} if plan is None else {"plan": plan}
+
+
+def make_model(cls: type[Seq2Seq] = Seq2Seq, plan: LoopPlan | None = None) -> Seq2Seq:
+  """The model; `plan` runs its encoder (the parameters do not depend on it)."""
   return cls(
     src_vocab=VOCAB,
     tgt_vocab=VOCAB,
     embed_dim=EMBED,
-    encoder=DynamicRNN(nn.LSTMCell(HIDDEN)),
+    encoder=DynamicRNN(nn.LSTMCell(HIDDEN), **_plan_field(plan)),
     decoder=AttentionDecoder(nn.LSTMCell(HIDDEN), AdditiveAttention(UNITS)),
   )
 
@@ -117,9 +148,16 @@ def init_params(src: LoDTensor) -> Any:
   return params
 
 
-def settings(ladder: tuple[int, ...] | None) -> DecodeSettings:
+def settings(
+  ladder: tuple[int, ...] | None, plan: LoopPlan | None = None
+) -> DecodeSettings:
   """One arm's settings: beam `BEAM`, one result, length capacity
-  `LENGTH_CAPACITY`; `ladder` ``None`` (compaction) or ``()`` (batch-wide)."""
+  `LENGTH_CAPACITY`; `ladder` ``None`` (compaction) or ``()`` (batch-wide),
+  under `plan` (`None`: the backend's). A batch-wide arm under a plan with
+  `bodies` set runs it with one body (the plan's batch-wide stop), since
+  `DecodeSettings` takes a ladder or such a plan, not both."""
+  if plan is not None and plan.bodies is not None and ladder == ():
+    ladder, plan = None, dataclasses.replace(plan, bodies=1)
   return DecodeSettings(
     bos_id=BOS,
     eos_id=EOS,
@@ -127,13 +165,18 @@ def settings(ladder: tuple[int, ...] | None) -> DecodeSettings:
     beam_size=BEAM,
     num_results=1,
     ladder=ladder,
+    **_plan_field(plan),
   )
 
 
-def decoder(ladder: tuple[int, ...] | None, cls: type[Seq2Seq] = Seq2Seq):
+def decoder(
+  ladder: tuple[int, ...] | None,
+  cls: type[Seq2Seq] = Seq2Seq,
+  plan: LoopPlan | None = None,
+):
   """The jitted decoding call of one arm: ``(params, src, max_lengths) -> ids``."""
-  model = make_model(cls)
-  arm = settings(ladder)
+  model = make_model(cls, plan)
+  arm = settings(ladder, plan)
 
   def generate(params, src, max_lengths):
     return model.apply(params, src, arm, method="generate", max_lengths=max_lengths)
@@ -158,12 +201,16 @@ class _CountingSeq2Seq(Seq2Seq):
 _STEP_ROWS: list[int] = []
 
 
-def count_steps(params: Any, src: LoDTensor, max_lengths: jax.Array) -> dict[str, Any]:
-  """Loop steps and source steps of each arm, from an instrumented run."""
+def count_steps(
+  params: Any, src: LoDTensor, max_lengths: jax.Array, plan: LoopPlan | None = None
+) -> dict[str, Any]:
+  """Loop steps and source steps of each arm, from an instrumented run (a
+  step past a loop's end that its plan masks counts too)."""
   out = {}
   for arm, ladder in ARMS.items():
     _STEP_ROWS.clear()
-    jax.block_until_ready(decoder(ladder, _CountingSeq2Seq)(params, src, max_lengths))
+    call = decoder(ladder, _CountingSeq2Seq, plan)
+    jax.block_until_ready(call(params, src, max_lengths))
     jax.effects_barrier()
     out[arm] = {
       "loop_steps": len(_STEP_ROWS),
@@ -203,25 +250,75 @@ def output_lengths(hyps: Any) -> dict[str, Any]:
   return summary(np.asarray([len(h[0]) for h in hyps.ids.to_list()]))
 
 
-def run(repeats: int) -> dict[str, Any]:
+def arm_name(arm: str, plan: str, first: str) -> str:
+  """``jaxlod``/``batchwide`` for the first plan, else suffixed with the plan."""
+  return arm if plan == first else f"{arm}_{plan}"
+
+
+def plan_summary(
+  plans: list[str], times: dict, compile_s: dict, results: dict
+) -> dict[str, Any]:
+  """Each plan's settings, times, compile times, ratios to the first plan's
+  ``jaxlod`` and whether its hypotheses are identical to them."""
+  reference = times["jaxlod"]["median_s"]
+  out = {}
+  for plan in plans:
+    entry: dict[str, Any] = {}
+    for arm, ladder in ARMS.items():
+      name = arm_name(arm, plan, plans[0])
+      arm_settings = settings(ladder, PLANS[plan])
+      entry[arm] = {
+        "arm": name,
+        "ladder": arm_settings.ladder,
+        "plan": _asdict(getattr(arm_settings, "plan", None)),
+        "s": times[name]["median_s"],
+        "compile_s": compile_s[name],
+        "ratio_to_first_jaxlod": times[name]["median_s"] / reference,
+        "identical_to_first_jaxlod": compare(results[name], results["jaxlod"])[
+          "identical"
+        ],
+      }
+    out[plan] = {"given": _asdict(PLANS[plan]), **entry}
+  return out
+
+
+def _asdict(plan: LoopPlan | None) -> dict[str, Any] | None:
+  return None if plan is None else dataclasses.asdict(plan)
+
+
+def run(repeats: int, plans: tuple[str, ...] = ("default",)) -> dict[str, Any]:
   start = time.perf_counter()
   machine = machine_info()
   src, max_lengths = make_batch()
   params = init_params(src)
-  compiled, compile_s = {}, {}
-  for arm, ladder in ARMS.items():
+  arms = {
+    arm_name(arm, plan, plans[0]): (ladder, PLANS[plan])
+    for plan in plans
+    for arm, ladder in ARMS.items()
+  }
+  # Arms of equal settings and plan run one program, compiled once.
+  compiled, compile_s, programs, shared = {}, {}, {}, {}
+  for name, (ladder, plan) in arms.items():
+    key = (settings(ladder, plan), plan)
+    if key in programs:
+      shared[name] = programs[key]
+      compiled[name] = compiled[shared[name]]
+      compile_s[name] = compile_s[shared[name]]
+      continue
     tic = time.perf_counter()
-    compiled[arm] = decoder(ladder).lower(params, src, max_lengths).compile()
-    compile_s[arm] = time.perf_counter() - tic
+    call = decoder(ladder, plan=plan)
+    compiled[name] = call.lower(params, src, max_lengths).compile()
+    compile_s[name] = time.perf_counter() - tic
+    programs[key] = name
   calls = {
-    arm: (
-      lambda arm=arm: compiled[arm](params, src, max_lengths),
+    name: (
+      lambda name=name: compiled[name](params, src, max_lengths),
       jax.block_until_ready,
     )
-    for arm in ARMS
+    for name in arms
   }
   times = measure_interleaved(calls, repeats)
-  results = {arm: compiled[arm](params, src, max_lengths) for arm in ARMS}
+  results = {name: compiled[name](params, src, max_lengths) for name in arms}
   jaxlod_s = times["jaxlod"]["median_s"]
   batchwide_s = times["batchwide"]["median_s"]
   same = compare(results["jaxlod"], results["batchwide"])
@@ -237,10 +334,13 @@ def run(repeats: int) -> dict[str, Any]:
     "score_max_abs": same["score_max_abs"],
     "score_tolerance": SCORE_TOLERANCE,
     "compile_s": compile_s,
-    "times_s": {arm: times[arm]["times_s"] for arm in ARMS},
-    "decode_steps": count_steps(params, src, max_lengths),
+    "same_program_as": shared,
+    "times_s": {name: times[name]["times_s"] for name in arms},
+    "decode_steps": count_steps(params, src, max_lengths, PLANS[plans[0]]),
     "output_lengths": output_lengths(results["jaxlod"]),
     "source_lengths": summary(source_lengths()),
+    "plan": {"name": plans[0], "plan": _asdict(PLANS[plans[0]])},
+    "plans": plan_summary(list(plans), times, compile_s, results),
     "setup": {
       "model": f"Seq2Seq LSTM {HIDDEN}, additive attention {UNITS}, embed {EMBED}, "
       f"vocab {VOCAB}/{VOCAB}, random weights (seed 0)",
@@ -258,14 +358,30 @@ def run(repeats: int) -> dict[str, Any]:
   return report
 
 
+def plan_names(parser: argparse.ArgumentParser, value: str) -> tuple[str, ...]:
+  """The comma-separated names of ``--plan``, each a key of `PLANS`, once."""
+  names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+  unknown = [n for n in names if n not in PLANS]
+  if unknown or not names:
+    parser.error(f"--plan: choose from {list(PLANS)}, got {value!r}")
+  return names
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", type=Path, default=None, help="also write here")
+  parser.add_argument(
+    "--plan",
+    default="default",
+    help="the LoopPlan of the settings and the encoder, one of "
+    f"{', '.join(PLANS)}, or several comma-separated, timed side by side "
+    "(default: default, which passes none)",
+  )
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
-  write_report(run(args.repeats), args.json)
+  write_report(run(args.repeats, plan_names(parser, args.plan)), args.json)
 
 
 if __name__ == "__main__":
