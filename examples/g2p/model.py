@@ -33,7 +33,13 @@ from jaxlod.nn import (
   StackedRNN,
   ensemble_generate,
 )
-from jaxlod.ops import DecodeSettings, sequence_cross_entropy, sequence_pool
+from jaxlod.ops import (
+  DecodeSettings,
+  LoopPlan,
+  default_plan,
+  sequence_cross_entropy,
+  sequence_pool,
+)
 from jaxlod.parallel import data_parallel, generate, shard_batch
 
 # Ids of the target vocabulary's markers (see `data.phone_vocab`).
@@ -87,6 +93,8 @@ class Config:
       (the ladder of `jaxlod.ops.rank_table`): `batch_words` halved
       ``loop_sizes - 1`` times. A batch holds words of similar lengths, so
       few sizes waste little, and each size is one more loop to compile.
+      Unused where the backend's loop plan sets its own sizes (a GPU's:
+      `step_ladder`).
     batch_tokens: token capacity of each field of a training batch; a batch
       of long words holds fewer than `batch_words` words.
     steps: training steps in all (a resumed run continues to this count).
@@ -220,6 +228,7 @@ def build_model(
   train: bool = False,
   ladder: tuple[int, ...] | None = None,
   cell: Callable[[int], nn.RNNCellBase] = nn.LSTMCell,
+  plan: LoopPlan | None = None,
 ) -> Seq2Seq:
   """The model of `config`; `train` turns dropout on (same parameters).
 
@@ -235,10 +244,17 @@ def build_model(
   ``flax.linen.LSTMCell``, or a cell with the same parameters
   (``OptimizedLSTMCell``, a ``dtype`` of computation), which
   `benchmarks/g2p_throughput.py` times against it.
+
+  `plan` runs the encoder's and the teacher-forced decoder's loops (a
+  `jaxlod.ops.LoopPlan`); `None`: the layers' default, the backend's
+  `jaxlod.ops.default_plan`. A plan whose `bodies` is set takes no
+  `ladder`.
   """
+  # Only a given plan is passed: `None` leaves the layers' own default.
+  planned = {} if plan is None else {"plan": plan}
 
   def lstm() -> DynamicRNN:
-    return DynamicRNN(cell(config.hidden), ladder=ladder)
+    return DynamicRNN(cell(config.hidden), ladder=ladder, **planned)
 
   encoder = StackedRNN(
     tuple(Bidirectional(lstm(), lstm()) for _ in range(config.encoder_layers)),
@@ -259,6 +275,7 @@ def build_model(
       AdditiveAttention(config.attention_units),
       input_feeding=config.input_feeding,
       ladder=ladder,
+      **planned,
     ),
   )
 
@@ -273,6 +290,23 @@ def training_ladder(config: Config) -> tuple[int, ...]:
     raise ValueError(f"Expected `loop_sizes` of at least 1, got {config.loop_sizes}.")
   sizes = {max(config.batch_words >> k, 1) for k in range(config.loop_sizes)}
   return tuple(sorted(sizes, reverse=True))
+
+
+def step_ladder(config: Config, plan: LoopPlan | None = None) -> tuple[int, ...] | None:
+  """The ladder the training step gives its loops under `plan` (`None`: the
+  backend's `jaxlod.ops.default_plan`, as the layers take it).
+
+  `training_ladder` where the plan leaves the batch sizes to a ladder (its
+  `bodies` is `None`: a CPU's), else `None`. A plan with `bodies` set (a
+  GPU's or TPU's default) runs one or a few sizes, the right choice where
+  rows are nearly free, and a ladder passed beside it would take the place
+  of its bodies (`jaxlod.ops.dynamic_rnn`); so on such a backend the step
+  keeps the plan's bodies. The host rank tables of
+  `train.training_batcher` keep `training_ladder` either way: a loop with
+  bodies recomputes its phases from a table's lengths.
+  """
+  resolved = default_plan() if plan is None else plan
+  return training_ladder(config) if resolved.bodies is None else None
 
 
 def batch_buckets(words: int, tokens: int | None = None) -> Buckets:
@@ -418,6 +452,7 @@ def train_step(
   num_phones: int,
   mesh: Mesh | None = None,
   cell: Callable[[int], nn.RNNCellBase] = nn.LSTMCell,
+  plan: LoopPlan | None = None,
 ) -> Callable:
   """A new jitted step ``(params, opt_state, lr, rng, fields, tables=None)
   -> (params, opt_state, loss)``; build it once a run (it compiles on its
@@ -438,10 +473,17 @@ def train_step(
   (`jaxlod.parallel.data_parallel`); the loss is the mean over every real
   target token of every shard, each device draws its own dropout masks,
   and the parameters stay replicated (`jaxlod.parallel.replicate`).
-  `cell`: as `build_model`'s.
+  `cell`: as `build_model`'s. `plan`: the `jaxlod.ops.LoopPlan` of the
+  model's loops (`None`: the backend's); their ladder is `step_ladder`'s
+  (`training_ladder` on a CPU).
   """
   model = build_model(
-    config, num_phones, train=True, ladder=training_ladder(config), cell=cell
+    config,
+    num_phones,
+    train=True,
+    ladder=step_ladder(config, plan),
+    cell=cell,
+    plan=plan,
   )
   tx = optimizer(config)
 
