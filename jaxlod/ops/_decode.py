@@ -33,6 +33,7 @@ from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import check_fits_device, check_rows, host_numbers
 from jaxlod._lod import LoDTensor, is_lod
 from jaxlod.ops import _search
+from jaxlod.ops._plan import LoopPlan, plan_with_ladder, resolve_plan
 from jaxlod.ops._rank import default_ladder, ladder_sizes, normalize_ladder
 from jaxlod.ops._rnn import prepare_statics
 from jaxlod.ops._segment import build, offsets_from_lengths, rows_of
@@ -85,12 +86,30 @@ class DecodeSettings:
       beam_size]``; `None`: `beam_size` (Paddle's ``beam_search_decode``).
     ladder: static source counts of the loop's phases (see `rank_table`):
       between phases the live sources are compacted to a prefix. `None`:
-      halving sizes from the count capacity; ``()``: one phase at the full
-      size, a batch-wide stop (no compaction).
+      the plan's (see `plan`); ``()``: one phase at the full size, a
+      batch-wide stop (no compaction). A ladder given here takes the place
+      of the plan's `bodies`, as in `jaxlod.ops.dynamic_rnn`.
+    plan: how the loop runs on the backend, a `jaxlod.ops.LoopPlan`;
+      `None`: `jaxlod.ops.default_plan()` at trace time (one step per
+      iteration and a ladder of halvings on a CPU; one phase and 8 steps
+      per iteration on a GPU or TPU). Its `bodies` chooses the ladder when
+      `ladder` is `None`: `None`, the count capacity and its halvings
+      (rounded up) down to 1; ``n``, the first ``n`` of those sizes
+      (``1``: a batch-wide stop, as ``ladder=()``). Unlike the sizes of
+      `LoopPlan.ladder`, these are not rounded to multiples of 8: the
+      step's rows are sources x `beam_size`, and rounding the sources would
+      stop a small batch from halving at all. Its `unroll` is the number of
+      steps per `lax.while_loop` iteration, so that on a GPU the loop waits
+      for its condition on the host once per `unroll` steps; a step past
+      the loop's end (every source done, few enough live sources for the
+      next phase, or `max_length` reached) is masked and changes nothing.
+      No plan changes the hypotheses; the scores are equal up to rounding
+      (the steps run at other batch sizes).
 
   Raises:
     TypeError, ValueError: for settings of the wrong type or out of range
-      (naming the field and the value).
+      (naming the field and the value), or a `ladder` with a `plan` whose
+      `bodies` is set (either chooses the phases: pass one).
 
   Example:
     >>> from jaxlod.ops import DecodeSettings
@@ -106,6 +125,7 @@ class DecodeSettings:
   length_penalty: float = 0.6
   num_results: int | None = None
   ladder: tuple[int, ...] | None = None
+  plan: LoopPlan | None = None
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -127,6 +147,10 @@ class DecodeSettings:
           f"Expected `ladder` to be a sequence of ints or None, got {self.ladder!r}."
         )
       set_("ladder", tuple(ladder_sizes(self.ladder)))
+    if self.plan is not None:
+      resolve_plan(self.plan)  # a `LoopPlan`, naming `plan`
+      if self.ladder is not None:
+        plan_with_ladder(self.plan, self.ladder)  # not with `bodies` set
 
   @property
   def results(self) -> int:
@@ -322,12 +346,19 @@ def _results(
   return Hypotheses(ids, scores)
 
 
-def _ladder(settings: DecodeSettings, count: int) -> tuple[int, ...]:
+def _loop_plan(settings: DecodeSettings, count: int) -> tuple[tuple[int, ...], int]:
+  """The loop's ladder of source counts and its steps per iteration, from
+  `settings.ladder` and `settings.plan` (the backend's at trace time when
+  `None`; see `DecodeSettings`)."""
+  plan = plan_with_ladder(settings.plan, settings.ladder)
   if count == 0:
-    return ()
-  if settings.ladder is None:
-    return default_ladder(count, ratio=2.0, minimum=1, multiple=1)
-  return normalize_ladder(count, settings.ladder)
+    return (), plan.unroll
+  if settings.ladder is not None:
+    return normalize_ladder(count, settings.ladder), plan.unroll
+  ladder = default_ladder(count, ratio=2.0, minimum=1, multiple=1)
+  if plan.bodies is not None:
+    ladder = ladder[: plan.bodies]
+  return ladder, plan.unroll
 
 
 def beam_search(
@@ -361,7 +392,9 @@ def beam_search(
   to a smaller static size of ``settings.ladder``, so done sources stop
   costing steps; ``ladder=()`` runs one phase at the full size (a
   batch-wide stop, as in Flax's ``examples/wmt``): the same hypotheses,
-  with scores equal up to rounding.
+  with scores equal up to rounding. ``settings.plan`` chooses the ladder
+  when ``settings.ladder`` is `None` (one phase on a GPU or TPU) and the
+  steps per `lax.while_loop` iteration; no plan changes the hypotheses.
 
   No real source comes back without hypotheses. A ``-inf`` log-probability
   masks its token out, but a live hypothesis needs a continuation: a NaN
@@ -477,8 +510,8 @@ def beam_search(
     update = functools.partial(
       _search.beam_update, eos_id=eos_id, alpha=alpha, num_results=settings.results
     )
-  ladder = _ladder(settings, count)
-  state = _search.run(state, step, update, ladder, settings.max_length)
+  ladder, unroll = _loop_plan(settings, count)
+  state = _search.run(state, step, update, ladder, settings.max_length, unroll)
   final = _search.scores(state.slots, alpha)
   hyps = _results(state.slots, final, settings.results, n)
   return faulted_by(hyps, static_inputs, sources_fault, lengths_fault)

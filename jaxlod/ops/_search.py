@@ -7,7 +7,11 @@ prefix ``[:ladder[i]]`` in a `lax.while_loop` while more than
 ``ladder[i + 1]`` sources are live; then a stable permutation moves the live
 sources to the front and the next phase takes a smaller prefix. Finished
 sources inside the current prefix are padding rows of the step (computed,
-and masked out of the state), as in `dynamic_rnn`'s phases.
+and masked out of the state), as in `dynamic_rnn`'s phases. With ``unroll``
+steps per iteration (a `jaxlod.ops.LoopPlan`), each step after the first
+checks the loop's condition itself and, once it fails, masks every source
+out: it computes and changes nothing, so the results are those of one step
+per iteration.
 """
 
 from __future__ import annotations
@@ -381,8 +385,14 @@ def _rows(size: int, active: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(pick, new, old)
 
 
-def _advance(state: State, t: jax.Array, step: Step, update: Update) -> State:
-  """One step of every source in `state` (a prefix of ``S`` sources)."""
+def _advance(
+  state: State, t: jax.Array, step: Step, update: Update, go: jax.Array | None = None
+) -> State:
+  """One step of every source in `state` (a prefix of ``S`` sources).
+
+  `go`: a bool scalar, `False` to mask every source out (the step computes
+  and changes nothing, its checks included); `None`: the step runs.
+  """
   size, k = state.slots.logp.shape
 
   def flat(a):
@@ -392,7 +402,8 @@ def _advance(state: State, t: jax.Array, step: Step, update: Update) -> State:
     return a.reshape((size, k) + a.shape[1:])
 
   old = state.slots
-  live = ~state.done[:, None] & ~old.ended & (old.logp > NEG_INF)
+  active = ~state.done if go is None else ~state.done & go
+  live = active[:, None] & ~old.ended & (old.logp > NEG_INF)
   new_carry, log_probs = step(
     jax.tree.map(flat, state.carry),
     flat(old.last),
@@ -405,11 +416,10 @@ def _advance(state: State, t: jax.Array, step: Step, update: Update) -> State:
   carry = jax.tree.map(unflat, new_carry)
   if parent is not None:
     carry = jax.tree.map(lambda a: _gather(a, parent), carry)
-  active = ~state.done
   return state._replace(
     slots=_rows(size, active, slots, old),
     carry=_rows(size, active, carry, state.carry),
-    done=state.done | done,
+    done=state.done | (done & active),
   )
 
 
@@ -438,12 +448,16 @@ def run(
   update: Update,
   ladder: tuple[int, ...],
   length_capacity: int,
+  unroll: int = 1,
 ) -> State:
   """Steps every source until it is done; returns the state in caller order.
 
   Phase ``i`` runs while more than ``ladder[i + 1]`` sources are live, on the
   prefix ``[:ladder[i]]``; between phases the live sources move to the front
-  (a stable permutation: their relative order is kept).
+  (a stable permutation: their relative order is kept). Each `lax.while_loop`
+  iteration runs `unroll` steps; a step after the first runs only where the
+  loop's condition still holds, masked (a `lax.cond` would wait on the host
+  for its predicate on a GPU, as the loop's own condition does).
   """
   # Under `shard_map`, the loops' state varies over one set of mesh axes.
   state, t = vary((state, jnp.zeros((), jnp.int32)), varying_axes(state))
@@ -451,13 +465,21 @@ def run(
     smaller = ladder[i + 1] if i + 1 < len(ladder) else 0
     prefix = _take(state, slice(0, size))
 
-    def cond(loop, smaller=smaller):
-      prefix, t = loop
+    def going(prefix: State, t: jax.Array, smaller: int = smaller) -> jax.Array:
       return (jnp.sum(~prefix.done) > smaller) & (t < length_capacity)
 
-    def body(loop):
+    def cond(loop, going=going):
+      return going(*loop)
+
+    def body(loop, going=going):
       prefix, t = loop
-      return _advance(prefix, t, step, update), t + 1
+      # The loop's condition held for the first step.
+      prefix, t = _advance(prefix, t, step, update), t + 1
+      for _ in range(unroll - 1):
+        go = going(prefix, t)
+        prefix = _advance(prefix, t, step, update, go)
+        t = t + go.astype(t.dtype)
+      return prefix, t
 
     prefix, t = lax.while_loop(cond, body, (prefix, t))
     if i + 1 < len(ladder):
