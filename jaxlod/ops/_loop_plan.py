@@ -189,7 +189,7 @@ class LoopSpec:
   y_tails: tuple[ShapeDtype, ...]  # per output leaf
   return_sequences: bool
   remat: bool
-  unroll: int = 1  # time steps per `lax.while_loop` iteration (`LoopPlan`)
+  chunk: int = 1  # time steps per `lax.while_loop` iteration (`LoopPlan`)
   # Mesh axes every carry, input, static and buffer varies over (under
   # `shard_map`; see `jaxlod._vma`), so the loops keep one type throughout.
   vma: frozenset = frozenset()
@@ -197,14 +197,14 @@ class LoopSpec:
   @property
   def stored_rows(self) -> int:
     """Rows of the schedule-layout buffers: `saved_rows`, and with
-    ``unroll > 1`` one more step of the largest size, where the masked
+    ``chunk > 1`` one more step of the largest size, where the masked
     steps past a phase's end store what nobody reads."""
-    return self.saved_rows + (self.phases[0].size if self.unroll > 1 else 0)
+    return self.saved_rows + (self.phases[0].size if self.chunk > 1 else 0)
 
   @property
   def stored_steps(self) -> int:
     """Steps of the buffers stored by step (see `stored_rows`)."""
-    return self.time + (1 if self.unroll > 1 else 0)
+    return self.time + (1 if self.chunk > 1 else 0)
 
   def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """Zeros that vary over `vma`, to start a loop buffer."""

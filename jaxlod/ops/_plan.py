@@ -38,12 +38,14 @@ class LoopPlan:
       of rows); ``1`` runs every step at the full batch, the right choice
       where rows are nearly free. For decoding, the sizes that finished
       sources are compacted to (``1``: a batch-wide stop).
-    unroll: time steps per iteration of each `lax.while_loop` (Flax's and
-      `lax.scan`'s ``unroll``). A loop's trip count depends on the lengths,
-      so XLA cannot know it; on a GPU every iteration then waits for its
-      predicate on the host. With ``unroll=k`` that wait comes once per
-      ``k`` steps; steps past a phase's end are masked (they compute, and
-      change nothing). ``1`` (the CPU's plan) masks nothing.
+    chunk: time steps per iteration of each loop whose trip count is data.
+      Such a loop's trip count depends on the lengths, so XLA cannot know
+      it; on a GPU every iteration then copies the loop's predicate to the
+      host and waits for it. With ``chunk=k`` the outer loop runs chunks of
+      ``k`` steps, each an inner loop of static trip count ``k`` (the step
+      is compiled once): the host waits once per ``k`` steps, and the
+      steps past a phase's end are masked (they compute, and change
+      nothing). ``1`` (the CPU's plan) masks nothing.
     hoist: the recurrent layers of `jaxlod.nn` compute the input
       projection of Flax's separable cells (``LSTMCell``,
       ``OptimizedLSTMCell``, ``GRUCell``, ``SimpleCell``, ``MGUCell`` and
@@ -54,7 +56,7 @@ class LoopPlan:
       benchmark shows it faster (``benchmarks/hoist.py``).
 
   Raises:
-    ValueError: for `bodies` not `None` or an int >= 1, `unroll` not an
+    ValueError: for `bodies` not `None` or an int >= 1, `chunk` not an
       int >= 1, or `hoist` not a bool.
 
   Example:
@@ -66,13 +68,13 @@ class LoopPlan:
   """
 
   bodies: int | None = None
-  unroll: int = 1
+  chunk: int = 1
   hoist: bool = False
 
   def __post_init__(self):
     if self.bodies is not None:
       _check_count(self.bodies, "bodies")
-    _check_count(self.unroll, "unroll")
+    _check_count(self.chunk, "chunk")
     if not isinstance(self.hoist, bool):
       raise ValueError(f"Expected `hoist` to be a bool, got {self.hoist!r}.")
 
@@ -107,15 +109,15 @@ def _check_count(value, name: str) -> None:
 # the full batch to the longest length costs what jaxlod's ladder of
 # shrinking sizes costs (W1 4.93 ms against 5.07 for the phased scans). The
 # number of steps per host wait is not yet measured on a GPU:
-# benchmarks/accelerator.sh measures unroll 1, 4, 8 and 16 side by side.
-_ACCELERATOR = LoopPlan(bodies=1, unroll=8)
+# benchmarks/accelerator.sh measures chunks of 1, 4, 8 and 16 side by side.
+_ACCELERATOR = LoopPlan(bodies=1, chunk=8)
 
 
 def default_plan(backend: str | None = None) -> LoopPlan:
   """The plan for `backend` (default: `jax.default_backend()`).
 
   * ``"cpu"``: `LoopPlan()`, the ladder and one step per iteration.
-  * ``"gpu"``, ``"tpu"`` and any other: ``LoopPlan(bodies=1, unroll=8)``:
+  * ``"gpu"``, ``"tpu"`` and any other: ``LoopPlan(bodies=1, chunk=8)``:
     one body at the full batch (rows are nearly free there; a TPU pads
     rows to tiles) and 8 steps per host wait.
 

@@ -320,7 +320,7 @@ def dynamic_rnn(
     y_tails=y_tails,
     return_sequences=return_sequences,
     remat=remat,
-    unroll=plan.unroll,
+    chunk=plan.chunk,
     vma=vma,
   )
   if loop_ladder == table.ladder:

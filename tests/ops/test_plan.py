@@ -27,9 +27,9 @@ PLANS = {
   "cpu": LoopPlan(),
   "accelerator": ACCELERATOR,
   "one_body": LoopPlan(bodies=1),
-  "one_body_unroll3": LoopPlan(bodies=1, unroll=3),
-  "two_bodies_unroll8": LoopPlan(bodies=2, unroll=8),
-  "ladder_unroll4": LoopPlan(unroll=4),
+  "one_body_chunk3": LoopPlan(bodies=1, chunk=3),
+  "two_bodies_chunk8": LoopPlan(bodies=2, chunk=8),
+  "ladder_chunk4": LoopPlan(chunk=4),
 }
 
 
@@ -84,7 +84,7 @@ def test_every_plan_matches_the_masked_scan_float32(plan, cell, reverse, remat):
 
 
 @pytest.mark.parametrize(
-  "plan", sorted(set(PLANS) - {"cpu", "one_body", "one_body_unroll3"})
+  "plan", sorted(set(PLANS) - {"cpu", "one_body", "one_body_chunk3"})
 )
 @pytest.mark.parametrize("cell", ["custom", "lstm"])
 @pytest.mark.parametrize(
@@ -110,18 +110,18 @@ def test_accelerator_plans_match_the_masked_scan_float64(plan, cell, reverse, re
 @settings(max_examples=10, deadline=None)
 @given(
   lengths=st.lists(st.integers(0, 9), min_size=1, max_size=8),
-  unroll=st.sampled_from([2, 3, 5, 16]),
+  chunk=st.sampled_from([2, 3, 5, 16]),
   bodies=st.sampled_from([None, 1, 2]),
   reverse=st.booleans(),
 )
-def test_random_lods_under_every_unroll(lengths, unroll, bodies, reverse):
+def test_random_lods_under_every_chunk(lengths, chunk, bodies, reverse):
   """Steps past a phase's end (the last iteration's extra ones) change no
   value and no gradient, whatever the lengths, including all-empty batches."""
   with jax.enable_x64(True):
     step, params, init = CELLS["gru"](jnp.float64)
     x = _batch(lengths, np.float64, Buckets.fixed(tokens=72, sequences=8, time=9))
     init_carry = init(jax.random.key(2), 8)
-    plan = LoopPlan(bodies=bodies, unroll=unroll)
+    plan = LoopPlan(bodies=bodies, chunk=chunk)
     got_loss, ref_loss = _losses(step, params, x, init_carry, reverse, False, plan)
     args = (params, x.values, init_carry)
     (_, outputs), grads = _both(got_loss, args)
@@ -130,7 +130,7 @@ def test_random_lods_under_every_unroll(lengths, unroll, bodies, reverse):
     assert_close(grads, ref_grads, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("plan", ["accelerator", "ladder_unroll4"])
+@pytest.mark.parametrize("plan", ["accelerator", "ladder_chunk4"])
 def test_masked_steps_never_reach_the_gradients(plan):
   """A step whose gradient is NaN at zero input (``sqrt(w * x)``): the masked
   steps past a phase's end read real rows, so nothing turns NaN."""
@@ -159,7 +159,7 @@ def test_a_table_of_another_ladder_runs_the_plans_bodies():
   x = _batch([9, 2, 2, 6, 1, 1, 3, 8, 4, 4, 2], np.float32, Buckets.pow2(minimum=8))
   table = rank_table(x, ladder=(16, 8, 4, 2))
   init_carry = init(jax.random.key(2), 16)
-  for plan in (ACCELERATOR, LoopPlan(bodies=2, unroll=3)):
+  for plan in (ACCELERATOR, LoopPlan(bodies=2, chunk=3)):
     got_loss, ref_loss = _losses(step, params, x, init_carry, False, False, plan, table)
     args = (params, x.values, init_carry)
     (_, outputs), grads = _both(got_loss, args)
@@ -223,25 +223,25 @@ def test_the_accelerator_plan_compiles_one_body():
 
 def test_default_plan_per_backend():
   assert default_plan("cpu") == LoopPlan()
-  assert default_plan("gpu") == default_plan("tpu") == LoopPlan(bodies=1, unroll=8)
+  assert default_plan("gpu") == default_plan("tpu") == LoopPlan(bodies=1, chunk=8)
   assert default_plan() == default_plan(jax.default_backend())
   assert not default_plan("gpu").hoist  # not the default before it is measured
 
 
 def test_a_plan_is_static_hashable_data():
-  plan = LoopPlan(bodies=2, unroll=4)
-  assert hash(plan) == hash(LoopPlan(bodies=2, unroll=4))
+  plan = LoopPlan(bodies=2, chunk=4)
+  assert hash(plan) == hash(LoopPlan(bodies=2, chunk=4))
   with pytest.raises(dataclasses.FrozenInstanceError):
-    plan.unroll = 1  # type: ignore[misc]
+    plan.chunk = 1  # type: ignore[misc]
   # A jitted function with the plan as a static argument: one trace per plan.
   traces = []
 
   def f(x, plan):
     traces.append(plan)
-    return x + plan.unroll
+    return x + plan.chunk
 
   f = jax.jit(f, static_argnums=1)
-  f(1.0, plan), f(2.0, LoopPlan(bodies=2, unroll=4)), f(1.0, LoopPlan())
+  f(1.0, plan), f(2.0, LoopPlan(bodies=2, chunk=4)), f(1.0, LoopPlan())
   assert len(traces) == 2
 
 
@@ -259,8 +259,8 @@ def test_ladders_of_bodies():
     (dict(bodies=0), r"Expected `bodies` to be an int >= 1, got 0"),
     (dict(bodies=True), r"Expected `bodies` to be an int >= 1, got True"),
     (dict(bodies=1.5), r"Expected `bodies` to be an int >= 1, got 1.5"),
-    (dict(unroll=0), r"Expected `unroll` to be an int >= 1, got 0"),
-    (dict(unroll="8"), r"Expected `unroll` to be an int >= 1, got '8'"),
+    (dict(chunk=0), r"Expected `chunk` to be an int >= 1, got 0"),
+    (dict(chunk="8"), r"Expected `chunk` to be an int >= 1, got '8'"),
     (dict(hoist=1), r"Expected `hoist` to be a bool, got 1"),
   ],
 )
@@ -291,5 +291,5 @@ def test_an_explicit_ladder_runs_under_the_default_plan():
   from jaxlod.ops._plan import plan_with_ladder
 
   assert plan_with_ladder(None, (8, 4)).bodies is None
-  assert plan_with_ladder(None, (8, 4)).unroll == default_plan().unroll
+  assert plan_with_ladder(None, (8, 4)).chunk == default_plan().chunk
   assert plan_with_ladder(ACCELERATOR, None) is ACCELERATOR
