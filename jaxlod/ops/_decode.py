@@ -98,11 +98,12 @@ class DecodeSettings:
       (``1``: a batch-wide stop, as ``ladder=()``). Unlike the sizes of
       `LoopPlan.ladder`, these are not rounded to multiples of 8: the
       step's rows are sources x `beam_size`, and rounding the sources would
-      stop a small batch from halving at all. Its `unroll` is the number of
-      steps per `lax.while_loop` iteration, so that on a GPU the loop waits
-      for its condition on the host once per `unroll` steps; a step past
-      the loop's end (every source done, few enough live sources for the
-      next phase, or `max_length` reached) is masked and changes nothing.
+      stop a small batch from halving at all. Its `chunk` is the number of
+      steps per `lax.while_loop` iteration (an inner loop of static trip
+      count), so that on a GPU the loop waits for its condition on the
+      host once per `chunk` steps; a step past the loop's end (every source
+      done, few enough live sources for the next phase, or `max_length`
+      reached) is masked and changes nothing.
       No plan changes the hypotheses; the scores are equal up to rounding
       (the steps run at other batch sizes).
 
@@ -352,13 +353,13 @@ def _loop_plan(settings: DecodeSettings, count: int) -> tuple[tuple[int, ...], i
   `None`; see `DecodeSettings`)."""
   plan = plan_with_ladder(settings.plan, settings.ladder)
   if count == 0:
-    return (), plan.unroll
+    return (), plan.chunk
   if settings.ladder is not None:
-    return normalize_ladder(count, settings.ladder), plan.unroll
+    return normalize_ladder(count, settings.ladder), plan.chunk
   ladder = default_ladder(count, ratio=2.0, minimum=1, multiple=1)
   if plan.bodies is not None:
     ladder = ladder[: plan.bodies]
-  return ladder, plan.unroll
+  return ladder, plan.chunk
 
 
 def beam_search(
@@ -510,8 +511,8 @@ def beam_search(
     update = functools.partial(
       _search.beam_update, eos_id=eos_id, alpha=alpha, num_results=settings.results
     )
-  ladder, unroll = _loop_plan(settings, count)
-  state = _search.run(state, step, update, ladder, settings.max_length, unroll)
+  ladder, chunk = _loop_plan(settings, count)
+  state = _search.run(state, step, update, ladder, settings.max_length, chunk)
   final = _search.scores(state.slots, alpha)
   hyps = _results(state.slots, final, settings.results, n)
   return faulted_by(hyps, static_inputs, sources_fault, lengths_fault)

@@ -7,8 +7,8 @@ prefix ``[:ladder[i]]`` in a `lax.while_loop` while more than
 ``ladder[i + 1]`` sources are live; then a stable permutation moves the live
 sources to the front and the next phase takes a smaller prefix. Finished
 sources inside the current prefix are padding rows of the step (computed,
-and masked out of the state), as in `dynamic_rnn`'s phases. With ``unroll``
-steps per iteration (a `jaxlod.ops.LoopPlan`), each step after the first
+and masked out of the state), as in `dynamic_rnn`'s phases. With chunks of
+``k`` steps per iteration (a `jaxlod.ops.LoopPlan`'s ``chunk``), each step
 checks the loop's condition itself and, once it fails, masks every source
 out: it computes and changes nothing, so the results are those of one step
 per iteration.
@@ -448,16 +448,20 @@ def run(
   update: Update,
   ladder: tuple[int, ...],
   length_capacity: int,
-  unroll: int = 1,
+  chunk: int = 1,
 ) -> State:
   """Steps every source until it is done; returns the state in caller order.
 
   Phase ``i`` runs while more than ``ladder[i + 1]`` sources are live, on the
   prefix ``[:ladder[i]]``; between phases the live sources move to the front
-  (a stable permutation: their relative order is kept). Each `lax.while_loop`
-  iteration runs `unroll` steps; a step after the first runs only where the
-  loop's condition still holds, masked (a `lax.cond` would wait on the host
-  for its predicate on a GPU, as the loop's own condition does).
+  (a stable permutation: their relative order is kept).
+
+  With ``chunk == k > 1``, each iteration of the `lax.while_loop` (whose
+  trip count is data, so that on a GPU the host waits for its predicate)
+  runs an inner loop of static trip count `k`, the step compiled once. Each
+  of its steps runs only while the loop's condition holds, by masking: once
+  it fails, the step computes and changes nothing (a `lax.cond` would wait
+  on the host for its predicate too).
   """
   # Under `shard_map`, the loops' state varies over one set of mesh axes.
   state, t = vary((state, jnp.zeros((), jnp.int32)), varying_axes(state))
@@ -471,15 +475,15 @@ def run(
     def cond(loop, going=going):
       return going(*loop)
 
-    def body(loop, going=going):
+    def one(_, loop, going=going):
       prefix, t = loop
-      # The loop's condition held for the first step.
-      prefix, t = _advance(prefix, t, step, update), t + 1
-      for _ in range(unroll - 1):
-        go = going(prefix, t)
-        prefix = _advance(prefix, t, step, update, go)
-        t = t + go.astype(t.dtype)
-      return prefix, t
+      if chunk == 1:  # the loop's condition holds
+        return _advance(prefix, t, step, update), t + 1
+      go = going(prefix, t)
+      return _advance(prefix, t, step, update, go), t + go.astype(t.dtype)
+
+    def body(loop, one=one):
+      return one(0, loop) if chunk == 1 else lax.fori_loop(0, chunk, one, loop)
 
     prefix, t = lax.while_loop(cond, body, (prefix, t))
     if i + 1 < len(ladder):

@@ -21,9 +21,9 @@ from tests.ops.test_decode import BOS, EOS, eos_shy, sources, step
 ACCELERATOR = default_plan("gpu")
 PLANS = {
   "one_body": LoopPlan(bodies=1),
-  "one_body_unroll4": LoopPlan(bodies=1, unroll=4),
-  "ladder_unroll3": LoopPlan(unroll=3),
-  "two_bodies_unroll8": LoopPlan(bodies=2, unroll=8),
+  "one_body_chunk4": LoopPlan(bodies=1, chunk=4),
+  "ladder_chunk3": LoopPlan(chunk=3),
+  "two_bodies_chunk8": LoopPlan(bodies=2, chunk=8),
   "accelerator": ACCELERATOR,
 }
 COUNT, CAPACITY = 8, 6
@@ -80,7 +80,9 @@ def test_every_plan_gives_the_hypotheses_of_the_cpu_plan(plan, k, num_results):
 
 
 def _traced(decode_settings):
-  """``(step calls, batch sizes, while loops)`` of tracing `beam_search`."""
+  """``(step calls, batch sizes, while loops, scans)`` of tracing
+  `beam_search` (each phase: one `while`, with an inner loop of static trip
+  count, a `scan`, per chunk of steps)."""
   sizes = []
 
   def recording(h, tokens, static):
@@ -88,31 +90,34 @@ def _traced(decode_settings):
     return step(h, tokens, static)
 
   init, bias, _ = _batch()
-  jaxpr = jax.make_jaxpr(
-    lambda init, bias: (
-      beam_search(recording, init, decode_settings, static_inputs=bias).ids.values
-    )
-  )(init, bias)
-  whiles = str(jaxpr).count("while[")
-  return len(sizes) - 1, sorted(set(sizes[1:]), reverse=True), whiles
+  jaxpr = str(
+    jax.make_jaxpr(
+      lambda init, bias: (
+        beam_search(recording, init, decode_settings, static_inputs=bias).ids.values
+      )
+    )(init, bias)
+  )
+  distinct = sorted(set(sizes[1:]), reverse=True)  # past the probe
+  # One `scan` outside the loop, whatever the plan.
+  return len(sizes) - 1, distinct, jaxpr.count("while["), jaxpr.count("scan[") - 1
 
 
 @pytest.mark.parametrize(
-  ("ladder", "plan", "calls", "sizes"),
+  ("ladder", "plan", "sizes"),
   [
-    (None, LoopPlan(), 4, [16, 8, 4, 2]),  # halvings of 8 sources, beam 2
-    (None, LoopPlan(bodies=1, unroll=4), 4, [16]),
-    (None, LoopPlan(bodies=2, unroll=3), 6, [16, 8]),  # not rounded to 8 sources
-    (None, LoopPlan(bodies=9), 4, [16, 8, 4, 2]),  # at most the halvings
-    ((8, 2), LoopPlan(unroll=2), 4, [16, 4]),  # an explicit ladder wins
-    ((), LoopPlan(unroll=5), 5, [16]),
+    (None, LoopPlan(), [16, 8, 4, 2]),  # halvings of 8 sources, beam 2
+    (None, LoopPlan(bodies=1, chunk=4), [16]),
+    (None, LoopPlan(bodies=2, chunk=3), [16, 8]),  # not rounded to 8 sources
+    (None, LoopPlan(bodies=9), [16, 8, 4, 2]),  # at most the halvings
+    ((8, 2), LoopPlan(chunk=2), [16, 4]),  # an explicit ladder wins
+    ((), LoopPlan(chunk=5), [16]),
   ],
 )
-def test_the_plan_sets_the_phases_and_the_steps_per_iteration(
-  ladder, plan, calls, sizes
-):
-  got = _traced(settings(2, plan, ladder))
-  assert got == (calls, sizes, len(sizes))
+def test_the_plan_sets_the_phases_and_the_steps_per_iteration(ladder, plan, sizes):
+  # The step is traced once per phase, chunks or not.
+  phases = len(sizes)
+  chunks = phases if plan.chunk > 1 else 0
+  assert _traced(settings(2, plan, ladder)) == (phases, sizes, phases, chunks)
 
 
 def test_no_plan_is_the_backends_plan():
@@ -120,16 +125,16 @@ def test_no_plan_is_the_backends_plan():
     default = _traced(settings(2, None, ladder))
     backend = default_plan()
     if ladder is not None:
-      backend = LoopPlan(unroll=backend.unroll)
+      backend = LoopPlan(chunk=backend.chunk)
     assert default == _traced(settings(2, backend, ladder))
 
 
 def test_settings_with_a_plan_are_static_and_hashable():
-  a, b = settings(plan=LoopPlan(bodies=1, unroll=4)), settings(plan=ACCELERATOR)
-  assert a == settings(plan=LoopPlan(bodies=1, unroll=4))
-  assert hash(a) == hash(settings(plan=LoopPlan(bodies=1, unroll=4)))
+  a, b = settings(plan=LoopPlan(bodies=1, chunk=4)), settings(plan=ACCELERATOR)
+  assert a == settings(plan=LoopPlan(bodies=1, chunk=4))
+  assert hash(a) == hash(settings(plan=LoopPlan(bodies=1, chunk=4)))
   assert len({a, b, settings()}) == 3
-  assert settings(ladder=[8, 2], plan=LoopPlan(unroll=2)).ladder == (8, 2)
+  assert settings(ladder=[8, 2], plan=LoopPlan(chunk=2)).ladder == (8, 2)
 
 
 @pytest.mark.parametrize(
