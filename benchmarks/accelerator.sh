@@ -5,8 +5,8 @@
 #   benchmarks/accelerator.sh --smoke OUTPUT_DIR    # end to end, tiny, any backend
 #
 # Runs, one after another, each in its own process:
-#   rnn.py             --candidates on W1 and W2 (every loop plan candidate
-#                      beside jaxlod, the baselines and cuDNN), W3 without
+#   rnn.py             --candidates on W1, W2 and W3 (every loop plan
+#                      candidate beside jaxlod, the baselines and cuDNN)
 #   decode.py          --plan default,cpu (the backend's plan and the ladder
 #                      of before, side by side)
 #   g2p_throughput.py  --plan cpu,default on the `fast` shape: before and
@@ -90,7 +90,7 @@ if [[ $smoke == 1 ]]; then
 else
   budget=${ACCELERATOR_BUDGET_S:-470}
   default=default
-  rnn=(--workloads W1,W2,W3 --candidates W1,W2 --repeats 10)
+  rnn=(--workloads W1,W2,W3 --candidates --repeats 10)
   decode=(--repeats 5)
   g2p=(--arms 0 --rounds 3 --steps 40)
   attention=(--repeats 5)

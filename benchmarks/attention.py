@@ -224,7 +224,7 @@ def memory_in_subprocess(arm: str, plan: str = "default") -> dict[str, Any]:
       plan,
     ],
     check=True,
-    capture_output=True,
+    stdout=subprocess.PIPE,  # its errors reach this process's stderr
     text=True,
   )
   return json.loads(out.stdout)

@@ -57,7 +57,7 @@ and its loop's batch sizes (``plans``).
 ``--candidates`` adds, on every workload run (``--candidates W1,W2``: on
 those only), an arm per plan candidate, timed in the same interleaved
 rounds as the others: ``jaxlod_ladder`` (``LoopPlan()``),
-``jaxlod_unroll1``, ``jaxlod_unroll4`` and ``jaxlod_unroll16`` (one body,
+``jaxlod_chunk1``, ``jaxlod_chunk4`` and ``jaxlod_chunk16`` (one body,
 that many steps per iteration; 8 is the ``jaxlod`` arm's on a GPU),
 ``jaxlod_bodies2`` (two bodies, 8 steps) and ``jaxlod_hoisted`` (one body,
 8 steps, ``hoist=True``: the input projection of every row as one product
@@ -137,11 +137,11 @@ PLANS: dict[str, jaxlod.ops.LoopPlan | None] = {
 # `--candidates`: arms measuring each plan candidate beside `jaxlod`.
 CANDIDATES: dict[str, jaxlod.ops.LoopPlan] = {
   "jaxlod_ladder": jaxlod.ops.LoopPlan(),
-  "jaxlod_unroll1": jaxlod.ops.LoopPlan(bodies=1, unroll=1),
-  "jaxlod_unroll4": jaxlod.ops.LoopPlan(bodies=1, unroll=4),
-  "jaxlod_unroll16": jaxlod.ops.LoopPlan(bodies=1, unroll=16),
-  "jaxlod_bodies2": jaxlod.ops.LoopPlan(bodies=2, unroll=8),
-  "jaxlod_hoisted": jaxlod.ops.LoopPlan(bodies=1, unroll=8, hoist=True),
+  "jaxlod_chunk1": jaxlod.ops.LoopPlan(bodies=1, chunk=1),
+  "jaxlod_chunk4": jaxlod.ops.LoopPlan(bodies=1, chunk=4),
+  "jaxlod_chunk16": jaxlod.ops.LoopPlan(bodies=1, chunk=16),
+  "jaxlod_bodies2": jaxlod.ops.LoopPlan(bodies=2, chunk=8),
+  "jaxlod_hoisted": jaxlod.ops.LoopPlan(bodies=1, chunk=8, hoist=True),
 }
 
 # Relative frequencies of the lengths 1..28 of distinct English words (a

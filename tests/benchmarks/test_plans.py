@@ -36,10 +36,10 @@ def test_rnn_candidates_are_the_plans_side_by_side():
   candidates = rnn.CANDIDATES
   assert candidates == {
     "jaxlod_ladder": LoopPlan(),
-    "jaxlod_unroll1": LoopPlan(bodies=1, unroll=1),
-    "jaxlod_unroll4": LoopPlan(bodies=1, unroll=4),
-    "jaxlod_unroll16": LoopPlan(bodies=1, unroll=16),
-    "jaxlod_bodies2": LoopPlan(bodies=2, unroll=8),
+    "jaxlod_chunk1": LoopPlan(bodies=1, chunk=1),
+    "jaxlod_chunk4": LoopPlan(bodies=1, chunk=4),
+    "jaxlod_chunk16": LoopPlan(bodies=1, chunk=16),
+    "jaxlod_bodies2": LoopPlan(bodies=2, chunk=8),
     "jaxlod_hoisted": dataclasses.replace(ACCELERATOR, hoist=True),
   }
 
@@ -116,15 +116,9 @@ def test_accelerator_script_arguments(tmp_path):
 
 
 @pytest.mark.slow
-def test_rnn_candidates_end_to_end_under_the_accelerator_plan(tmp_path, monkeypatch):
-  """rnn.py as accelerator.sh --smoke runs it, on two of the candidates (a
-  ladder and a hoisting one, at fewer steps an iteration, so it compiles
-  in less time): every arm runs and matches jaxlod, and the report holds
-  what the GPU run will be read for."""
-  hoisted = LoopPlan(bodies=1, unroll=2, hoist=True)
-  monkeypatch.setattr(
-    rnn, "CANDIDATES", {"jaxlod_ladder": LoopPlan(), "jaxlod_hoisted": hoisted}
-  )
+def test_rnn_candidates_end_to_end_under_the_accelerator_plan(tmp_path):
+  """rnn.py as accelerator.sh --smoke runs it: every candidate runs and
+  matches jaxlod, and the report holds what the GPU run will be read for."""
   path = tmp_path / "rnn.json"
   argv = ["--workloads", "S", "--repeats", "1", "--plan", "accelerator"]
   rnn.main([*argv, "--candidates", "--json", str(path)])
@@ -135,16 +129,17 @@ def test_rnn_candidates_end_to_end_under_the_accelerator_plan(tmp_path, monkeypa
   workload = report["workloads"]["S"]
   assert workload["plans"]["jaxlod"]["ran"] == forced
   assert workload["plans"]["jaxlod"]["loop_ladder"] == [8]  # one body
-  for name in ("jaxlod_ladder", "jaxlod_hoisted"):
-    candidate = workload["candidates"][name]
+  assert set(workload["candidates"]) == set(rnn.CANDIDATES)
+  for name, candidate in workload["candidates"].items():
     assert "error" not in candidate, candidate
     assert candidate["matches_jaxlod"], workload["equality"][name]
+    assert candidate["ran"] == dataclasses.asdict(rnn.CANDIDATES[name])
     for mode in ("forward", "train"):
       assert candidate[f"{mode}_ratio_to_jaxlod"] == pytest.approx(
         workload[mode][f"{name}_s"] / workload[mode]["jaxlod_s"]
       )
       assert candidate[f"{mode}_compile_s"] == workload[mode]["compile_s"][name]
-  assert workload["candidates"]["jaxlod_hoisted"]["loop_ladder"] == [8]
+  assert workload["candidates"]["jaxlod_bodies2"]["loop_ladder"] == [8, 7]
   for mode in ("forward", "train"):  # today's keys stay
     assert set(workload[mode]) >= RNN_MODE_KEYS
   assert workload["compiles"]["jaxlod_train_fixed_capacity_100_batches"] == 1
