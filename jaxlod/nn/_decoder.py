@@ -27,6 +27,7 @@ from jaxlod.nn._decoding import (
 from jaxlod.nn._recurrent import example_row
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops import _attention as core
+from jaxlod.ops._plan import LoopPlan
 from jaxlod.ops._rank import RankTable
 
 
@@ -67,6 +68,13 @@ class AttentionDecoder(nn.Module):
       the target x source expansion this decoder avoids.
     ladder: static batch sizes of the loop's phases (see `rank_table`);
       `None`: the target rank table's, by default `default_ladder`.
+    plan: how the teacher-forced loop runs on the backend, a
+      `jaxlod.ops.LoopPlan` (its bodies and steps per `lax.while_loop`
+      iteration, see `jaxlod.ops.dynamic_rnn`); `None`:
+      `jaxlod.ops.default_plan()` at trace time, with a given `ladder`
+      taking the place of its `bodies`. Every plan gives the same outputs
+      and gradients up to rounding; decoding (`jaxlod.nn.Seq2Seq.generate`)
+      takes its plan from `jaxlod.ops.DecodeSettings`.
 
   Example:
     >>> import numpy as np, jax, flax.linen as nn
@@ -88,6 +96,7 @@ class AttentionDecoder(nn.Module):
   input_feeding: bool = False
   remat: bool = True
   ladder: Sequence[int] | None = None
+  plan: LoopPlan | None = None
 
   def precompute(self, memory: LoDTensor) -> core.Memory:
     """The `jaxlod.ops.Memory` that `step` reads: `memory` padded, with what
@@ -185,8 +194,10 @@ class AttentionDecoder(nn.Module):
         `tgt`'s, or eagerly if their real numbers of sequences differ (under
         `jit` through `jax.experimental.checkify`); for rows that are not
         vectors, or widths the attention (or a cell with ``in_features``)
-        rejects; from `dynamic_rnn`, for a `table` of other lengths or whose
-        ladder is not `ladder`.
+        rejects; for a `ladder` with a `plan` whose `bodies` is set; from
+        `dynamic_rnn`, for a `table` of other lengths or whose ladder is not
+        `ladder`.
+      TypeError: for a `plan` that is not a `jaxlod.ops.LoopPlan` or `None`.
     """
     return teacher_forced(self, tgt, memory, initial_carry, return_weights, table)
 

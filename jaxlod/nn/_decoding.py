@@ -22,6 +22,7 @@ from jaxlod.nn._checks import check_attention_layer, check_counts, check_targets
 from jaxlod.nn._recurrent import count_steps
 from jaxlod.ops import _attention as core
 from jaxlod.ops._attention import Memory, check_memory_lod
+from jaxlod.ops._plan import LoopPlan, plan_with_ladder, resolve_plan
 from jaxlod.ops._rank import RankTable
 
 
@@ -79,6 +80,22 @@ def start_state(
   return initial_carry, jnp.zeros(shape, memory.values.dtype)
 
 
+def check_plan(plan: Any, ladder: Any = None) -> LoopPlan | None:
+  """A decoder's `plan`: a `jaxlod.ops.LoopPlan`, or `None` (the backend's
+  `jaxlod.ops.default_plan` at trace time), beside its `ladder`.
+
+  Raises:
+    TypeError: for anything else, naming `plan`.
+    ValueError: for a `ladder` with a plan whose `bodies` is set.
+  """
+  if plan is None:
+    return None
+  plan = resolve_plan(plan)
+  if ladder is not None:
+    plan_with_ladder(plan, ladder)
+  return plan
+
+
 def check_decoder_call(
   decoder: Any, tgt: Any, memory: Any, initial_carry: Any, return_weights: Any
 ) -> tuple[LoDTensor, LoDTensor]:
@@ -93,6 +110,7 @@ def check_decoder_call(
     remat=decoder.remat,
     return_weights=return_weights,
   )
+  check_plan(decoder.plan, decoder.ladder)
   # `dynamic_rnn` checks the carry's leading dimensions (naming `init_carry`).
   check_leaves(initial_carry, "initial_carry")
   check_counts(tgt, memory)
@@ -125,6 +143,7 @@ def teacher_forced(
     table=table,
     ladder=decoder.ladder,
     remat=decoder.remat,
+    plan=decoder.plan,
   )
   if not is_lod(memory):  # a Memory: no fault record
     return outputs

@@ -199,7 +199,9 @@ class Seq2Seq(nn.Module):
       src: a LoDTensor of int source ids, values ``[src_token_capacity]``
         or ``[src_token_capacity, 1]``; its padding sequences get no
         hypotheses.
-      settings: the `jaxlod.ops.DecodeSettings` (``beam_size=1``: greedy).
+      settings: the `jaxlod.ops.DecodeSettings` (``beam_size=1``: greedy;
+        its `plan` runs the decoding loop, the decoder's `plan` only the
+        teacher-forced one of `__call__`).
       max_lengths: int ``[count_capacity]`` per-source limits (see
         `jaxlod.ops.beam_search`), or `None`.
       src_table: `src`'s rank table for the encoder (see `encode`); `None`:

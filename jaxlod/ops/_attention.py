@@ -31,6 +31,7 @@ from jaxlod._checks import (
 )
 from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod import LoDTensor, check_lod
+from jaxlod.ops._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, nan_unless
 from jaxlod.ops._rnn import dynamic_rnn
 
@@ -423,6 +424,7 @@ def run_decoder(
   table: RankTable | None = None,
   ladder: Any = None,
   remat: bool = True,
+  plan: LoopPlan | None = None,
 ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
   """An attention decoder over every target sequence (teacher forcing).
 
@@ -435,8 +437,8 @@ def run_decoder(
     tgt: a LoDTensor ``values [token_capacity, input_features]``.
     memory: the `Memory`, leaves ``[count_capacity, ...]`` in `tgt`'s order.
     init_carry: the carry, leaves ``[count_capacity, ...]`` in `tgt`'s order.
-    return_weights, table, ladder, remat: see `jaxlod.nn.AttentionDecoder`
-      and `dynamic_rnn`.
+    return_weights, table, ladder, remat, plan: see
+      `jaxlod.nn.AttentionDecoder` and `dynamic_rnn`.
 
   Returns:
     The outputs ``y_t`` as a LoDTensor with `tgt`'s LoD, and with
@@ -455,6 +457,7 @@ def run_decoder(
     table=table,
     ladder=ladder,
     remat=remat,
+    plan=plan,
   )
   return outputs
 

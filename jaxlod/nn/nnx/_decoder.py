@@ -15,12 +15,14 @@ from jaxlod._lod import LoDTensor
 from jaxlod.nn._checks import check_cell
 from jaxlod.nn._decoding import (
   carry_shape,
+  check_plan,
   precompute_memory,
   start_state,
   teacher_forced,
 )
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops import _attention as core
+from jaxlod.ops._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, check_ladder
 
 
@@ -40,6 +42,9 @@ class AttentionDecoder(nnx.Module):
     remat: recompute each step in the backward pass (the default).
     ladder: static batch sizes of the loop's phases; `None`: the target
       rank table's.
+    plan: how the teacher-forced loop runs (a `jaxlod.ops.LoopPlan`);
+      `None`: the backend's `jaxlod.ops.default_plan()` at trace time. As
+      `jaxlod.nn.AttentionDecoder.plan`.
 
   Example:
     >>> import numpy as np
@@ -68,6 +73,7 @@ class AttentionDecoder(nnx.Module):
     input_feeding: bool = False,
     remat: bool = True,
     ladder: Sequence[int] | None = None,
+    plan: LoopPlan | None = None,
   ):
     check_cell(cell)
     _checks.check_callable(attention, "attention")
@@ -75,6 +81,7 @@ class AttentionDecoder(nnx.Module):
     self.cell, self.attention = cell, attention
     self.input_feeding, self.remat = input_feeding, remat
     self.ladder = check_ladder(ladder)
+    self.plan = check_plan(plan, self.ladder)
 
   def precompute(self, memory: LoDTensor) -> core.Memory:
     """The `jaxlod.ops.Memory` that `step` reads: as
