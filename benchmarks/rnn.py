@@ -48,28 +48,28 @@ compilations seen.
 
 ``--plan`` sets the `jaxlod.ops.LoopPlan` of ``jaxlod`` and
 ``jaxlod_remat``: ``default`` passes none (`dynamic_rnn` then takes
-`jaxlod.ops.default_plan` of the backend: the ladder on a CPU, one body
-and 8 steps per ``while`` iteration on a GPU), ``cpu`` is ``LoopPlan()``
-and ``accelerator`` ``default_plan("gpu")``, forced on any backend. The
-report records the choice, and per workload the plan each jaxlod arm ran
-and its loop's batch sizes (``plans``).
+`jaxlod.ops.default_plan` of the backend: the ladder on a CPU, one body and
+chunks of 8 steps per ``while`` iteration on a GPU), ``cpu`` is
+``LoopPlan()`` and ``accelerator`` ``default_plan("gpu")``, forced on any
+backend. The report records the choice, and per workload the plan each
+jaxlod arm ran and its loop's batch sizes (``plans``).
 
 ``--candidates`` adds, on every workload run (``--candidates W1,W2``: on
-those only), an arm per plan candidate, timed in the same interleaved
-rounds as the others: ``jaxlod_ladder`` (``LoopPlan()``),
-``jaxlod_chunk1``, ``jaxlod_chunk4`` and ``jaxlod_chunk16`` (one body,
-that many steps per iteration; 8 is the ``jaxlod`` arm's on a GPU),
-``jaxlod_bodies2`` (two bodies, 8 steps) and ``jaxlod_hoisted`` (one body,
-8 steps, ``hoist=True``: the input projection of every row as one product
-before the loop, through `jaxlod.nn.DynamicRNN` holding the same Flax cell,
-whose parameters are ``{"cell": params}``). Their times are in ``train``
-and ``forward`` beside the others', their differences from ``jaxlod`` in
-``equality``, and the workload's ``candidates`` gives each one's plan, loop
-sizes, forward, train and compile times, their ratios to ``jaxlod``'s and
-whether it computes what ``jaxlod`` does (``matches_jaxlod``); the report's
-``candidates`` lists the workloads that ran them. An arm
-that cannot be built (a plan its layer does not take) is reported in
-``candidates`` with the error, and not timed.
+those only), an arm per plan candidate, timed in the same interleaved rounds
+as the others: ``jaxlod_ladder`` (``LoopPlan()``), ``jaxlod_chunk1``,
+``jaxlod_chunk4`` and ``jaxlod_chunk16`` (one body, chunks of that many
+steps per ``while`` iteration; 8 is the ``jaxlod`` arm's on a GPU),
+``jaxlod_bodies2`` (two bodies, chunks of 8) and ``jaxlod_hoisted`` (one
+body, chunks of 8, ``hoist=True``: the input projection of every row as one
+product before the loop, through `jaxlod.nn.DynamicRNN` holding the same
+Flax cell, whose parameters are ``{"cell": params}``). Their times are in
+``train`` and ``forward`` beside the others', their differences from
+``jaxlod`` in ``equality``, and the workload's ``candidates`` gives each
+one's plan, loop sizes, forward, train and compile times, their ratios to
+``jaxlod``'s and whether it computes what ``jaxlod`` does
+(``matches_jaxlod``); the report's ``candidates`` lists the workloads that
+ran them. An arm that cannot be built (a plan its layer does not take) is
+reported in ``candidates`` with the error, and not timed.
 
 Workloads: W1 sentences (LSTM 256, batch 64, log-normal lengths, mean about
 30, cap 128), W2 documents (GRU 128, batch 32, long-tailed lengths, mean
