@@ -5,7 +5,9 @@ and NNX alike, differ only in how they hold their parameters: each call
 body is one of the `run_*` functions below, given the layer (whose
 documented attributes it reads), as Flax's cells call the functions of
 ``flax.linen.activation``. The helpers before them (zero padding rows, an
-example row, a step counter for RNG streams) serve the decoders too.
+example row, a step counter for RNG streams) serve the decoders too. Under
+a plan that hoists, a `DynamicRNN` hands `run_cell` its cell split by
+`jaxlod.nn._hoist` in place of a step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from jaxlod import _checks
 from jaxlod._checks import check_rate
 from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_rnn_layer, split_pair
+from jaxlod.nn._hoist import Separable, hoisted_rnn
+from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type, sequence_pool
 from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
@@ -96,9 +100,20 @@ def stack_rates(
   return [input_dropout] + [dropout_rate] * (layers - 1) + [output_dropout]
 
 
+def loop_plan(layer: Any) -> LoopPlan:
+  """The plan a `DynamicRNN` runs under: its `plan`, or the backend's
+  `default_plan` with the layer's `ladder` for its bodies.
+
+  Raises:
+    TypeError: for a `plan` that is not a `jaxlod.ops.LoopPlan` or `None`.
+    ValueError: for both a `ladder` and a `plan` whose `bodies` is set.
+  """
+  return plan_with_ladder(layer.plan, layer.ladder)
+
+
 def run_cell(
   layer: Any,
-  step: Callable[[Any, jax.Array], tuple[Any, jax.Array]],
+  step: Callable[[Any, jax.Array], tuple[Any, jax.Array]] | Separable,
   x: LoDTensor,
   initial_carry: Any,
   reverse: bool | None,
@@ -106,18 +121,22 @@ def run_cell(
   table: RankTable | None,
 ) -> Any:
   """`DynamicRNN`'s loop: `step` over the last level of `x` with the layer's
-  `ladder` and `remat`; the outputs, or ``(carry, outputs)``."""
+  `ladder`, `remat` and `plan`; the outputs, or ``(carry, outputs)``. A
+  `Separable` cell (the layer's plan hoists) runs through `hoisted_rnn`."""
   reverse, return_carry = override(layer, reverse=reverse, return_carry=return_carry)
   _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=layer.remat)
-  outputs, carry = dynamic_rnn(
-    lambda c, x_t, _: step(c, x_t),
-    x,
-    init_carry=initial_carry,
-    reverse=reverse,
-    table=table,
-    ladder=layer.ladder,
-    remat=layer.remat,
-  )
+  settings = {
+    "init_carry": initial_carry,
+    "reverse": reverse,
+    "table": table,
+    "ladder": layer.ladder,
+    "remat": layer.remat,
+    "plan": layer.plan,
+  }
+  if isinstance(step, Separable):
+    outputs, carry = hoisted_rnn(step, x, **settings)
+  else:
+    outputs, carry = dynamic_rnn(lambda c, x_t, _: step(c, x_t), x, **settings)
   return (carry, outputs) if return_carry else outputs
 
 

@@ -12,15 +12,18 @@ import jax.numpy as jnp
 from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_cell, check_layers
+from jaxlod.nn._hoist import separate_linen
 from jaxlod.nn._recurrent import (
   count_steps,
   example_row,
+  loop_plan,
   run_cell,
   run_directions,
   run_levels,
   run_stack,
   stack_rates,
 )
+from jaxlod.ops._plan import LoopPlan
 from jaxlod.ops._rank import RankTable
 
 
@@ -74,6 +77,15 @@ class DynamicRNN(nn.Module):
     ladder: static batch sizes of the loop's phases (see `rank_table`);
       `None`: the rank table's, by default `default_ladder`. Fewer sizes
       compile faster; more sizes waste fewer rows.
+    plan: how the loop runs, a `jaxlod.ops.LoopPlan` (see `dynamic_rnn`).
+      `None`: ``jaxlod.ops.default_plan()`` at trace time, with `ladder`,
+      when given, taking the place of its bodies. A plan with `bodies` set
+      conflicts with `ladder`. With ``hoist=True`` the cell must be one of
+      Flax's separable cells (``nn.LSTMCell``, ``nn.OptimizedLSTMCell``,
+      ``nn.GRUCell``, ``nn.SimpleCell``, ``nn.MGUCell``): the input
+      projection of all rows is one product before the loop and the
+      recurrent kernel's gradient one product after it, on the same
+      parameters.
 
   Example:
     >>> import numpy as np, jax, flax.linen as nn
@@ -92,6 +104,7 @@ class DynamicRNN(nn.Module):
   return_carry: bool = False
   remat: bool = False
   ladder: Sequence[int] | None = None
+  plan: LoopPlan | None = None
 
   def __call__(
     self,
@@ -123,11 +136,13 @@ class DynamicRNN(nn.Module):
       ``flax.linen.RNN`` returns it, the carry in `x`'s order.
 
     Raises:
-      TypeError: if `x` is not a LoDTensor, or `initial_carry` is `None` and
-        the cell has no `initialize_carry`.
+      TypeError: if `x` is not a LoDTensor, `initial_carry` is `None` and
+        the cell has no `initialize_carry`, `plan` is not a `LoopPlan`, or
+        `plan` hoists and the cell is not one of Flax's separable cells.
       ValueError: from `dynamic_rnn`, e.g. for an `initial_carry` whose
         leading dimension is not the count capacity, a `table` of other
-        lengths, or a `table` whose ladder is not `ladder`.
+        lengths, a `table` whose ladder is not `ladder`, or both `ladder`
+        and a `plan` with `bodies`.
     """
     x = check_lod(x, "x")
     count = x.capacity.sequences[-1]
@@ -141,8 +156,11 @@ class DynamicRNN(nn.Module):
       check_leaves(initial_carry, "initial_carry")
     x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
     first = example_row(initial_carry)
-    step = pure_method(self.cell, "__call__", first, x_row)
-    step, initial_carry, unwrap = count_steps(step, initial_carry)
+    if loop_plan(self).hoist:
+      step, unwrap = separate_linen(self.cell, first, x_row), lambda final: final
+    else:
+      step = pure_method(self.cell, "__call__", first, x_row)
+      step, initial_carry, unwrap = count_steps(step, initial_carry)
     out = run_cell(self, step, x, initial_carry, reverse, return_carry, table)
     return (unwrap(out[0]), out[1]) if isinstance(out, tuple) else out
 

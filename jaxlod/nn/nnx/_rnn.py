@@ -13,13 +13,16 @@ from jaxlod import _checks
 from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_cell, check_layers, check_rnn_layer
+from jaxlod.nn._hoist import separate_nnx
 from jaxlod.nn._recurrent import (
+  loop_plan,
   run_cell,
   run_directions,
   run_levels,
   run_stack,
   stack_rates,
 )
+from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type
 from jaxlod.ops._rank import RankTable, check_ladder
 
@@ -94,6 +97,13 @@ class DynamicRNN(nnx.Module):
       (carry, y)`` treating rows independently.
     reverse, return_carry, remat, ladder: as `jaxlod.nn.DynamicRNN`'s
       attributes.
+    plan: how the loop runs, a `jaxlod.ops.LoopPlan`, as
+      `jaxlod.nn.DynamicRNN`'s attribute: `None` for
+      ``jaxlod.ops.default_plan()`` at trace time, `ladder` taking the
+      place of its bodies. With ``hoist=True`` the cell must be one of
+      Flax's separable cells (``nnx.LSTMCell``, ``nnx.OptimizedLSTMCell``,
+      ``nnx.GRUCell``, ``nnx.SimpleCell``) whose Linear layers compute with
+      Flax's defaults (``dtype`` and ``precision`` are honoured).
 
   Example:
     >>> import numpy as np
@@ -115,6 +125,7 @@ class DynamicRNN(nnx.Module):
     return_carry: bool = False,
     remat: bool = False,
     ladder: Sequence[int] | None = None,
+    plan: LoopPlan | None = None,
   ):
     check_cell(cell)
     _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=remat)
@@ -123,6 +134,8 @@ class DynamicRNN(nnx.Module):
     self.return_carry = return_carry
     self.remat = remat
     self.ladder = check_ladder(ladder)
+    plan_with_ladder(plan, self.ladder)  # a `LoopPlan`, not both with `ladder`
+    self.plan = plan
 
   def __call__(
     self,
@@ -146,7 +159,10 @@ class DynamicRNN(nnx.Module):
       # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
       check_cell(self.cell)
       check_leaves(initial_carry, "initial_carry")
-    cell = functional_call(self.cell)
+    if loop_plan(self).hoist:
+      cell = separate_nnx(self.cell)
+    else:
+      cell = functional_call(self.cell)
     return run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
 
 
