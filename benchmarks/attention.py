@@ -22,8 +22,9 @@ subprocess so the high-water marks do not mix). Time: the median of
 interleaved runs of both arms in one process (compile excluded). Tokens per
 second count the real source and target tokens of the batch.
 
-``--plan`` sets the `jaxlod.ops.LoopPlan` of jaxlod's loops (the model's,
-its encoder's and its decoder's): ``default`` passes none (the backend's
+``--plan`` sets the `jaxlod.ops.LoopPlan` of jaxlod's loops (its encoder's
+and its teacher-forced decoder's, the two loops of the training step;
+`Seq2Seq` runs no loop of its own): ``default`` passes none (the backend's
 `jaxlod.ops.default_plan`), ``cpu`` is ``LoopPlan()`` and ``accelerator``
 ``default_plan("gpu")``, forced on any backend; the report records it.
 
@@ -117,8 +118,8 @@ def make_batch(seed: int = 0) -> dict[str, Any]:
 
 
 def make_model(plan: str = "default") -> Seq2Seq:
-  """The jaxlod model; the `PLANS` entry `plan` runs its loops (the model's,
-  its encoder's and its decoder's; the parameters do not depend on it)."""
+  """The jaxlod model; the `PLANS` entry `plan` runs its loops (its
+  encoder's and its decoder's; the parameters do not depend on it)."""
   field = {} if PLANS[plan] is None else {"plan": PLANS[plan]}
   return Seq2Seq(
     src_vocab=VOCAB,
@@ -129,7 +130,6 @@ def make_model(plan: str = "default") -> Seq2Seq:
       nn.OptimizedLSTMCell(HIDDEN), AdditiveAttention(UNITS), **field
     ),
     bridge=False,
-    **field,
   )
 
 
