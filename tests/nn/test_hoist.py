@@ -4,6 +4,8 @@ the layer without hoisting."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ BUCKETS = Buckets.fixed(tokens=16, sequences=6, time=7)
 NESTED_LENGTHS = [[2, 0, 2], [3, 0, 4, 2]]
 NESTED_BUCKETS = Buckets.fixed(tokens=12, sequences=(4, 5), time=(3, 6))
 HOIST = LoopPlan(hoist=True)
-ACCELERATOR = LoopPlan(bodies=1, unroll=4, hoist=True)
+ACCELERATOR = LoopPlan(bodies=1, chunk=4, hoist=True)
 # float32: outputs, carries and the loss at the house tolerances; gradients
 # are sums over steps and rows whose order hoisting changes (one product
 # over all rows in place of a sum of per-step products).
@@ -178,7 +180,7 @@ def _check_against_scan(runs, make, dtype, plan, nested, plain, tol, grad_tol):
   against the layer without hoisting too."""
   layer_fn, scan_fn, args = runs(make, dtype, nested)
   grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)  # noqa: E731
-  plain_plan = LoopPlan(plan.bodies, plan.unroll, hoist=False)
+  plain_plan = dataclasses.replace(plan, hoist=False)
 
   @jax.jit
   def all_runs(*args):
@@ -203,8 +205,8 @@ def _check_against_scan(runs, make, dtype, plan, nested, plain, tol, grad_tol):
 
 
 # float32: the default plan's ladder (one body per size) and every check
-# against the plain layer too; float64: the accelerator's plan (one body, 4
-# steps per iteration) over a 2-level input.
+# against the plain layer too; float64: the accelerator's plan (one body,
+# chunks of 4 steps) over a 2-level input.
 
 
 @pytest.mark.parametrize("name", sorted(LINEN_CELLS))
