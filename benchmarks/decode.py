@@ -270,7 +270,7 @@ def plan_summary(
       entry[arm] = {
         "arm": name,
         "ladder": arm_settings.ladder,
-        "plan": _asdict(getattr(arm_settings, "plan", None)),
+        "plan": _asdict(arm_settings.plan),
         "s": times[name]["median_s"],
         "compile_s": compile_s[name],
         "ratio_to_first_jaxlod": times[name]["median_s"] / reference,
