@@ -316,6 +316,10 @@ BAD: dict[str, list[Bad]] = {
     ("rnn", lambda: linen.DynamicRNN(nn.GRUCell(2))),
     ("nnx_rnn", lambda: nnx_layers.DynamicRNN(nnx.GRUCell(2, 2, rngs=nnx.Rngs(0)))),
   ],
+  # A `jaxlod.ops.LoopPlan` (or None, where allowed).
+  "plan": [STR, OBJECT, INT, ("dict", lambda: {"bodies": 1})],
+  # A backend's name.
+  "backend": [OBJECT, INT],
   # Ladders of batch sizes, and bucket boundaries.
   "ladder": [
     STR,

@@ -128,6 +128,7 @@ for twin, (module, cell, init_of, run) in TWINS.items():
       "return_carry": arg(False, "bool"),
       "remat": arg(False, "bool"),
       "ladder": arg(None, "ladder", none_ok=True),
+      "plan": arg(None, "plan", none_ok=True),
     },
     {**RNN_CALL, "reverse (call)": arg(None, "bool", none_ok=True)},
     KEYS[twin],
@@ -267,6 +268,7 @@ for twin, (module, cell, init_of, run) in TWINS.items():
       "input_feeding": arg(False, "bool"),
       "remat": arg(True, "bool"),
       "ladder": arg(None, "ladder", none_ok=True),
+      "plan": arg(None, "plan", none_ok=True),
     },
     DECODER_CALL,
   )

@@ -426,8 +426,24 @@ target(
     "ladder": arg(None, "ladder", none_ok=True),
     "return_sequences": arg(True, "bool"),
     "remat": arg(False, "bool"),
+    "plan": arg(None, "plan", none_ok=True),
   },
 )
+target(
+  "ops.LoopPlan",
+  ops.LoopPlan,
+  {
+    "bodies": arg(None, "size>=1", none_ok=True),
+    "chunk": arg(1, "size>=1"),
+    "hoist": arg(False, "bool"),
+  },
+)
+target(
+  "ops.LoopPlan.ladder",
+  lambda count_capacity, ladder: ops.LoopPlan(bodies=2).ladder(count_capacity, ladder),
+  {"count_capacity": arg(8, "size>=0"), "ladder": arg([8, 4], "ladder")},
+)
+target("ops.default_plan", ops.default_plan, {"backend": arg(None, "backend")})
 target(
   "ops.DecodeSettings",
   ops.DecodeSettings,
@@ -439,6 +455,7 @@ target(
     "length_penalty": arg(0.6, "float32>=0"),
     "num_results": arg(None, "size>=1", none_ok=True),
     "ladder": arg(None, "ladder", none_ok=True),
+    "plan": arg(None, "plan", none_ok=True),
   },
 )
 target(

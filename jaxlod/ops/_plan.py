@@ -18,7 +18,8 @@ from typing import Any
 
 import jax
 
-from jaxlod._checks import static_int
+from jaxlod._checks import check_bool, static_int
+from jaxlod.ops._rank import normalize_ladder
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -56,8 +57,9 @@ class LoopPlan:
       benchmark shows it faster (``benchmarks/hoist.py``).
 
   Raises:
-    ValueError: for `bodies` not `None` or an int >= 1, `chunk` not an
-      int >= 1, or `hoist` not a bool.
+    TypeError: for `bodies` not `None` or a static int, `chunk` not a
+      static int, or `hoist` not a bool.
+    ValueError: for `bodies` or `chunk` below 1 (or beyond int32).
 
   Example:
     >>> from jaxlod.ops import LoopPlan
@@ -72,37 +74,38 @@ class LoopPlan:
   hoist: bool = False
 
   def __post_init__(self):
+    # Stored as Python values: a NumPy int or bool would hash and print
+    # differently from the plan it stands for.
     if self.bodies is not None:
-      _check_count(self.bodies, "bodies")
-    _check_count(self.chunk, "chunk")
-    if not isinstance(self.hoist, bool):
-      raise ValueError(f"Expected `hoist` to be a bool, got {self.hoist!r}.")
+      object.__setattr__(self, "bodies", static_int(self.bodies, "bodies", 1))
+    object.__setattr__(self, "chunk", static_int(self.chunk, "chunk", 1))
+    object.__setattr__(self, "hoist", check_bool(self.hoist, "hoist"))
 
-  def ladder(
-    self, count_capacity: int, table_ladder: tuple[int, ...]
-  ) -> tuple[int, ...]:
+  def ladder(self, count_capacity: int, ladder: tuple[int, ...]) -> tuple[int, ...]:
     """The batch sizes of the loop's bodies, largest first.
 
     Args:
       count_capacity: the loop's batch capacity (the first size).
-      table_ladder: the rank table's ladder, used as is when `bodies` is
-        `None`.
+      ladder: the rank table's ladder, used when `bodies` is `None`, in
+        the canonical form of `jaxlod.ops.normalize_ladder` (`None`: the
+        `default_ladder`).
+
+    Raises:
+      TypeError, ValueError: for a `count_capacity` that is not an int >= 0,
+        or a `ladder` that is not a sequence of sizes in ``[1,
+        count_capacity]``.
     """
+    count_capacity = static_int(count_capacity, "count_capacity", 0)
+    ladder = normalize_ladder(count_capacity, ladder)
     if self.bodies is None:
-      return tuple(table_ladder)
-    sizes = [int(count_capacity)]
+      return ladder
+    sizes = [count_capacity]
     for _ in range(self.bodies - 1):
       size = min(_round_up(-(-sizes[-1] // 2), 8), sizes[-1] - 1)
       if size < 1:
         break
       sizes.append(size)
     return tuple(sizes)
-
-
-def _check_count(value, name: str) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"Expected `{name}` to be an int >= 1, got {value!r}.")
-  static_int(value, name, minimum=1)
 
 
 # One body: on one H100 (benchmarks/results/h100/rnn.json) a padded scan at
@@ -126,12 +129,12 @@ def default_plan(backend: str | None = None) -> LoopPlan:
   to choose another (the tests force the accelerator's on the CPU).
 
   Raises:
-    ValueError: for a `backend` that is not a string.
+    TypeError: for a `backend` that is not a string.
   """
   if backend is None:
     backend = jax.default_backend()
   if not isinstance(backend, str):
-    raise ValueError(f"Expected `backend` to be a string, got {backend!r}.")
+    raise TypeError(f"Expected `backend` to be a string, got {backend!r}.")
   return LoopPlan() if backend == "cpu" else _ACCELERATOR
 
 

@@ -254,19 +254,26 @@ def test_ladders_of_bodies():
 
 
 @pytest.mark.parametrize(
-  ("kwargs", "message"),
+  ("kwargs", "error", "message"),
   [
-    (dict(bodies=0), r"Expected `bodies` to be an int >= 1, got 0"),
-    (dict(bodies=True), r"Expected `bodies` to be an int >= 1, got True"),
-    (dict(bodies=1.5), r"Expected `bodies` to be an int >= 1, got 1.5"),
-    (dict(chunk=0), r"Expected `chunk` to be an int >= 1, got 0"),
-    (dict(chunk="8"), r"Expected `chunk` to be an int >= 1, got '8'"),
-    (dict(hoist=1), r"Expected `hoist` to be a bool, got 1"),
+    (dict(bodies=0), ValueError, r"Expected `bodies` >= 1, got 0"),
+    (dict(bodies=True), TypeError, r"Expected `bodies` to be a static int, got True"),
+    (dict(bodies=1.5), TypeError, r"Expected `bodies` to be a static int, got 1.5"),
+    (dict(chunk=0), ValueError, r"Expected `chunk` >= 1, got 0"),
+    (dict(chunk="8"), TypeError, r"Expected `chunk` to be a static int, got '8'"),
+    (dict(chunk=2**31), ValueError, r"Expected `chunk` in \[1, 2147483647\]"),
+    (dict(hoist=1), TypeError, r"Expected `hoist` to be a bool, got 1"),
   ],
 )
-def test_bad_plans_raise(kwargs, message):
-  with pytest.raises(ValueError, match=message):
+def test_bad_plans_raise(kwargs, error, message):
+  with pytest.raises(error, match=message):
     LoopPlan(**kwargs)
+
+
+def test_numpy_values_make_the_same_plan():
+  plan = LoopPlan(bodies=np.int64(2), chunk=np.int32(4), hoist=np.bool_(True))
+  assert plan == LoopPlan(bodies=2, chunk=4, hoist=True)
+  assert hash(plan) == hash(LoopPlan(bodies=2, chunk=4, hoist=True))
 
 
 def test_bad_plan_arguments_raise():
@@ -277,7 +284,7 @@ def test_bad_plan_arguments_raise():
 
   with pytest.raises(TypeError, match=r"Expected `plan` to be a jaxlod.ops.LoopPlan"):
     dynamic_rnn(step, x, init_carry=jnp.zeros(2), plan="gpu")
-  with pytest.raises(ValueError, match=r"Expected `backend` to be a string, got 3"):
+  with pytest.raises(TypeError, match=r"Expected `backend` to be a string, got 3"):
     default_plan(3)
   with pytest.raises(
     ValueError, match=r"Got both `ladder` \(2,\) and `plan` with bodies=1"
