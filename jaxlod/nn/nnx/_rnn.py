@@ -134,7 +134,8 @@ class DynamicRNN(nnx.Module):
     self.return_carry = return_carry
     self.remat = remat
     self.ladder = check_ladder(ladder)
-    plan_with_ladder(plan, self.ladder)  # a `LoopPlan`, not both with `ladder`
+    if plan is not None:  # a `LoopPlan`, not both with `ladder`
+      plan_with_ladder(plan, self.ladder)
     self.plan = plan
 
   def __call__(
