@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from jaxlod import Buckets, LoDTensor
 from jaxlod.ops import LoopPlan, default_plan, dynamic_rnn, rank_table
 from tests.helpers import assert_close
-from tests.ops.test_rnn import CELLS, _batch, _loss, _padded_outputs, masked_scan
+from tests.ops.test_rnn import CELLS, _batch
+from tests.ops.test_rnn import _losses as rnn_losses
 
 ACCELERATOR = default_plan("gpu")
 PLANS = {
@@ -35,25 +36,7 @@ PLANS = {
 
 def _losses(step, params, x, init_carry, reverse, remat, plan, table=None):
   """jaxlod under `plan` and the masked scan: ``(loss, (outputs, carry))``."""
-
-  def jaxlod_loss(params, values, init_carry):
-    outputs, final = dynamic_rnn(
-      lambda c, x_t, s: step(params, c, x_t, s),
-      x.with_values(values),
-      init_carry=init_carry,
-      reverse=reverse,
-      remat=remat,
-      table=table,
-      plan=plan,
-    )
-    ys = _padded_outputs(outputs)
-    return _loss(ys, final), (ys, final)
-
-  def reference_loss(params, values, init_carry):
-    ys, final, _ = masked_scan(step, params, x.with_values(values), init_carry, reverse)
-    return _loss(ys, final), (ys, final)
-
-  return jaxlod_loss, reference_loss
+  return rnn_losses(step, params, x, init_carry, reverse, remat, None, plan, table)
 
 
 def _both(loss, args):

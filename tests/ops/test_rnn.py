@@ -146,8 +146,9 @@ BATCHES = {
 }
 
 
-def _losses(step, params, x, init_carry, reverse, remat, ladder):
-  """jaxlod and reference losses over outputs and final carry, same weights.
+def _losses(step, params, x, init_carry, reverse, remat, ladder, plan=None, table=None):
+  """jaxlod (with `ladder`, or `plan` and `table`) and reference losses over
+  outputs and final carry, same weights.
 
   Each returns ``(loss, (padded outputs, final carry))``.
   """
@@ -160,6 +161,8 @@ def _losses(step, params, x, init_carry, reverse, remat, ladder):
       reverse=reverse,
       remat=remat,
       ladder=ladder,
+      plan=plan,
+      table=table,
     )
     ys = _padded_outputs(outputs)
     return _loss(ys, final), (ys, final)
