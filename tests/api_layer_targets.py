@@ -102,6 +102,22 @@ KEYS = {
 
 # -- recurrent layers ------------------------------------------------------------
 
+# The scan settings the drop-in RNNs take from Flax's and do not read.
+UNREAD = "Flax's scan setting, accepted for compatibility and not read (documented)"
+SCAN_SETTINGS = {
+  "nn": {
+    name: UNREAD
+    for name in ("variable_axes", "variable_broadcast", "variable_carry", "split_rngs")
+  },
+  "nnx": {
+    "state_axes": UNREAD,
+    "broadcast_rngs": UNREAD,
+    "rngs (call)": "handed to Flax (`nnx.Rngs` checks its own arguments)",
+    "rngs": "flax.nnx.RNN's: True, False or an nnx.Rngs; anything else raises "
+    "ValueError naming `rngs`",
+  },
+}
+
 RNN_CALL = {
   "x": arg(lod, "lod"),
   "initial_carry": arg(None, "carry", none_ok=True),
@@ -132,6 +148,34 @@ for twin, (module, cell, init_of, run) in TWINS.items():
     },
     {**RNN_CALL, "reverse (call)": arg(None, "bool", none_ok=True)},
     KEYS[twin],
+  )
+  layer(
+    f"{twin}.RNN",
+    signatures(module.RNN),
+    module.RNN,
+    run,
+    {
+      "cell": arg(cell, "module"),
+      "time_major": arg(False, "bool"),
+      "return_carry": arg(False, "bool"),
+      "reverse": arg(False, "bool"),
+      "keep_order": arg(False, "bool"),
+      "unroll": arg(1, "int>=1"),
+      "buckets": arg(None, "buckets", none_ok=True),
+      "remat": arg(False, "bool"),
+      "ladder": arg(None, "ladder", none_ok=True),
+      "plan": arg(None, "plan", none_ok=True),
+    },
+    {
+      "inputs": arg(lambda: np.ones((2, 3, 2), np.float32), "array_or_lod"),
+      "initial_carry": arg(None, "carry", none_ok=True),
+      "seq_lengths": arg(lambda: np.array([3, 1], np.int32), "ints", none_ok=True),
+      **{
+        f"{flag} (call)": arg(None, "bool", none_ok=True)
+        for flag in ("return_carry", "time_major", "reverse", "keep_order")
+      },
+    },
+    {**KEYS[twin], **SCAN_SETTINGS[twin]},
   )
   layer(
     f"{twin}.Bidirectional",

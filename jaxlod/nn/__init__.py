@@ -1,4 +1,5 @@
-"""Flax (Linen) layers over `jaxlod.ops`: recurrent layers, attention over LoD
+"""Flax (Linen) layers over `jaxlod.ops`: recurrent layers (with `RNN`,
+a drop-in for ``flax.linen.RNN`` over padded arrays), attention over LoD
 memories and encoder-decoders. NNX twins with the same names, arguments and
 errors live in `jaxlod.nn.nnx`."""
 
@@ -10,7 +11,13 @@ from jaxlod.nn._attention import (
   GeneralAttention,
 )
 from jaxlod.nn._decoder import AttentionDecoder
-from jaxlod.nn._rnn import Bidirectional, DynamicRNN, HierarchicalEncoder, StackedRNN
+from jaxlod.nn._rnn import (
+  RNN,
+  Bidirectional,
+  DynamicRNN,
+  HierarchicalEncoder,
+  StackedRNN,
+)
 from jaxlod.nn._seq2seq import Seq2Seq, ensemble_generate
 
 __all__ = [
@@ -23,6 +30,7 @@ __all__ = [
   "DynamicRNN",
   "GeneralAttention",
   "HierarchicalEncoder",
+  "RNN",
   "Seq2Seq",
   "StackedRNN",
   "ensemble_generate",

@@ -1,22 +1,39 @@
-"""Linen recurrent layers over LoDTensors: DynamicRNN and its combinators."""
+"""Linen recurrent layers over LoDTensors: DynamicRNN, the Flax drop-in RNN over
+padded arrays, and their combinators."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import FrozenDict
 
-from jaxlod._host import check_leaves
-from jaxlod._lod import LoDTensor, check_lod
+from jaxlod import _checks
+from jaxlod._buckets import Buckets
+from jaxlod._host import as_array, check_leaves
+from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_cell, check_layers
 from jaxlod.nn._hoist import separate_linen
+from jaxlod.nn._padded import (
+  Loop,
+  batch_carry,
+  check_buckets,
+  check_no_lengths,
+  feature_axes,
+  layout,
+  pack,
+  unbatch_carry,
+  unpack,
+  unrolled,
+)
 from jaxlod.nn._recurrent import (
   count_steps,
   example_row,
   loop_plan,
+  override,
   run_cell,
   run_directions,
   run_levels,
@@ -52,6 +69,39 @@ def pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
 
   apply.streams = tuple(streams)
   return apply
+
+
+def run_linen(
+  layer: Any,
+  x: LoDTensor,
+  initial_carry: Any,
+  init_key: jax.Array | None,
+  reverse: bool | None,
+  return_carry: bool | None,
+  table: RankTable | None,
+) -> Any:
+  """`DynamicRNN`'s body: ``layer.cell`` over the last level of `x` with the
+  layer's loop settings (`reverse`, `return_carry`, `remat`, `ladder`,
+  `plan`); `RNN` calls it with a `Loop`."""
+  x = check_lod(x, "x")
+  count = x.capacity.sequences[-1]
+  if initial_carry is None:
+    check_cell(layer.cell, "initialize_carry(rng, input_shape)")
+    key = jax.random.key(0) if init_key is None else init_key
+    initial_carry = layer.cell.initialize_carry(key, (count, *x.feature_shape))
+  else:
+    # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
+    check_cell(layer.cell)
+    check_leaves(initial_carry, "initial_carry")
+  x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
+  first = example_row(initial_carry)
+  if loop_plan(layer).hoist:
+    step, unwrap = separate_linen(layer.cell, first, x_row), lambda final: final
+  else:
+    step = pure_method(layer.cell, "__call__", first, x_row)
+    step, initial_carry, unwrap = count_steps(step, initial_carry)
+  out = run_cell(layer, step, x, initial_carry, reverse, return_carry, table)
+  return (unwrap(out[0]), out[1]) if isinstance(out, tuple) else out
 
 
 class DynamicRNN(nn.Module):
@@ -144,25 +194,162 @@ class DynamicRNN(nn.Module):
         lengths, a `table` whose ladder is not `ladder`, or both `ladder`
         and a `plan` with `bodies`.
     """
-    x = check_lod(x, "x")
-    count = x.capacity.sequences[-1]
+    return run_linen(self, x, initial_carry, init_key, reverse, return_carry, table)
+
+
+class RNN(nn.Module):
+  """``flax.linen.RNN`` over padded arrays, run padding-free: change one import.
+
+  Takes ``flax.linen.RNN``'s attributes and call with the same defaults and
+  return values. A padded ``inputs [*batch, time, *features]`` (``[time,
+  *batch, *features]`` with `time_major`) and ``seq_lengths [*batch]`` are
+  packed into a LoDTensor on static capacities (`buckets`), the cell runs
+  each sequence for exactly its own steps (`DynamicRNN`'s loop), and the
+  outputs come back in the padded layout. The parameters live under
+  ``cell``, the tree of ``flax.linen.RNN(cell)``, so weights move between
+  the two. A LoDTensor ``inputs`` runs as in `DynamicRNN` (no
+  `seq_lengths`; reversed outputs in its row order) and gives a LoDTensor.
+
+  Where the results differ from ``flax.linen.RNN``'s:
+
+  * steps past a sequence's length are zero in the outputs (Flax runs the
+    cell over the padding and returns what it computes there);
+  * a sequence of length 0 returns its initial carry (Flax's returns the
+    carry at the last padded step).
+
+  The outputs at real steps and the other final carries are Flax's.
+
+  Attributes:
+    cell: a Flax recurrent cell (``nn.LSTMCell``, ``nn.OptimizedLSTMCell``,
+      ``nn.GRUCell``, ``nn.SimpleCell``, ``nn.MGUCell`` or a user's cell
+      with ``initialize_carry(rng, input_shape)``, ``__call__(carry, x) ->
+      (carry, y)`` treating rows independently, and optionally
+      ``num_feature_axes``, default 1).
+    time_major: `inputs` is ``[time, *batch, *features]``.
+    return_carry: also return the final carry, ``(carry, outputs)``.
+    reverse: run each sequence from its last real step to its first.
+    keep_order: with `reverse`, return the outputs in the input's order;
+      otherwise (default) in the order computed, each sequence's real
+      steps reversed and its padding kept at the end, as Flax does.
+    unroll: steps per iteration of the padding-free while loop
+      (`jaxlod.ops.LoopPlan.chunk`): ``k > 1`` runs chunks of ``k`` steps
+      per host round trip; 1 (the default) keeps `plan`'s chunk (the
+      backend's, see `jaxlod.ops.default_plan`).
+    variable_axes, variable_broadcast, variable_carry, split_rngs:
+      ``flax.linen.scan``'s settings, accepted for compatibility. The cell
+      runs as with Flax's defaults whatever they hold: its variables are
+      shared by every step (``params`` broadcast), nothing is carried from
+      step to step but the carry, and RNG streams other than ``params``
+      (``dropout``) draw afresh at every step.
+    buckets: the capacity policy of the packed batch, a `jaxlod.Buckets`;
+      `None` (default): the padded shape's, ``Buckets.fixed(tokens=count *
+      time, sequences=count, time=time)`` with ``count`` the product of the
+      batch axes, so a jitted caller compiles once per padded shape
+      whatever the lengths.
+    remat, ladder, plan: as `DynamicRNN`'s.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jaxlod.nn import RNN
+    >>> x = jnp.ones((2, 5, 3))  # (batch, time, features)
+    >>> rnn = RNN(nn.LSTMCell(4), return_carry=True)
+    >>> lengths = jnp.array([5, 2])
+    >>> params = rnn.init(jax.random.key(0), x, seq_lengths=lengths)
+    >>> (c, h), y = rnn.apply(params, x, seq_lengths=lengths)
+    >>> y.shape, h.shape, float(jnp.abs(y[1, 2:]).max())
+    ((2, 5, 4), (2, 4), 0.0)
+  """
+
+  cell: nn.Module
+  time_major: bool = False
+  return_carry: bool = False
+  reverse: bool = False
+  keep_order: bool = False
+  unroll: int = 1
+  variable_axes: Mapping[Any, Any] = FrozenDict()
+  variable_broadcast: Any = "params"
+  variable_carry: Any = False
+  split_rngs: Mapping[Any, bool] = FrozenDict({"params": False})
+  buckets: Buckets | None = None
+  remat: bool = False
+  ladder: Sequence[int] | None = None
+  plan: LoopPlan | None = None
+
+  def __call__(
+    self,
+    inputs: jax.typing.ArrayLike | LoDTensor,
+    *,
+    initial_carry: Any = None,
+    init_key: jax.Array | None = None,
+    seq_lengths: jax.typing.ArrayLike | None = None,
+    return_carry: bool | None = None,
+    time_major: bool | None = None,
+    reverse: bool | None = None,
+    keep_order: bool | None = None,
+  ) -> Any:
+    """Runs the cell over every sequence of `inputs`.
+
+    Args:
+      inputs: ``[*batch, time, *features]`` (``[time, *batch, *features]``
+        with `time_major`), or a LoDTensor ``values [token_capacity,
+        *features]``.
+      initial_carry: a carry whose leaves are ``[*batch, ...]`` (``[count_capacity,
+        ...]`` for a LoDTensor); by default ``cell.initialize_carry(init_key,
+        (*batch, *features))``.
+      init_key: the key for `initialize_carry` (default ``key(0)``).
+      seq_lengths: int ``[*batch]``, each sequence's length in ``[0,
+        time]``; `None`: every sequence is the whole time axis.
+      return_carry, time_major, reverse, keep_order: override the
+        attributes.
+
+    Returns:
+      The outputs ``[*batch, time, *out]`` (time first with `time_major`),
+      zero past each length; with `return_carry`, ``(carry, outputs)``, the
+      carry's leaves ``[*batch, ...]``, each sequence's own final carry.
+
+    Raises:
+      TypeError: for `inputs` that is not an array or a LoDTensor,
+        non-integer `seq_lengths`, a non-bool flag, or a `buckets` that is
+        not a `jaxlod.Buckets`.
+      ValueError: for `seq_lengths` with a LoDTensor, `seq_lengths` whose
+        shape is not the batch shape (time is not where `time_major` says),
+        an `initial_carry` leaf whose leading dimensions are not the batch
+        shape, or eagerly a length outside ``[0, time]`` (under `jit`
+        checked through `jax.experimental.checkify`, as
+        `jaxlod.ops.sequence_unpad` does).
+    """
+    flags = override(
+      self,
+      return_carry=return_carry,
+      time_major=time_major,
+      reverse=reverse,
+      keep_order=keep_order,
+    )
+    return_carry, time_major, reverse, keep_order = flags
+    _checks.check_bools(
+      return_carry=return_carry,
+      time_major=time_major,
+      reverse=reverse,
+      keep_order=keep_order,
+    )
+    plan = unrolled(self.plan, self.ladder, self.unroll)
+    loop = Loop(self.cell, reverse, return_carry, self.remat, self.ladder, plan)
+    if is_lod(inputs):
+      check_no_lengths(seq_lengths)
+      return run_linen(loop, inputs, initial_carry, init_key, None, None, None)
+    buckets = check_buckets(self.buckets)
+    inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
+    shape = layout(inputs, seq_lengths, time_major, feature_axes(self.cell))
+    x = pack(inputs, shape, buckets)
     if initial_carry is None:
       check_cell(self.cell, "initialize_carry(rng, input_shape)")
       key = jax.random.key(0) if init_key is None else init_key
-      initial_carry = self.cell.initialize_carry(key, (count, *x.feature_shape))
-    else:
-      # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
-      check_cell(self.cell)
-      check_leaves(initial_carry, "initial_carry")
-    x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
-    first = example_row(initial_carry)
-    if loop_plan(self).hoist:
-      step, unwrap = separate_linen(self.cell, first, x_row), lambda final: final
-    else:
-      step = pure_method(self.cell, "__call__", first, x_row)
-      step, initial_carry, unwrap = count_steps(step, initial_carry)
-    out = run_cell(self, step, x, initial_carry, reverse, return_carry, table)
-    return (unwrap(out[0]), out[1]) if isinstance(out, tuple) else out
+      initial_carry = self.cell.initialize_carry(key, (*shape.batch, *shape.features))
+    carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
+    loop = loop._replace(return_carry=True)
+    carry, outputs = run_linen(loop, x, carry, None, None, None, None)
+    outputs = unpack(outputs, shape, reverse, keep_order)
+    return (unbatch_carry(carry, shape), outputs) if return_carry else outputs
 
 
 class Bidirectional(nn.Module):

@@ -17,6 +17,7 @@ from jaxlod.nn.nnx._attention import (
 )
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import (
+  RNN,
   Bidirectional,
   DynamicRNN,
   HierarchicalEncoder,

@@ -1,21 +1,35 @@
-"""NNX recurrent layers over LoDTensors: DynamicRNN and its combinators, the
-twins of `jaxlod.nn`'s."""
+"""NNX recurrent layers over LoDTensors: DynamicRNN, the Flax drop-in RNN over
+padded arrays, and their combinators, the twins of `jaxlod.nn`'s."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 
 from jaxlod import _checks
-from jaxlod._host import check_leaves
-from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._buckets import Buckets
+from jaxlod._host import as_array, check_leaves
+from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_cell, check_layers, check_rnn_layer
 from jaxlod.nn._hoist import separate_nnx
+from jaxlod.nn._padded import (
+  Loop,
+  batch_carry,
+  check_buckets,
+  check_no_lengths,
+  feature_axes,
+  layout,
+  pack,
+  unbatch_carry,
+  unpack,
+  unrolled,
+)
 from jaxlod.nn._recurrent import (
   loop_plan,
+  override,
   run_cell,
   run_directions,
   run_levels,
@@ -76,6 +90,33 @@ def initialize_carry(
   """
   check_cell(cell, "initialize_carry(input_shape, rngs)")
   return cell.initialize_carry(input_shape, nnx.Rngs(0) if rngs is None else rngs)
+
+
+def run_nnx(
+  layer: Any,
+  x: LoDTensor,
+  initial_carry: Any,
+  rngs: nnx.Rngs | nnx.RngStream | None,
+  reverse: bool | None,
+  return_carry: bool | None,
+  table: RankTable | None,
+) -> Any:
+  """`DynamicRNN`'s body: ``layer.cell`` over the last level of `x` with the
+  layer's loop settings (`reverse`, `return_carry`, `remat`, `ladder`,
+  `plan`); `RNN` calls it with a `Loop`."""
+  x = check_lod(x, "x")
+  if initial_carry is None:
+    shape = (x.capacity.sequences[-1], *x.feature_shape)
+    initial_carry = initialize_carry(layer.cell, shape, rngs)
+  else:
+    # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
+    check_cell(layer.cell)
+    check_leaves(initial_carry, "initial_carry")
+  if loop_plan(layer).hoist:
+    cell = separate_nnx(layer.cell)
+  else:
+    cell = functional_call(layer.cell)
+  return run_cell(layer, cell, x, initial_carry, reverse, return_carry, table)
 
 
 class DynamicRNN(nnx.Module):
@@ -152,19 +193,153 @@ class DynamicRNN(nnx.Module):
     `jaxlod.nn.DynamicRNN.__call__`, with `rngs` (default ``nnx.Rngs(0)``)
     for the default carry's ``cell.initialize_carry((count_capacity,
     *features), rngs)`` in place of ``init_key``."""
-    x = check_lod(x, "x")
+    return run_nnx(self, x, initial_carry, rngs, reverse, return_carry, table)
+
+
+def carry_stream(rngs: Any) -> Any:
+  """The carry's RNG stream of ``flax.nnx.RNN``'s `rngs` argument: a fresh
+  ``RngStream(0)`` for `True`, a fork of ``rngs.carry`` for an `nnx.Rngs`,
+  `None` for `False`.
+
+  Raises:
+    ValueError: for anything else, as ``flax.nnx.RNN``.
+  """
+  if rngs is True:
+    return nnx.RngStream(0, tag="carry")
+  if isinstance(rngs, nnx.Rngs):
+    return rngs.carry.fork()
+  if rngs is False:
+    return nnx.data(None)
+  raise ValueError(f"Expected `rngs` to be an nnx.Rngs or a bool, got {rngs!r}.")
+
+
+class RNN(nnx.Module):
+  """``flax.nnx.RNN`` over padded arrays, run padding-free: change one import.
+
+  The NNX twin of `jaxlod.nn.RNN`, with ``flax.nnx.RNN``'s arguments,
+  defaults and return values: padded ``inputs [*batch, time, *features]``
+  and ``seq_lengths [*batch]`` are packed into a LoDTensor on static
+  capacities (`buckets`), the cell runs each sequence for exactly its own
+  steps (`DynamicRNN`'s loop, the cell run functionally) and the outputs
+  come back padded, zero past each length. The cell lives under ``cell``,
+  as in ``flax.nnx.RNN``: the same cell object runs in both and gives the
+  same outputs at real steps and the same final carries (a sequence of
+  length 0 keeps its initial carry). A LoDTensor ``inputs`` runs as in
+  `DynamicRNN`.
+
+  Args:
+    cell: an NNX recurrent cell (``nnx.LSTMCell``, ``nnx.OptimizedLSTMCell``,
+      ``nnx.GRUCell``, ``nnx.SimpleCell``) or a user's cell with
+      ``initialize_carry(input_shape, rngs)`` and ``__call__(carry, x) ->
+      (carry, y)`` treating rows independently.
+    time_major, return_carry, reverse, keep_order, unroll, buckets, remat,
+      ladder, plan: as `jaxlod.nn.RNN`'s attributes.
+    state_axes, broadcast_rngs: ``flax.nnx.scan``'s settings, accepted for
+      compatibility; the cell's state is shared by every step whatever they
+      hold, and a cell that updates its state inside the loop raises (see
+      `DynamicRNN`).
+    rngs: the default carry's RNGs, as ``flax.nnx.RNN``'s: `True` (a stream
+      of seed 0), an ``nnx.Rngs`` (its ``carry`` stream, forked) or
+      `False` (none).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxlod.nn.nnx import RNN
+    >>> rnn = RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(0)))
+    >>> y = rnn(jnp.ones((2, 5, 3)), seq_lengths=jnp.array([5, 2]))
+    >>> y.shape, float(jnp.abs(y[1, 2:]).max())
+    ((2, 5, 4), 0.0)
+  """
+
+  def __init__(
+    self,
+    cell: nnx.Module,
+    *,
+    time_major: bool = False,
+    return_carry: bool = False,
+    reverse: bool = False,
+    keep_order: bool = False,
+    unroll: int = 1,
+    state_axes: Mapping[str, Any] | None = None,
+    broadcast_rngs: Any = None,
+    rngs: nnx.Rngs | nnx.RngStream | bool = True,
+    buckets: Buckets | None = None,
+    remat: bool = False,
+    ladder: Sequence[int] | None = None,
+    plan: LoopPlan | None = None,
+  ):
+    check_cell(cell)
+    _checks.check_bools(
+      time_major=time_major,
+      return_carry=return_carry,
+      reverse=reverse,
+      keep_order=keep_order,
+      remat=remat,
+    )
+    self.cell = cell
+    self.time_major = time_major
+    self.return_carry = return_carry
+    self.reverse = reverse
+    self.keep_order = keep_order
+    self.ladder = check_ladder(ladder)
+    unrolled(plan, self.ladder, unroll)  # checks `unroll` and `plan`
+    self.unroll = unroll
+    self.state_axes = state_axes
+    self.broadcast_rngs = broadcast_rngs
+    self.rngs = carry_stream(rngs)
+    self.buckets = check_buckets(buckets)
+    self.remat = remat
+    self.plan = plan
+
+  def __call__(
+    self,
+    inputs: jax.typing.ArrayLike | LoDTensor,
+    *,
+    initial_carry: Any = None,
+    seq_lengths: jax.typing.ArrayLike | None = None,
+    return_carry: bool | None = None,
+    time_major: bool | None = None,
+    reverse: bool | None = None,
+    keep_order: bool | None = None,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+  ) -> Any:
+    """Runs the cell over every sequence of `inputs`: as
+    `jaxlod.nn.RNN.__call__`, with `rngs` (default the layer's) for the
+    default carry's ``cell.initialize_carry((*batch, *features), rngs)`` in
+    place of ``init_key``."""
+    flags = override(
+      self,
+      return_carry=return_carry,
+      time_major=time_major,
+      reverse=reverse,
+      keep_order=keep_order,
+    )
+    return_carry, time_major, reverse, keep_order = flags
+    _checks.check_bools(
+      return_carry=return_carry,
+      time_major=time_major,
+      reverse=reverse,
+      keep_order=keep_order,
+    )
+    rngs = self.rngs if rngs is None else rngs
+    if isinstance(rngs, nnx.Rngs):
+      rngs = rngs.carry.fork()
+    plan = unrolled(self.plan, self.ladder, self.unroll)
+    loop = Loop(self.cell, reverse, return_carry, self.remat, self.ladder, plan)
+    if is_lod(inputs):
+      check_no_lengths(seq_lengths)
+      return run_nnx(loop, inputs, initial_carry, rngs, None, None, None)
+    inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
+    shape = layout(inputs, seq_lengths, time_major, feature_axes(self.cell))
+    x = pack(inputs, shape, self.buckets)
     if initial_carry is None:
-      shape = (x.capacity.sequences[-1], *x.feature_shape)
-      initial_carry = initialize_carry(self.cell, shape, rngs)
-    else:
-      # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
-      check_cell(self.cell)
-      check_leaves(initial_carry, "initial_carry")
-    if loop_plan(self).hoist:
-      cell = separate_nnx(self.cell)
-    else:
-      cell = functional_call(self.cell)
-    return run_cell(self, cell, x, initial_carry, reverse, return_carry, table)
+      initial_carry = initialize_carry(self.cell, (*shape.batch, *shape.features), rngs)
+    carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
+    loop = loop._replace(return_carry=True)
+    carry, outputs = run_nnx(loop, x, carry, None, None, None, None)
+    outputs = unpack(outputs, shape, reverse, keep_order)
+    return (unbatch_carry(carry, shape), outputs) if return_carry else outputs
 
 
 class Bidirectional(nnx.Module):

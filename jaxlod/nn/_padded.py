@@ -1,0 +1,245 @@
+"""Between Flax's padded recurrent layout and LoDTensors, for the drop-in RNNs.
+
+``flax.linen.RNN`` and ``flax.nnx.RNN`` take a padded array ``[*batch,
+time, *features]`` (or ``[time, *batch, *features]`` with ``time_major``)
+and per-sequence ``seq_lengths [*batch]``. `jaxlod.nn.RNN` and
+`jaxlod.nn.nnx.RNN` take the same: `pack` flattens the batch axes and
+packs the real rows into a LoDTensor on static capacities, the padding-free
+loop runs over it, and `unpack` and `unbatch_carry` put the results back in
+Flax's layout. Both twins call these functions; only how they hold the
+cell differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlod._buckets import Buckets
+from jaxlod._checks import (
+  check_integer,
+  is_concrete,
+  leaf_name,
+  require,
+  static_int,
+)
+from jaxlod._host import as_array, check_leaves
+from jaxlod._lod import LoDTensor, is_lod
+from jaxlod.ops._pad import sequence_pad, sequence_unpad
+from jaxlod.ops._plan import LoopPlan, plan_with_ladder
+
+
+class Loop(NamedTuple):
+  """The loop settings `run_cell` reads from a layer (see `DynamicRNN`)."""
+
+  cell: Any
+  reverse: bool
+  return_carry: bool
+  remat: bool
+  ladder: Any
+  plan: LoopPlan | None
+
+
+class Layout(NamedTuple):
+  """Where a padded batch's rows came from, to put the results back.
+
+  Attributes:
+    batch: the batch shape ``(*batch)``.
+    time: the length of the time axis.
+    time_major: whether time was the first axis.
+    features: the feature shape of one row.
+    lengths: int32 ``[count]``, the flattened `seq_lengths`.
+  """
+
+  batch: tuple[int, ...]
+  time: int
+  time_major: bool
+  features: tuple[int, ...]
+  lengths: jax.Array
+
+  @property
+  def count(self) -> int:
+    return math.prod(self.batch)
+
+
+def feature_axes(cell: Any) -> int:
+  """The cell's number of feature axes (Flax's ``num_feature_axes``; 1 for a
+  cell without it)."""
+  try:
+    return static_int(cell.num_feature_axes, "cell.num_feature_axes", minimum=1)
+  except (AttributeError, NotImplementedError):
+    return 1
+
+
+def unrolled(plan: LoopPlan | None, ladder: Any, unroll: Any) -> LoopPlan | None:
+  """The plan of a drop-in RNN: ``unroll`` > 1 sets `LoopPlan.chunk` (steps
+  per iteration of the while loop), 1 (Flax's default) keeps `plan`'s.
+
+  Raises:
+    TypeError, ValueError: for an `unroll` that is not an int >= 1.
+  """
+  unroll = static_int(unroll, "unroll", minimum=1)
+  if plan is not None or ladder is not None:
+    plan_with_ladder(plan, ladder)  # checks `plan`, and `plan` with `ladder`
+  if unroll == 1:
+    return plan
+  return dataclasses.replace(plan_with_ladder(plan, ladder), chunk=unroll)
+
+
+def check_buckets(buckets: Any) -> Buckets | None:
+  if buckets is not None and not isinstance(buckets, Buckets):
+    raise TypeError(
+      f"Expected `buckets` to be a jaxlod.Buckets policy or None, got {buckets!r}."
+    )
+  return buckets
+
+
+def layout(inputs: jax.Array, seq_lengths: Any, time_major: bool, axes: int) -> Layout:
+  """The layout of a padded `inputs` with `axes` feature axes.
+
+  Raises:
+    TypeError: for non-integer `seq_lengths`.
+    ValueError: for an `inputs` of rank below ``1 + axes``, `seq_lengths`
+      whose shape is not the batch shape (time is not where `time_major`
+      says), or eagerly a length outside ``[0, time]`` (under `jit` a
+      `jax.experimental.checkify` check naming the length).
+  """
+  if inputs.ndim < 1 + axes:
+    raise ValueError(
+      f"Expected `inputs` to have shape [*batch, time, *features] with {axes} "
+      f"feature axes (rank >= {1 + axes}), got {inputs.shape}."
+    )
+  time_axis = 0 if time_major else inputs.ndim - axes - 1
+  time = inputs.shape[time_axis]
+  first = 1 if time_major else 0
+  batch = inputs.shape[first : inputs.ndim - axes - 1 + first]
+  features = inputs.shape[inputs.ndim - axes :]
+  where = f"axis {time_axis} of `inputs` {inputs.shape} with time_major={time_major}"
+  if seq_lengths is None:
+    lengths = jnp.full((math.prod(batch),), time, jnp.int32)
+    return Layout(batch, time, time_major, features, lengths)
+  seq_lengths = as_array(seq_lengths, "seq_lengths")
+  check_integer(seq_lengths.dtype, "seq_lengths")
+  if seq_lengths.shape != batch:
+    raise ValueError(
+      f"Expected `seq_lengths` to have the batch shape {batch} (time is {where}), "
+      f"got shape {seq_lengths.shape}."
+    )
+  if not is_concrete(seq_lengths):  # `require` is a `checkify` check under `jit`
+    flat = seq_lengths.reshape(-1)
+    high, low = jnp.max(flat, initial=0), jnp.min(flat, initial=0)
+    worst = jnp.where(high > time, high, low)
+    require(
+      (worst >= 0) & (worst <= time),
+      f"Expected `seq_lengths` in [0, {time}] (the time axis, {where}), got a "
+      "length of {length}.",
+      length=worst,
+    )
+  else:
+    host = np.asarray(seq_lengths)
+    bad = np.argwhere((host < 0) | (host > time))
+    if bad.size:
+      index = tuple(int(i) for i in bad[0])
+      raise ValueError(
+        f"Expected `seq_lengths` in [0, {time}] (the time axis, {where}), got "
+        f"seq_lengths[{', '.join(map(str, index))}] = {host[index]}."
+      )
+  lengths = seq_lengths.reshape(-1).astype(jnp.int32)
+  return Layout(batch, time, time_major, features, lengths)
+
+
+def pack(inputs: jax.Array, shape: Layout, buckets: Buckets | None) -> LoDTensor:
+  """The real rows of a padded `inputs` as a one-level LoDTensor.
+
+  The capacities are `buckets`' for the padded shape; `None` is
+  ``Buckets.fixed(tokens=count * time, sequences=count, time=time)``, one
+  compilation per padded shape whatever the lengths. Under `jit`, lengths
+  outside ``[0, time]`` are checked as `jaxlod.ops.sequence_unpad` checks
+  them (through `jax.experimental.checkify`).
+  """
+  if shape.time_major:
+    inputs = jnp.moveaxis(inputs, 0, len(shape.batch))
+  rows = inputs.reshape(shape.count, shape.time, *shape.features)
+  return sequence_unpad(rows, shape.lengths, capacity=buckets)
+
+
+def batch_carry(carry: Any, shape: Layout, count_capacity: int) -> Any:
+  """A carry of leaves ``[*batch, ...]`` as leaves ``[count_capacity, ...]``
+  (the rows past the batch zero).
+
+  Raises:
+    ValueError: for a leaf whose leading dimensions are not the batch shape.
+  """
+  check_leaves(carry, "initial_carry")
+  n = len(shape.batch)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(carry):
+    if tuple(jnp.shape(leaf)[:n]) != shape.batch or jnp.ndim(leaf) < n:
+      raise ValueError(
+        f"Expected `initial_carry` leaf {leaf_name(path)} to have leading "
+        f"dimensions {shape.batch} (the batch axes of `inputs`), got shape "
+        f"{jnp.shape(leaf)}."
+      )
+
+  def flat(leaf: jax.Array) -> jax.Array:
+    leaf = jnp.reshape(leaf, (shape.count, *jnp.shape(leaf)[n:]))
+    pad = [(0, count_capacity - shape.count)] + [(0, 0)] * (leaf.ndim - 1)
+    return jnp.pad(leaf, pad)
+
+  return jax.tree.map(flat, carry)
+
+
+def unbatch_carry(carry: Any, shape: Layout) -> Any:
+  """A final carry of leaves ``[count_capacity, ...]`` as ``[*batch, ...]``."""
+
+  def back(leaf: jax.Array) -> jax.Array:
+    return leaf[: shape.count].reshape(*shape.batch, *leaf.shape[1:])
+
+  return jax.tree.map(back, carry)
+
+
+def flip_real(padded: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Each row's first ``lengths[i]`` steps of ``padded [count, time, ...]``
+  in reverse order, the padding kept at the end (``flax.linen``'s
+  ``flip_sequences``)."""
+  time = padded.shape[1]
+  if time == 0:
+    return padded
+  steps = jnp.arange(time - 1, -1, -1)[None, :]
+  index = (steps + lengths[:, None]) % time
+  index = index.reshape(index.shape + (1,) * (padded.ndim - 2))
+  return jnp.take_along_axis(padded, index, axis=1)
+
+
+def unpack(outputs: Any, shape: Layout, reverse: bool, keep_order: bool) -> Any:
+  """The outputs over a packed batch in the padded layout of `shape`.
+
+  Steps past each sequence's length are zero. With ``reverse`` and not
+  ``keep_order`` each sequence's outputs come in the order computed (last
+  input row first), as ``flax.linen.RNN`` returns them.
+  """
+
+  def back(out: LoDTensor) -> jax.Array:
+    padded, _ = sequence_pad(out, 0, maxlen=shape.time)
+    padded = padded[: shape.count]
+    if reverse and not keep_order:
+      padded = flip_real(padded, shape.lengths)
+    padded = padded.reshape(*shape.batch, *padded.shape[1:])
+    if shape.time_major:
+      padded = jnp.moveaxis(padded, len(shape.batch), 0)
+    return padded
+
+  return jax.tree.map(back, outputs, is_leaf=is_lod)
+
+
+def check_no_lengths(seq_lengths: Any) -> None:
+  """A LoDTensor carries its lengths: `seq_lengths` must be `None`."""
+  if seq_lengths is not None:
+    raise ValueError(
+      "Expected `seq_lengths` to be None for a LoDTensor `inputs` (its LoD holds "
+      f"the lengths), got {type(seq_lengths).__name__}."
+    )

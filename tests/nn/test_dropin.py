@@ -1,0 +1,329 @@
+"""`jaxlod.nn.RNN` and `jaxlod.nn.nnx.RNN` against ``flax.linen.RNN`` and
+``flax.nnx.RNN`` on the same padded batches and parameters: the outputs at
+real steps and the final carries, for every Flax cell, both directions and
+orders, both layouts and two batch axes; gradients; one trace per padded
+shape; the errors."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental import checkify
+
+import jaxlod.nn as linen
+import jaxlod.nn.nnx as twin
+from jaxlod import LoDTensor
+
+B1, B2, TIME, FEATURES, HIDDEN = 2, 3, 5, 3, 4
+TOL = {"rtol": 1e-10, "atol": 1e-10}  # float64: the same sums in another order
+LINEN_CELLS = {
+  "LSTMCell": nn.LSTMCell,
+  "OptimizedLSTMCell": nn.OptimizedLSTMCell,
+  "GRUCell": nn.GRUCell,
+  "SimpleCell": nn.SimpleCell,
+  "MGUCell": nn.MGUCell,
+}
+NNX_CELLS = {
+  "LSTMCell": nnx.LSTMCell,
+  "OptimizedLSTMCell": nnx.OptimizedLSTMCell,
+  "GRUCell": nnx.GRUCell,
+  "SimpleCell": nnx.SimpleCell,
+}
+# (reverse, keep_order) of each direction compared.
+DIRECTIONS = ((False, False), (True, False), (True, True))
+LENGTHS = st.lists(st.integers(0, TIME), min_size=B1 * B2, max_size=B1 * B2)
+
+
+def _inputs(seed: int = 0) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=(B1, B2, TIME, FEATURES))
+
+
+def _layout(x: jax.Array, time_major: bool) -> jax.Array:
+  """``[*batch, time, f]`` as the layer's layout (time first if time-major)."""
+  return jnp.moveaxis(x, -2, 0) if time_major else x
+
+
+def _real(y: jax.Array, lengths: jax.Array, time_major: bool) -> np.ndarray:
+  """``y`` batch-major, the steps past each length zeroed (Flax computes the
+  cell there; jaxlod returns zeros)."""
+  y = np.asarray(jnp.moveaxis(y, 0, -2) if time_major else y)
+  mask = np.arange(y.shape[-2]) < np.asarray(lengths)[..., None]
+  return np.where(mask[..., None], y, 0.0)
+
+
+def _check(theirs, ours, lengths, time_major) -> None:
+  """Outputs at real steps equal and zero past them; final carries equal for
+  the nonempty sequences (Flax's for an empty one is its last padded step)."""
+  (carry_ref, y_ref), (carry, y) = theirs, ours
+  y_ref = np.asarray(y_ref).reshape(y.shape)  # Flax ran one batch axis
+  batch_major = np.asarray(jnp.moveaxis(y, 0, -2) if time_major else y)
+  np.testing.assert_allclose(_real(y, lengths, time_major), batch_major, **TOL)
+  np.testing.assert_allclose(
+    _real(y_ref, lengths, time_major), _real(y, lengths, time_major), **TOL
+  )
+  nonempty = np.asarray(lengths).reshape(-1) > 0
+  for a, b in zip(jax.tree.leaves(carry_ref), jax.tree.leaves(carry), strict=True):
+    a, b = np.asarray(a), np.asarray(b).reshape(-1, b.shape[-1])
+    np.testing.assert_allclose(a[nonempty], b[nonempty], **TOL)
+
+
+def _flat_batch(x: jax.Array, time_major: bool) -> jax.Array:
+  """``[B1, B2, time, f]`` as Flax's one batch axis in the layer's layout
+  (Flax's carry selection takes one batch axis)."""
+  return _layout(x.reshape(B1 * B2, TIME, FEATURES), time_major)
+
+
+# -- Linen ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("time_major", [False, True], ids=["batch-major", "time-major"])
+@pytest.mark.parametrize("name", LINEN_CELLS)
+def test_linen_matches_flax(name, time_major):
+  cell = LINEN_CELLS[name](HIDDEN, param_dtype=jnp.float64)
+  kw = {"time_major": time_major, "return_carry": True}
+  with jax.enable_x64(True):
+    x = jnp.asarray(_inputs())
+    params = nn.RNN(cell, **kw).init(jax.random.key(1), _flat_batch(x, time_major))
+
+    @jax.jit
+    def run(lengths):
+      out = []
+      for reverse, keep_order in DIRECTIONS:
+        d = {"reverse": reverse, "keep_order": keep_order}
+        flat = lengths.reshape(-1)
+        theirs = nn.RNN(cell, **kw, **d).apply(
+          params, _flat_batch(x, time_major), seq_lengths=flat
+        )
+        ours = linen.RNN(cell, **kw, **d).apply(
+          params, _layout(x, time_major), seq_lengths=lengths
+        )
+        out.append((theirs, ours))
+      return out
+
+    @settings(max_examples=4, deadline=None)
+    @given(LENGTHS)
+    def check(lengths):
+      lengths = jnp.asarray(lengths, jnp.int32).reshape(B1, B2)
+      for theirs, ours in run(lengths):
+        _check(theirs, ours, lengths, time_major)
+
+    check()
+
+
+def test_linen_params_tree_is_flax():
+  x = jnp.ones((2, TIME, FEATURES))
+  ours = jax.eval_shape(linen.RNN(nn.LSTMCell(HIDDEN)).init, jax.random.key(0), x)
+  theirs = jax.eval_shape(nn.RNN(nn.LSTMCell(HIDDEN)).init, jax.random.key(0), x)
+  assert jax.tree.map(jnp.shape, ours) == jax.tree.map(jnp.shape, theirs)
+  assert list(ours["params"]) == ["cell"]
+
+
+def test_linen_defaults_match_flax_without_lengths():
+  """No `seq_lengths`: every sequence is the whole time axis; one batch axis
+  and none."""
+  with jax.enable_x64(True):
+    cell = nn.GRUCell(HIDDEN, param_dtype=jnp.float64)
+
+    @jax.jit
+    def run(x):
+      params = nn.RNN(cell).init(jax.random.key(0), x)
+      kw = {"reverse": True, "return_carry": True}
+      return [
+        (nn.RNN(cell, **kw).apply(params, x), linen.RNN(cell, **kw).apply(params, x)),
+        (nn.RNN(cell).apply(params, x), linen.RNN(cell).apply(params, x)),
+      ]
+
+    for x in (jnp.asarray(_inputs()[0]), jnp.asarray(_inputs()[0, 0])):
+      for theirs, ours in run(x):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), theirs, ours)
+
+
+def test_linen_gradients_match_flax():
+  cell = nn.LSTMCell(HIDDEN, param_dtype=jnp.float64)
+  lengths = jnp.array([[5, 2, 1], [3, 5, 4]], jnp.int32)
+  mask = (jnp.arange(TIME) < lengths.reshape(-1, 1))[..., None]
+
+  def loss(layer, params, x, flat):
+    carry, y = layer.apply(
+      params, x, seq_lengths=lengths.reshape(-1) if flat else lengths
+    )
+    y = y.reshape(B1 * B2, TIME, HIDDEN)
+    c, h = (a.reshape(B1 * B2, HIDDEN) for a in carry)
+    return jnp.sum(jnp.where(mask, y, 0.0) ** 2) + jnp.sum(c * h)
+
+  with jax.enable_x64(True):
+    x = jnp.asarray(_inputs())
+    theirs = nn.RNN(cell, return_carry=True, reverse=True)
+    ours = linen.RNN(cell, return_carry=True, reverse=True)
+    params = theirs.init(jax.random.key(1), x.reshape(B1 * B2, TIME, FEATURES))
+    want = jax.grad(loss, argnums=(1, 2))(
+      theirs, params, x.reshape(B1 * B2, TIME, FEATURES), True
+    )
+    got = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=(0, 3))(
+      ours, params, x, False
+    )
+    np.testing.assert_allclose(want[1].reshape(x.shape), got[1], **TOL)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), want[0], got[0])
+
+
+def test_linen_one_trace_per_padded_shape():
+  rnn = linen.RNN(nn.GRUCell(HIDDEN))
+  x = jnp.asarray(_inputs(), jnp.float32)
+  params = jax.jit(rnn.init)(jax.random.key(0), x)
+  traces = []
+
+  @jax.jit
+  def run(x, lengths):
+    traces.append(None)
+    return rnn.apply(params, x, seq_lengths=lengths)
+
+  rng = np.random.default_rng(0)
+  for _ in range(4):
+    lengths = jnp.asarray(rng.integers(0, TIME + 1, size=(B1, B2)), jnp.int32)
+    y = run(x, lengths)
+    assert y.shape == (B1, B2, TIME, HIDDEN)
+  assert len(traces) == 1
+
+
+def test_linen_lod_input_runs_as_dynamic_rnn():
+  x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))], dtype="f4")
+  params = linen.DynamicRNN(nn.GRUCell(HIDDEN)).init(jax.random.key(0), x)
+  want = linen.DynamicRNN(nn.GRUCell(HIDDEN), reverse=True).apply(params, x)
+  got = linen.RNN(nn.GRUCell(HIDDEN), reverse=True).apply(params, x)
+  np.testing.assert_array_equal(want.values, got.values)
+  assert got.recursive_lengths() == x.recursive_lengths()
+
+
+def test_linen_unroll_sets_the_chunk():
+  with jax.enable_x64(True):
+    x = jnp.asarray(_inputs())
+    lengths = jnp.array([[5, 0, 1], [3, 2, 4]], jnp.int32)
+    cell = nn.SimpleCell(HIDDEN, param_dtype=jnp.float64)
+
+    @jax.jit
+    def run(x, lengths):
+      params = linen.RNN(cell).init(jax.random.key(0), x)
+      want = linen.RNN(cell).apply(params, x, seq_lengths=lengths)
+      return want, linen.RNN(cell, unroll=3).apply(params, x, seq_lengths=lengths)
+
+    np.testing.assert_allclose(*run(x, lengths), **TOL)
+
+
+# -- NNX ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NNX_CELLS)
+def test_nnx_matches_flax(name):
+  time_major = name in ("GRUCell", "SimpleCell")  # both layouts, fewer compiles
+  kw = {"time_major": time_major, "return_carry": True}
+  with jax.enable_x64(True):
+    f64 = {"dtype": jnp.float64, "param_dtype": jnp.float64}
+    cell = NNX_CELLS[name](FEATURES, HIDDEN, **f64, rngs=nnx.Rngs(1))
+    x = jnp.asarray(_inputs())
+
+    @nnx.jit
+    def run(cell, lengths):
+      out = []
+      for reverse, keep_order in DIRECTIONS:
+        d = {"reverse": reverse, "keep_order": keep_order}
+        theirs = nnx.RNN(cell, **kw, **d)(
+          _flat_batch(x, time_major), seq_lengths=lengths.reshape(-1)
+        )
+        ours = twin.RNN(cell, **kw, **d)(_layout(x, time_major), seq_lengths=lengths)
+        out.append((theirs, ours))
+      return out
+
+    @settings(max_examples=3, deadline=None)
+    @given(LENGTHS)
+    def check(lengths):
+      lengths = jnp.asarray(lengths, jnp.int32).reshape(B1, B2)
+      for theirs, ours in run(cell, lengths):
+        _check(theirs, ours, lengths, time_major)
+
+    check()
+
+
+def test_nnx_lod_input_runs_as_dynamic_rnn():
+  x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))], dtype="f4")
+  cell = nnx.GRUCell(2, HIDDEN, rngs=nnx.Rngs(0))
+  want = twin.DynamicRNN(cell)(x)
+  got = twin.RNN(cell)(x)
+  np.testing.assert_array_equal(want.values, got.values)
+
+
+# -- errors ---------------------------------------------------------------------------
+
+LAYERS = {
+  "linen": lambda **kw: (
+    lambda x, **call: linen.RNN(nn.GRUCell(HIDDEN), **kw).init_with_output(
+      jax.random.key(0), x, **call
+    )[0]
+  ),
+  "nnx": lambda **kw: twin.RNN(nnx.GRUCell(FEATURES, HIDDEN, rngs=nnx.Rngs(0)), **kw),
+}
+
+
+@pytest.mark.parametrize("api", LAYERS)
+def test_time_axis_not_where_the_arguments_say(api):
+  x = jnp.ones((2, TIME, FEATURES))  # batch-major
+  with pytest.raises(
+    ValueError,
+    match=r"Expected `seq_lengths` to have the batch shape \(5,\) \(time is axis 0 "
+    r"of `inputs` \(2, 5, 3\) with time_major=True\), got shape \(2,\)\.",
+  ):
+    LAYERS[api](time_major=True)(x, seq_lengths=jnp.array([5, 3]))
+  with pytest.raises(ValueError, match=r"batch shape \(2,\).*got shape \(2, 1\)"):
+    LAYERS[api]()(x, seq_lengths=jnp.ones((2, 1), jnp.int32))
+
+
+@pytest.mark.parametrize("api", LAYERS)
+def test_lengths_longer_than_time(api):
+  x = jnp.ones((2, TIME, FEATURES))
+  with pytest.raises(
+    ValueError,
+    match=r"Expected `seq_lengths` in \[0, 5\] \(the time axis, axis 1 of `inputs` "
+    r"\(2, 5, 3\) with time_major=False\), got seq_lengths\[1\] = 7\.",
+  ):
+    LAYERS[api]()(x, seq_lengths=jnp.array([2, 7]))
+
+
+def test_lengths_longer_than_time_under_jit():
+  rnn = linen.RNN(nn.GRUCell(HIDDEN))
+  x = jnp.ones((2, TIME, FEATURES))
+  params = rnn.init(jax.random.key(0), x)
+  run = checkify.checkify(jax.jit(lambda x, n: rnn.apply(params, x, seq_lengths=n)))
+  err, _ = run(x, jnp.array([2, 7]))
+  with pytest.raises(
+    checkify.JaxRuntimeError,
+    match=r"Expected `seq_lengths` in \[0, 5\] .*got a length of 7\.",
+  ):
+    err.throw()
+  err, _ = run(x, jnp.array([2, 5]))
+  err.throw()
+
+
+@pytest.mark.parametrize("api", LAYERS)
+def test_other_errors(api):
+  x = jnp.ones((2, TIME, FEATURES))
+  with pytest.raises(TypeError, match=r"Expected `seq_lengths` .*integer"):
+    LAYERS[api]()(x, seq_lengths=jnp.array([2.0, 1.0]))
+  with pytest.raises(
+    ValueError,
+    match=r"Expected `initial_carry` leaf .* leading "
+    r"dimensions \(2,\) \(the batch axes of `inputs`\), got shape \(3, 4\)",
+  ):
+    LAYERS[api]()(x, initial_carry=jnp.zeros((3, HIDDEN)))
+  lod = LoDTensor.from_sequences([np.ones((3, FEATURES), np.float32)])
+  with pytest.raises(
+    ValueError, match=r"Expected `seq_lengths` to be None for a LoDTensor"
+  ):
+    LAYERS[api]()(lod, seq_lengths=jnp.array([3]))
+  with pytest.raises(ValueError, match=r"Expected `unroll` .*got 0"):
+    LAYERS[api](unroll=0)(x)
