@@ -201,7 +201,9 @@ def module_signature(app, what, name, obj, options, signature, return_annotation
   else:
     return None
   params = [p.replace(annotation=inspect.Parameter.empty) for p in params]
-  return str(inspect.Signature(params)), return_annotation
+  # On one line: a default whose repr spans several (a FrozenDict, as the
+  # drop-in RNN's `split_rngs`) would break the signature.
+  return " ".join(str(inspect.Signature(params)).split()), return_annotation
 
 
 def setup(app):

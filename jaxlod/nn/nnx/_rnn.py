@@ -232,8 +232,9 @@ class RNN(nnx.Module):
       ``nnx.GRUCell``, ``nnx.SimpleCell``) or a user's cell with
       ``initialize_carry(input_shape, rngs)`` and ``__call__(carry, x) ->
       (carry, y)`` treating rows independently.
-    time_major, return_carry, reverse, keep_order, unroll, buckets, remat,
-      ladder, plan: as `jaxlod.nn.RNN`'s attributes.
+    time_major, return_carry, reverse, keep_order, unroll: as
+      `jaxlod.nn.RNN`'s attributes.
+    buckets, remat, ladder, plan: as `jaxlod.nn.RNN`'s attributes.
     state_axes, broadcast_rngs: ``flax.nnx.scan``'s settings, accepted for
       compatibility; the cell's state is shared by every step whatever they
       hold, and a cell that updates its state inside the loop raises (see
