@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
+  check_bools,
   check_integer,
   is_concrete,
   leaf_name,
@@ -30,6 +32,7 @@ from jaxlod._checks import (
 )
 from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, is_lod
+from jaxlod.nn._recurrent import override
 from jaxlod.ops._pad import sequence_pad, sequence_unpad
 from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 
@@ -243,3 +246,50 @@ def check_no_lengths(seq_lengths: Any) -> None:
       "Expected `seq_lengths` to be None for a LoDTensor `inputs` (its LoD holds "
       f"the lengths), got {type(seq_lengths).__name__}."
     )
+
+
+def run_padded(
+  layer: Any,
+  inputs: Any,
+  initial_carry: Any,
+  seq_lengths: Any,
+  flags: dict[str, bool | None],
+  run: Callable[[Loop, LoDTensor, Any], Any],
+  default_carry: Callable[[tuple[int, ...]], Any],
+) -> Any:
+  """The drop-in `RNN`'s call body, both twins: `inputs` padded (packed onto
+  capacities, run, padded back) or a LoDTensor (run as `DynamicRNN`).
+
+  Args:
+    layer: the `RNN` (its `cell`, `remat`, `ladder`, `plan`, `unroll`,
+      `buckets` and the attributes `flags` override).
+    inputs, initial_carry, seq_lengths: the call's.
+    flags: ``return_carry``, ``time_major``, ``reverse`` and ``keep_order``
+      as called, `None` for the layer's.
+    run: ``run(loop, x, carry)``, the twin's `DynamicRNN` body over a
+      LoDTensor (``run_linen`` or ``run_nnx`` with the twin's key or RNGs).
+    default_carry: ``default_carry(input_shape)``, the cell's initial carry
+      for ``(*batch, *features)``.
+  """
+  return_carry, time_major, reverse, keep_order = override(layer, **flags)
+  check_bools(
+    return_carry=return_carry,
+    time_major=time_major,
+    reverse=reverse,
+    keep_order=keep_order,
+  )
+  plan = unrolled(layer.plan, layer.ladder, layer.unroll)
+  loop = Loop(layer.cell, reverse, return_carry, layer.remat, layer.ladder, plan)
+  if is_lod(inputs):
+    check_no_lengths(seq_lengths)
+    return run(loop, inputs, initial_carry)
+  buckets = check_buckets(layer.buckets)
+  inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
+  shape = layout(inputs, seq_lengths, time_major, feature_axes(layer.cell))
+  x = pack(inputs, shape, buckets)
+  if initial_carry is None:
+    initial_carry = default_carry((*shape.batch, *shape.features))
+  carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
+  carry, outputs = run(loop._replace(return_carry=True), x, carry)
+  outputs = unpack(outputs, shape, reverse, keep_order)
+  return (unbatch_carry(carry, shape), outputs) if return_carry else outputs

@@ -11,29 +11,16 @@ import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._host import as_array, check_leaves
-from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod._host import check_leaves
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_cell, check_layers
 from jaxlod.nn._hoist import separate_linen
-from jaxlod.nn._padded import (
-  Loop,
-  batch_carry,
-  check_buckets,
-  check_no_lengths,
-  feature_axes,
-  layout,
-  pack,
-  unbatch_carry,
-  unpack,
-  unrolled,
-)
+from jaxlod.nn._padded import run_padded
 from jaxlod.nn._recurrent import (
   count_steps,
   example_row,
   loop_plan,
-  override,
   run_cell,
   run_directions,
   run_levels,
@@ -318,38 +305,24 @@ class RNN(nn.Module):
         checked through `jax.experimental.checkify`, as
         `jaxlod.ops.sequence_unpad` does).
     """
-    flags = override(
-      self,
+    flags = dict(
       return_carry=return_carry,
       time_major=time_major,
       reverse=reverse,
       keep_order=keep_order,
     )
-    return_carry, time_major, reverse, keep_order = flags
-    _checks.check_bools(
-      return_carry=return_carry,
-      time_major=time_major,
-      reverse=reverse,
-      keep_order=keep_order,
-    )
-    plan = unrolled(self.plan, self.ladder, self.unroll)
-    loop = Loop(self.cell, reverse, return_carry, self.remat, self.ladder, plan)
-    if is_lod(inputs):
-      check_no_lengths(seq_lengths)
-      return run_linen(loop, inputs, initial_carry, init_key, None, None, None)
-    buckets = check_buckets(self.buckets)
-    inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
-    shape = layout(inputs, seq_lengths, time_major, feature_axes(self.cell))
-    x = pack(inputs, shape, buckets)
-    if initial_carry is None:
+
+    def run(loop, x, carry):
+      return run_linen(loop, x, carry, init_key, None, None, None)
+
+    def default_carry(input_shape):
       check_cell(self.cell, "initialize_carry(rng, input_shape)")
       key = jax.random.key(0) if init_key is None else init_key
-      initial_carry = self.cell.initialize_carry(key, (*shape.batch, *shape.features))
-    carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
-    loop = loop._replace(return_carry=True)
-    carry, outputs = run_linen(loop, x, carry, None, None, None, None)
-    outputs = unpack(outputs, shape, reverse, keep_order)
-    return (unbatch_carry(carry, shape), outputs) if return_carry else outputs
+      return self.cell.initialize_carry(key, input_shape)
+
+    return run_padded(
+      self, inputs, initial_carry, seq_lengths, flags, run, default_carry
+    )
 
 
 class Bidirectional(nn.Module):

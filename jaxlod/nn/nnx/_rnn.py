@@ -11,25 +11,17 @@ from flax import nnx
 
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
-from jaxlod._host import as_array, check_leaves
-from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod._host import check_leaves
+from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_cell, check_layers, check_rnn_layer
 from jaxlod.nn._hoist import separate_nnx
 from jaxlod.nn._padded import (
-  Loop,
-  batch_carry,
   check_buckets,
-  check_no_lengths,
-  feature_axes,
-  layout,
-  pack,
-  unbatch_carry,
-  unpack,
+  run_padded,
   unrolled,
 )
 from jaxlod.nn._recurrent import (
   loop_plan,
-  override,
   run_cell,
   run_directions,
   run_levels,
@@ -309,15 +301,7 @@ class RNN(nnx.Module):
     `jaxlod.nn.RNN.__call__`, with `rngs` (default the layer's) for the
     default carry's ``cell.initialize_carry((*batch, *features), rngs)`` in
     place of ``init_key``."""
-    flags = override(
-      self,
-      return_carry=return_carry,
-      time_major=time_major,
-      reverse=reverse,
-      keep_order=keep_order,
-    )
-    return_carry, time_major, reverse, keep_order = flags
-    _checks.check_bools(
+    flags = dict(
       return_carry=return_carry,
       time_major=time_major,
       reverse=reverse,
@@ -326,21 +310,16 @@ class RNN(nnx.Module):
     rngs = self.rngs if rngs is None else rngs
     if isinstance(rngs, nnx.Rngs):
       rngs = rngs.carry.fork()
-    plan = unrolled(self.plan, self.ladder, self.unroll)
-    loop = Loop(self.cell, reverse, return_carry, self.remat, self.ladder, plan)
-    if is_lod(inputs):
-      check_no_lengths(seq_lengths)
-      return run_nnx(loop, inputs, initial_carry, rngs, None, None, None)
-    inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
-    shape = layout(inputs, seq_lengths, time_major, feature_axes(self.cell))
-    x = pack(inputs, shape, self.buckets)
-    if initial_carry is None:
-      initial_carry = initialize_carry(self.cell, (*shape.batch, *shape.features), rngs)
-    carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
-    loop = loop._replace(return_carry=True)
-    carry, outputs = run_nnx(loop, x, carry, None, None, None, None)
-    outputs = unpack(outputs, shape, reverse, keep_order)
-    return (unbatch_carry(carry, shape), outputs) if return_carry else outputs
+
+    def run(loop, x, carry):
+      return run_nnx(loop, x, carry, rngs, None, None, None)
+
+    def default_carry(input_shape):
+      return initialize_carry(self.cell, input_shape, rngs)
+
+    return run_padded(
+      self, inputs, initial_carry, seq_lengths, flags, run, default_carry
+    )
 
 
 class Bidirectional(nnx.Module):
