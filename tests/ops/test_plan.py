@@ -154,37 +154,6 @@ def test_a_table_of_another_ladder_runs_the_plans_bodies():
 # -- one compilation ----------------------------------------------------------------
 
 
-def test_one_compilation_over_many_batches_with_the_accelerator_plan():
-  step, params, init = CELLS["lstm"](jnp.float32)
-  buckets = Buckets.fixed(tokens=64, sequences=8, time=16)
-  traces = []
-
-  @jax.jit
-  def train_step(params, x, table, init_carry):
-    traces.append(1)
-
-    def loss(params):
-      outputs, final = dynamic_rnn(
-        lambda c, x_t, s: step(params, c, x_t, s),
-        x,
-        init_carry=init_carry,
-        table=table,
-        plan=ACCELERATOR,
-      )
-      return jnp.sum(outputs.values**2) + jnp.sum(final[1])
-
-    return jax.value_and_grad(loss)(params)
-
-  rng = np.random.default_rng(0)
-  init_carry = init(jax.random.key(0), 8)
-  for _ in range(12):
-    lengths = rng.integers(0, 9, size=rng.integers(1, 9))
-    x = _batch(lengths.tolist(), np.float32, buckets, seed=int(rng.integers(1 << 30)))
-    jax.block_until_ready(train_step(params, x, rank_table(x), init_carry))
-  assert len(traces) == 1
-  assert train_step._cache_size() == 1
-
-
 def test_the_accelerator_plan_compiles_one_body():
   """One body: one forward and one backward `while` loop, where the CPU's
   ladder has one per size."""

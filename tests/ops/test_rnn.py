@@ -15,7 +15,7 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 from jaxlod import Buckets, LoDTensor
-from jaxlod.ops import _packed, dynamic_rnn, rank_table
+from jaxlod.ops import _packed, default_plan, dynamic_rnn, rank_table
 from tests.helpers import assert_close
 
 FEATURES, HIDDEN = 3, 4
@@ -404,7 +404,9 @@ def test_precomputed_table_and_ladder_conflict():
 # -- compilation ---------------------------------------------------------------------
 
 
-def test_one_compilation_under_a_fixed_capacity():
+# The CPU's plan, and the accelerators' forced (tests/ops/test_plan.py).
+@pytest.mark.parametrize("plan", [None, default_plan("gpu")], ids=["default", "gpu"])
+def test_one_compilation_under_a_fixed_capacity(plan):
   step, params, init = CELLS["lstm"](jnp.float32)
   buckets = Buckets.fixed(tokens=64, sequences=8, time=16)
   traces = []
@@ -415,7 +417,11 @@ def test_one_compilation_under_a_fixed_capacity():
 
     def loss(params):
       outputs, final = dynamic_rnn(
-        lambda c, x_t, s: step(params, c, x_t, s), x, init_carry=init_carry, table=table
+        lambda c, x_t, s: step(params, c, x_t, s),
+        x,
+        init_carry=init_carry,
+        table=table,
+        plan=plan,
       )
       return jnp.sum(outputs.values**2) + jnp.sum(final[1])
 
