@@ -111,7 +111,8 @@ SCAN_SETTINGS = {
   },
   "nnx": {
     "state_axes": UNREAD,
-    "broadcast_rngs": UNREAD,
+    "broadcast_rngs": "an NNX filter handed to `nnx.split_rngs` (Flax checks it); "
+    "tests/nn/test_dropin.py runs a cell drawing from it",
     "rngs (call)": "handed to Flax (`nnx.Rngs` checks its own arguments)",
     "rngs": "flax.nnx.RNN's: True, False or an nnx.Rngs; anything else raises "
     "ValueError naming `rngs`",
@@ -188,10 +189,33 @@ for twin, (module, cell, init_of, run) in TWINS.items():
       "forward_rnn": arg(rnn, "rnn_layer"),
       "backward_rnn": arg(rnn, "rnn_layer"),
       "merge_fn": arg(None, "callable", none_ok=True),
+      "time_major": arg(False, "bool"),
       "return_carry": arg(False, "bool"),
     },
-    RNN_CALL,
-    KEYS[twin],
+    {
+      "inputs": arg(lod, "lod"),
+      "initial_carry": arg(None, "carry", none_ok=True),
+      "return_carry (call)": arg(None, "bool", none_ok=True),
+      "time_major (call)": arg(None, "bool", none_ok=True),
+      "table": arg(None, "table", none_ok=True),
+    },
+    {
+      **KEYS[twin],
+      "seq_lengths": "a padded `inputs`' lengths, handed to both RNNs (jaxlod.nn.RNN "
+      "checks them: tests/nn/test_dropin.py); with a LoDTensor anything but None "
+      "raises ValueError naming `seq_lengths`",
+      "reverse": "unused, as in Flax's Bidirectional (its call signature)",
+      "keep_order": "unused, as in Flax's Bidirectional (its call signature)",
+      **(
+        {
+          "rngs (call)": KEYS["nnx"]["rngs"],
+          "rngs": "flax.nnx.Bidirectional's: True, False, an nnx.Rngs or an "
+          "RngStream; anything else raises ValueError naming `rngs`",
+        }
+        if twin == "nnx"
+        else {}
+      ),
+    },
   )
   layer(
     f"{twin}.StackedRNN",

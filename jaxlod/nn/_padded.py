@@ -13,6 +13,7 @@ cell differs.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -24,6 +25,7 @@ import numpy as np
 from jaxlod._buckets import Buckets
 from jaxlod._checks import (
   check_bools,
+  check_callable,
   check_integer,
   is_concrete,
   leaf_name,
@@ -32,7 +34,8 @@ from jaxlod._checks import (
 )
 from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, is_lod
-from jaxlod.nn._recurrent import override
+from jaxlod.nn._checks import check_rnn_layer, split_pair
+from jaxlod.nn._recurrent import override, run_directions
 from jaxlod.ops._pad import sequence_pad, sequence_unpad
 from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 
@@ -46,6 +49,7 @@ class Loop(NamedTuple):
   remat: bool
   ladder: Any
   plan: LoopPlan | None
+  broadcast_rngs: Any = None  # NNX: the RNG streams every step draws alike
 
 
 class Layout(NamedTuple):
@@ -279,7 +283,10 @@ def run_padded(
     keep_order=keep_order,
   )
   plan = unrolled(layer.plan, layer.ladder, layer.unroll)
-  loop = Loop(layer.cell, reverse, return_carry, layer.remat, layer.ladder, plan)
+  broadcast = getattr(layer, "broadcast_rngs", None)
+  loop = Loop(
+    layer.cell, reverse, return_carry, layer.remat, layer.ladder, plan, broadcast
+  )
   if is_lod(inputs):
     check_no_lengths(seq_lengths)
     return run(loop, inputs, initial_carry)
@@ -293,3 +300,114 @@ def run_padded(
   carry, outputs = run(loop._replace(return_carry=True), x, carry)
   outputs = unpack(outputs, shape, reverse, keep_order)
   return (unbatch_carry(carry, shape), outputs) if return_carry else outputs
+
+
+def zero_past(outputs: Any, seq_lengths: Any, time_major: bool) -> Any:
+  """Padded outputs ``[*batch, time, ...]`` (``[time, *batch, ...]`` with
+  `time_major`) with the steps past each of ``seq_lengths [*batch]`` zero."""
+  if seq_lengths is None:
+    return outputs
+  lengths = jnp.asarray(seq_lengths)
+  n = lengths.ndim
+
+  def zero(out: jax.Array) -> jax.Array:
+    time = out.shape[0 if time_major else n]
+    if time_major:
+      mask = jnp.arange(time).reshape((time,) + (1,) * n) < lengths[None]
+    else:
+      mask = jnp.arange(time) < lengths[..., None]
+    mask = mask.reshape(mask.shape + (1,) * (out.ndim - mask.ndim))
+    return jnp.where(mask, out, jnp.zeros((), out.dtype))
+
+  return jax.tree.map(zero, outputs)
+
+
+def takes_lengths(rnn: Any) -> bool:
+  """Whether ``rnn(...)`` takes a ``seq_lengths`` keyword (a layer over padded
+  arrays, as Flax's and `jaxlod.nn.RNN`; `DynamicRNN` takes LoDTensors)."""
+  try:
+    parameters = inspect.signature(rnn.__call__).parameters.values()
+  except (TypeError, ValueError):  # no signature to read: let the call decide
+    return True
+  return any(
+    p.name == "seq_lengths" or p.kind is inspect.Parameter.VAR_KEYWORD
+    for p in parameters
+  )
+
+
+def run_bidirectional(
+  layer: Any,
+  inputs: Any,
+  initial_carry: Any,
+  seq_lengths: Any,
+  flags: dict[str, bool | None],
+  table: Any,
+  keys: Any,
+) -> Any:
+  """`Bidirectional`'s call body, both twins: a LoDTensor `inputs` runs
+  `run_directions`; a padded one runs ``layer.forward_rnn`` and
+  ``layer.backward_rnn`` as ``flax.linen.Bidirectional`` calls them (each
+  given `seq_lengths` and `time_major`, the backward one ``reverse=True,
+  keep_order=True``), merges their outputs with ``layer.merge_fn``
+  (default: concatenated on the last axis) and zeroes the steps past each
+  length.
+
+  Args:
+    layer: the `Bidirectional`.
+    inputs, initial_carry, seq_lengths, table: the call's.
+    flags: ``return_carry`` and ``time_major`` as called, `None` for the
+      layer's.
+    keys: each direction's extra keyword arguments (its carry's RNGs).
+
+  Raises:
+    TypeError: for a padded `inputs` given to RNNs over LoDTensors (a
+      `DynamicRNN`), or a non-bool flag.
+    ValueError: for `seq_lengths` with a LoDTensor, or a `table` with a
+      padded `inputs`.
+  """
+  return_carry, time_major = override(layer, **flags)
+  check_bools(return_carry=return_carry, time_major=time_major)
+  if is_lod(inputs):
+    check_no_lengths(seq_lengths)
+    return run_directions(layer, inputs, initial_carry, return_carry, table, keys)
+  if table is not None:
+    raise ValueError(
+      "Expected `table` to be None for a padded `inputs` (a rank table orders a "
+      f"LoDTensor's sequences), got {type(table).__name__}."
+    )
+  check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)
+  check_rnn_layer(layer.backward_rnn, "backward_rnn", layer)
+  if layer.merge_fn is not None:
+    check_callable(layer.merge_fn, "merge_fn")
+  kind = type(inputs).__name__
+  inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
+  for name in ("forward_rnn", "backward_rnn"):
+    if not takes_lengths(getattr(layer, name)):
+      raise TypeError(
+        f"Expected `inputs` to be a LoDTensor: `{name}` is a "
+        f"{type(getattr(layer, name)).__name__}, which takes LoDTensors, not "
+        f"padded arrays with `seq_lengths` (jaxlod.nn.RNN takes both), got {kind}."
+      )
+  forward_carry, backward_carry = split_pair(initial_carry)
+  common = dict(seq_lengths=seq_lengths, return_carry=True, time_major=time_major)
+  forward_carry, forward = layer.forward_rnn(
+    inputs, initial_carry=forward_carry, reverse=False, **keys[0], **common
+  )
+  backward_carry, backward = layer.backward_rnn(
+    inputs,
+    initial_carry=backward_carry,
+    reverse=True,
+    keep_order=True,
+    **keys[1],
+    **common,
+  )
+
+  def merge(f: jax.Array, b: jax.Array) -> jax.Array:
+    if layer.merge_fn is None:
+      return jnp.concatenate([f, b], axis=-1)
+    return layer.merge_fn(f, b)
+
+  outputs = jax.tree.map(merge, forward, backward)
+  outputs = zero_past(outputs, seq_lengths, time_major)
+  carry = (forward_carry, backward_carry)
+  return (carry, outputs) if return_carry else outputs

@@ -149,9 +149,10 @@ def run_directions(
   keys: Sequence[dict[str, Any]],
 ) -> Any:
   """`Bidirectional`'s body: ``layer.forward_rnn`` and ``layer.backward_rnn``
-  (with ``reverse=True``) over `x`, merged by ``layer.merge_fn``. `keys`
-  holds each direction's extra keyword arguments (its carry's RNGs)."""
-  x = check_lod(x, "x")
+  (with ``reverse=True``) over `x` (its `inputs`), merged by
+  ``layer.merge_fn``. `keys` holds each direction's extra keyword arguments
+  (its carry's RNGs)."""
+  x = check_lod(x, "inputs")
   (return_carry,) = override(layer, return_carry=return_carry)
   _checks.check_bool(return_carry, "return_carry")
   check_rnn_layer(layer.forward_rnn, "forward_rnn", layer)

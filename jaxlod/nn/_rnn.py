@@ -16,13 +16,12 @@ from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_cell, check_layers
 from jaxlod.nn._hoist import separate_linen
-from jaxlod.nn._padded import run_padded
+from jaxlod.nn._padded import run_bidirectional, run_padded
 from jaxlod.nn._recurrent import (
   count_steps,
   example_row,
   loop_plan,
   run_cell,
-  run_directions,
   run_levels,
   run_stack,
   stack_rates,
@@ -328,21 +327,32 @@ class RNN(nn.Module):
 class Bidirectional(nn.Module):
   """Runs one RNN forward and one backward over each sequence; merges the rows.
 
-  ``flax.linen.Bidirectional`` over LoDTensors. The backward RNN is called
-  with ``reverse=True``, so it runs each sequence from its own last row: no
-  padding reaches either direction, and its outputs come back in the input's
-  row order, aligned with the forward ones. Parameters live under
-  ``forward_rnn`` and ``backward_rnn``, the tree of
-  ``flax.linen.Bidirectional``; passing the same module twice shares them.
+  ``flax.linen.Bidirectional`` over LoDTensors, and over Flax's padded
+  arrays as a drop-in. The backward RNN is called with ``reverse=True``, so
+  it runs each sequence from its own last row: no padding reaches either
+  direction, and its outputs come back in the input's row order, aligned
+  with the forward ones. Parameters live under ``forward_rnn`` and
+  ``backward_rnn``, the tree of ``flax.linen.Bidirectional``; passing the
+  same module twice shares them.
+
+  A padded ``inputs [*batch, time, *features]`` goes to both RNNs as
+  ``flax.linen.Bidirectional`` passes it, with `seq_lengths` and
+  `time_major` (the backward one also ``keep_order=True``), so with
+  `jaxlod.nn.RNN` layers it runs padding-free; the merged outputs are zero
+  past each length.
 
   Attributes:
     forward_rnn: a module called as ``rnn(x, initial_carry=, init_key=,
       reverse=False, return_carry=True) -> (carry, outputs)`` (and
-      ``table=`` when the call is given one), e.g. a `DynamicRNN`.
-    backward_rnn: the same kind of module, called with ``reverse=True``.
-    merge_fn: ``merge_fn(forward [token_capacity, *f], backward
-      [token_capacity, *g]) -> [token_capacity, *h]`` on the rows;
-      ``None`` (default) concatenates on the last axis.
+      ``table=`` when the call is given one; ``seq_lengths=`` and
+      ``time_major=`` for a padded `inputs`), e.g. a `DynamicRNN` or, for
+      padded arrays, an `RNN`.
+    backward_rnn: the same kind of module, called with ``reverse=True``
+      (and ``keep_order=True`` for a padded `inputs`).
+    merge_fn: ``merge_fn(forward [..., f], backward [..., g]) -> [..., h]``
+      on the rows (or the padded outputs); ``None`` (default) concatenates
+      on the last axis, as Flax's default does.
+    time_major: a padded `inputs` is ``[time, *batch, *features]``.
     return_carry: also return the final carries ``(forward, backward)``.
 
   Example:
@@ -355,45 +365,75 @@ class Bidirectional(nn.Module):
     >>> y = birnn.apply(params, x)
     >>> y.values.shape, y.recursive_lengths()
     ((4, 8), [[3, 1]])
+
+    Padded, as ``flax.linen.Bidirectional``:
+
+    >>> import jax.numpy as jnp
+    >>> from jaxlod.nn import RNN
+    >>> birnn = Bidirectional(RNN(nn.GRUCell(4)), RNN(nn.GRUCell(4)))
+    >>> xs, lengths = jnp.ones((2, 5, 2)), jnp.array([5, 3])
+    >>> params = birnn.init(jax.random.key(0), xs, seq_lengths=lengths)
+    >>> birnn.apply(params, xs, seq_lengths=lengths).shape
+    (2, 5, 8)
   """
 
   forward_rnn: nn.Module
   backward_rnn: nn.Module
   merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+  time_major: bool = False
   return_carry: bool = False
 
   def __call__(
     self,
-    x: LoDTensor,
+    inputs: jax.typing.ArrayLike | LoDTensor,
     initial_carry: tuple[Any, Any] | None = None,
     *,
     init_key: jax.Array | None = None,
+    seq_lengths: jax.typing.ArrayLike | None = None,
     return_carry: bool | None = None,
+    time_major: bool | None = None,
+    reverse: bool | None = None,
+    keep_order: bool | None = None,
     table: RankTable | None = None,
   ) -> Any:
-    """Runs both directions over the last level of `x` and merges their rows.
+    """Runs both directions over `inputs` and merges their outputs.
 
     Args:
-      x: a LoDTensor ``values [token_capacity, *features]``.
+      inputs: a LoDTensor ``values [token_capacity, *features]`` (the last
+        level's sequences), or a padded ``[*batch, time, *features]``
+        (``[time, *batch, *features]`` with `time_major`).
       initial_carry: a pair ``(forward, backward)`` of carries whose leaves
-        are ``[count_capacity, ...]`` in `x`'s order; by default each RNN
-        initializes its own.
+        are ``[count_capacity, ...]`` in `inputs`' order (``[*batch, ...]``
+        for a padded `inputs`); by default each RNN initializes its own.
       init_key: split in two, one key per direction, for the RNNs'
         `initialize_carry`.
-      return_carry: overrides the attribute.
-      table: `x`'s rank table, given to both RNNs as ``table=`` (both
-        directions rank the same lengths); `None`: not passed.
+      seq_lengths: a padded `inputs`' int ``[*batch]`` lengths, given to both
+        RNNs; `None`: the whole time axis (for a LoDTensor, must be `None`).
+      return_carry, time_major: override the attributes.
+      reverse, keep_order: accepted and unused, as in
+        ``flax.linen.Bidirectional``.
+      table: a LoDTensor `inputs`' rank table, given to both RNNs as
+        ``table=`` (both directions rank the same lengths); `None`: not
+        passed.
 
     Returns:
-      The merged outputs, a LoDTensor with `x`'s LoD (padding rows zero);
-      with `return_carry`, ``((forward_carry, backward_carry), outputs)``.
+      The merged outputs: a LoDTensor with `inputs`' LoD (padding rows zero),
+      or padded ``[*batch, time, *h]`` (zero past each length); with
+      `return_carry`, ``((forward_carry, backward_carry), outputs)``.
 
     Raises:
-      TypeError: if `x` is not a LoDTensor or `initial_carry` is not a pair.
+      TypeError: if `initial_carry` is not a pair, or `inputs` is neither an
+        array nor a LoDTensor.
+      ValueError: for `seq_lengths` with a LoDTensor or `table` with a padded
+        `inputs`.
     """
+    del reverse, keep_order  # unused, as in flax.linen.Bidirectional
     keys = (None, None) if init_key is None else jax.random.split(init_key)
     keys = [{"init_key": key} for key in keys]
-    return run_directions(self, x, initial_carry, return_carry, table, keys)
+    flags = dict(return_carry=return_carry, time_major=time_major)
+    return run_bidirectional(
+      self, inputs, initial_carry, seq_lengths, flags, table, keys
+    )
 
 
 class StackedRNN(nn.Module):

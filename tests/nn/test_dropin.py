@@ -1,8 +1,8 @@
-"""`jaxlod.nn.RNN` and `jaxlod.nn.nnx.RNN` against ``flax.linen.RNN`` and
-``flax.nnx.RNN`` on the same padded batches and parameters: the outputs at
-real steps and the final carries, for every Flax cell, both directions and
-orders, both layouts and two batch axes; gradients; one trace per padded
-shape; the errors."""
+"""`jaxlod.nn.RNN`, `jaxlod.nn.Bidirectional` and their NNX twins against
+Flax's on the same padded batches and parameters: the outputs at real steps
+and the final carries, for every Flax cell (``ConvLSTMCell`` included), both
+directions and orders, both layouts and two batch axes; gradients; one trace
+per padded shape; NNX cells drawing from broadcast RNG streams; the errors."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from jax.experimental import checkify
 import jaxlod.nn as linen
 import jaxlod.nn.nnx as twin
 from jaxlod import LoDTensor
+from jaxlod.ops import rank_table
 
 B1, B2, TIME, FEATURES, HIDDEN = 2, 3, 5, 3, 4
 TOL = {"rtol": 1e-10, "atol": 1e-10}  # float64: the same sums in another order
@@ -216,6 +217,73 @@ def test_linen_unroll_sets_the_chunk():
     np.testing.assert_allclose(*run(x, lengths), **TOL)
 
 
+def test_linen_conv_lstm_matches_flax():
+  """Three feature axes (``num_feature_axes``): images ``[h, w, c]`` per step."""
+  lengths = jnp.array([5, 0, 2], jnp.int32)
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, TIME, 4, 4, 2)))
+    cell = nn.ConvLSTMCell(3, (3, 3), param_dtype=jnp.float64)
+    params = nn.RNN(cell).init(jax.random.key(0), x)
+
+    @jax.jit
+    def run(x, lengths):
+      out = []
+      for reverse, keep_order in DIRECTIONS:
+        kw = {"return_carry": True, "reverse": reverse, "keep_order": keep_order}
+        theirs = nn.RNN(cell, **kw).apply(params, x, seq_lengths=lengths)
+        ours = linen.RNN(cell, **kw).apply(params, x, seq_lengths=lengths)
+        out.append((theirs, ours))
+      return out
+
+    real = (np.arange(TIME) < np.asarray(lengths)[:, None])[..., None, None, None]
+    for (carry_ref, y_ref), (carry, y) in run(x, lengths):
+      assert y.shape == (3, TIME, 4, 4, 3)
+      np.testing.assert_allclose(np.where(real, y_ref, 0.0), y, **TOL)
+      for a, b in zip(jax.tree.leaves(carry_ref), jax.tree.leaves(carry), strict=True):
+        np.testing.assert_allclose(np.asarray(a)[[0, 2]], np.asarray(b)[[0, 2]], **TOL)
+
+
+def _check_bidirectional(theirs, ours, lengths, time_major) -> None:
+  """`_check` for ``((forward, backward), outputs)``, both carries."""
+  (carry_ref, y_ref), (carry, y) = theirs, ours
+  _check((carry_ref[0], y_ref), (carry[0], y), lengths, time_major)
+  _check((carry_ref[1], y_ref), (carry[1], y), lengths, time_major)
+
+
+@pytest.mark.parametrize("time_major", [False, True], ids=["batch-major", "time-major"])
+def test_linen_bidirectional_matches_flax(time_major):
+  lengths = jnp.array([5, 0, 2, 4], jnp.int32)
+  with jax.enable_x64(True):
+    x = jnp.asarray(_inputs()).reshape(-1, TIME, FEATURES)[:4]
+    x = _layout(x, time_major)
+    f64 = {"param_dtype": jnp.float64}
+
+    def layer(api, **kw):
+      return api.Bidirectional(
+        api.RNN(nn.LSTMCell(HIDDEN, **f64)),
+        api.RNN(nn.GRUCell(HIDDEN + 1, **f64)),
+        time_major=time_major,
+        return_carry=True,
+        **kw,
+      )
+
+    params = layer(nn).init(jax.random.key(0), x, seq_lengths=lengths)
+
+    @jax.jit
+    def run(x, lengths):
+      out = []
+      for kw in ({}, {"merge_fn": lambda a, b: a[..., :HIDDEN] * b[..., :HIDDEN]}):
+        theirs = layer(nn, **kw).apply(params, x, seq_lengths=lengths)
+        ours = layer(linen, **kw).apply(params, x, seq_lengths=lengths)
+        out.append((theirs, ours))
+      return out
+
+    outs = run(x, lengths)
+    assert outs[0][1][1].shape[-1] == 2 * HIDDEN + 1
+    for theirs, ours in outs:
+      _check_bidirectional(theirs, ours, lengths, time_major)
+
+
 # -- NNX ------------------------------------------------------------------------------
 
 
@@ -256,6 +324,73 @@ def test_nnx_lod_input_runs_as_dynamic_rnn():
   want = twin.DynamicRNN(cell)(x)
   got = twin.RNN(cell)(x)
   np.testing.assert_array_equal(want.values, got.values)
+
+
+def test_nnx_bidirectional_matches_flax():
+  lengths = jnp.array([5, 0, 2, 4], jnp.int32)
+  with jax.enable_x64(True):
+    x = jnp.asarray(_inputs()).reshape(-1, TIME, FEATURES)[:4]
+    f64 = {"dtype": jnp.float64, "param_dtype": jnp.float64}
+    forward = nnx.LSTMCell(FEATURES, HIDDEN, **f64, rngs=nnx.Rngs(0))
+    backward = nnx.GRUCell(FEATURES, HIDDEN + 1, **f64, rngs=nnx.Rngs(1))
+
+    @nnx.jit
+    def run(forward, backward, x, lengths):
+      return [
+        api.Bidirectional(api.RNN(forward), api.RNN(backward), return_carry=True)(
+          x, seq_lengths=lengths
+        )
+        for api in (nnx, twin)
+      ]
+
+    _check_bidirectional(*run(forward, backward, x, lengths), lengths, False)
+
+
+class _RecurrentDropoutLSTM(nnx.LSTMCell):
+  """An LSTM drawing a dropout mask on its hidden state at every step (the
+  cell of Flax's ``test_recurrent_dropout``)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    super().__init__(FEATURES, HIDDEN, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, deterministic=False, rng_collection="rd", rngs=rngs)
+
+  def __call__(self, carry, x):
+    (c, h), _ = super().__call__(carry, x)
+    h = self.drop(h)
+    return (c, h), h
+
+
+def test_nnx_broadcast_rngs_as_flax():
+  """A cell drawing from a broadcast stream: one fresh key per call (the
+  stream's count moves as Flax's), the same draws at every step."""
+  x = jnp.ones((3, TIME, FEATURES))
+  lengths = jnp.array([5, 2, 4])
+  counts, outputs = [], []
+  for api in (nnx, twin):
+    cell = _RecurrentDropoutLSTM(nnx.Rngs(0, rd=1))
+    rnn = api.RNN(cell, broadcast_rngs="rd")
+    ys = [rnn(x, seq_lengths=lengths), nnx.jit(lambda r, x: r(x))(rnn, x)]
+    counts.append(int(cell.drop.rngs.count[...]))
+    outputs.append(ys)
+  assert counts == [2, 2]
+  ours = outputs[1][0]
+  assert np.any(np.asarray(ours) != np.asarray(outputs[1][1]))  # fresh key per call
+  # Every step drops the same units of a sequence (one key for all steps).
+  dropped = np.asarray(ours) == 0.0
+  for i, n in enumerate(np.asarray(lengths)):
+    assert dropped[i, :n].any()
+    assert (dropped[i, :n] == dropped[i, :1]).all()
+
+
+def test_nnx_cell_updating_its_state_raises():
+  cell = _RecurrentDropoutLSTM(nnx.Rngs(0, rd=1))
+  with pytest.raises(
+    ValueError,
+    match=r"Expected _RecurrentDropoutLSTM.__call__ to leave its state unchanged "
+    r"inside the loop, but it updates \['drop'\]\['rngs'\]\['count'\].*"
+    r"`broadcast_rngs`",
+  ):
+    twin.RNN(cell)(jnp.ones((2, TIME, FEATURES)))
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -327,3 +462,25 @@ def test_other_errors(api):
     LAYERS[api]()(lod, seq_lengths=jnp.array([3]))
   with pytest.raises(ValueError, match=r"Expected `unroll` .*got 0"):
     LAYERS[api](unroll=0)(x)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_bidirectional_errors(api):
+  x = jnp.ones((2, TIME, FEATURES))
+  lod = LoDTensor.from_sequences([np.ones((3, FEATURES), np.float32)])
+  if api == "linen":
+    layer = linen.Bidirectional(linen.RNN(nn.GRUCell(2)), linen.RNN(nn.GRUCell(2)))
+    params = layer.init(jax.random.key(0), x)
+
+    def call(x, **kw):
+      return layer.apply(params, x, **kw)
+  else:
+    cells = [nnx.GRUCell(FEATURES, 2, rngs=nnx.Rngs(i)) for i in range(2)]
+    call = twin.Bidirectional(*map(twin.RNN, cells))
+  table = rank_table(lod)
+  with pytest.raises(ValueError, match=r"Expected `table` to be None for a padded"):
+    call(x, table=table)
+  with pytest.raises(ValueError, match=r"Expected `seq_lengths` to be None for a"):
+    call(lod, seq_lengths=jnp.array([3]))
+  with pytest.raises(ValueError, match=r"Expected `seq_lengths` in \[0, 5\]"):
+    call(x, seq_lengths=jnp.array([2, 6]))

@@ -684,8 +684,13 @@ def test_errors_non_lod_inputs():
     TypeError, match=r"Expected `x` to be a LoDTensor, got ArrayImpl\."
   ):
     DynamicRNN(cell)(padded)
-  with pytest.raises(TypeError, match=r"Expected `x` to be a LoDTensor, got tuple\."):
-    Bidirectional(DynamicRNN(cell), DynamicRNN(cell))(X.to_padded())
+  with pytest.raises(
+    TypeError,
+    match=r"Expected `inputs` to be a LoDTensor: `forward_rnn` is a DynamicRNN, "
+    r"which takes LoDTensors, not padded arrays with `seq_lengths` "
+    r"\(jaxlod.nn.RNN takes both\), got ArrayImpl\.",
+  ):
+    Bidirectional(DynamicRNN(cell), DynamicRNN(cell))(padded)
   with pytest.raises(
     TypeError,
     match=r"Expected `initial_carry` to be a pair \(forward_carry, backward_carry\), "

@@ -284,6 +284,8 @@ NNX_ADDS = {
   # Flax's own `RNN` twins differ here: NNX's takes these three and not
   # Linen's lifted-transform settings (`LINEN_ONLY`).
   "RNN": {"state_axes", "broadcast_rngs", "rngs"},
+  # flax.nnx.Bidirectional's default carry RNGs (Linen's come from `init_key`).
+  "Bidirectional": {"rngs"},
 }
 # Constructor arguments of a Linen layer that its NNX twin does not take, as
 # between Flax's own twins.

@@ -12,18 +12,18 @@ from flax import nnx
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
 from jaxlod._host import check_leaves
-from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_cell, check_layers, check_rnn_layer
 from jaxlod.nn._hoist import separate_nnx
 from jaxlod.nn._padded import (
   check_buckets,
+  run_bidirectional,
   run_padded,
   unrolled,
 )
 from jaxlod.nn._recurrent import (
   loop_plan,
   run_cell,
-  run_directions,
   run_levels,
   run_stack,
   stack_rates,
@@ -33,7 +33,9 @@ from jaxlod.ops._pool import check_pool_type
 from jaxlod.ops._rank import RankTable, check_ladder
 
 
-def functional_call(module: nnx.Module, method: str = "__call__") -> Callable:
+def functional_call(
+  module: nnx.Module, method: str = "__call__", broadcast: Any = None
+) -> Callable:
   """A pure function running ``module.<method>`` on a snapshot of its state.
 
   The module is split into its graph definition and state once; each call
@@ -41,31 +43,48 @@ def functional_call(module: nnx.Module, method: str = "__call__") -> Callable:
   loop. The state's arrays are closed over, so gradients reach them under
   `nnx.grad` (or `jax.grad` of the split state).
 
+  Args:
+    module, method: what runs.
+    broadcast: an NNX filter of RNG streams (``flax.nnx.RNN``'s
+      `broadcast_rngs`) that every call may draw from: each call starts from
+      the same snapshot of them, so every step draws the same keys (as
+      ``flax.nnx.scan`` broadcasts them), and their updates are dropped.
+
   Raises:
-    ValueError: (when called) if the method updates the module's state, e.g.
-      ``nnx.Dropout`` drawing from its RNG stream or ``nnx.BatchNorm``
-      updating its statistics: inside the loop such updates would be lost
-      and every step would reuse the same random key.
+    ValueError: (when called) if the method updates any other state, e.g.
+      ``nnx.Dropout`` drawing from an RNG stream not in `broadcast` or
+      ``nnx.BatchNorm`` updating its statistics: ``flax.nnx.RNN`` carries
+      such updates from step to step over the padded time axis, which a
+      padding-free loop cannot reproduce, and dropping them would reuse the
+      same random key at every step.
   """
   graphdef, state = nnx.split(module)
   before = jax.tree.leaves(state)
+  shared = nnx.All(nnx.RngState, broadcast)
+  allowed = {
+    jax.tree_util.keystr(path)
+    for path, _ in jax.tree_util.tree_leaves_with_path(nnx.state(module, shared))
+  }
 
   def call(*args, **kwargs):
     copy = nnx.merge(graphdef, state, copy=True)
     out = getattr(copy, method)(*args, **kwargs)
     after = jax.tree_util.tree_leaves_with_path(nnx.state(copy))
     changed = [
-      jax.tree_util.keystr(path)
+      name
       for i, (path, new) in enumerate(after)
-      if i >= len(before) or new is not before[i]
+      if (i >= len(before) or new is not before[i])
+      and (name := jax.tree_util.keystr(path)) not in allowed
     ]
     if changed:
       raise ValueError(
         f"Expected {type(module).__name__}.{method} to leave its state unchanged "
         f"inside the loop, but it updates {', '.join(changed)}. The loop runs it "
-        "functionally, so updates would be lost and random keys reused at every "
-        "step: apply dropout outside the recurrent layer (or with "
-        "`deterministic=True`) and keep normalization statistics fixed."
+        "once per real step, not over the padded time axis, so such updates "
+        "cannot follow flax.nnx.RNN's: give an RNG stream drawn at every step "
+        "to the RNN's `broadcast_rngs` (one key per call, every step drawing "
+        "the same), apply dropout outside the recurrent layer (or with "
+        "`deterministic=True`), and keep normalization statistics fixed."
       )
     return out
 
@@ -107,7 +126,7 @@ def run_nnx(
   if loop_plan(layer).hoist:
     cell = separate_nnx(layer.cell)
   else:
-    cell = functional_call(layer.cell)
+    cell = functional_call(layer.cell, broadcast=getattr(layer, "broadcast_rngs", None))
   return run_cell(layer, cell, x, initial_carry, reverse, return_carry, table)
 
 
@@ -227,10 +246,17 @@ class RNN(nnx.Module):
     time_major, return_carry, reverse, keep_order, unroll: as
       `jaxlod.nn.RNN`'s attributes.
     buckets, remat, ladder, plan: as `jaxlod.nn.RNN`'s attributes.
-    state_axes, broadcast_rngs: ``flax.nnx.scan``'s settings, accepted for
-      compatibility; the cell's state is shared by every step whatever they
-      hold, and a cell that updates its state inside the loop raises (see
-      `DynamicRNN`).
+    state_axes: ``flax.nnx.scan``'s setting, accepted for compatibility
+      and not read: the cell's state is shared by every step, and a cell
+      that updates its state inside the loop raises, naming the cell and the
+      state (Flax carries such updates over the padded time axis, which the
+      padding-free loop does not run).
+    broadcast_rngs: an NNX filter of the RNG streams the cell draws from at
+      every step (recurrent dropout), as ``flax.nnx.RNN``'s: each call forks
+      them once (``nnx.split_rngs``, the stream's count moving by one, as
+      Flax's) and every step draws the same keys. The draws are shaped by
+      the loop's rows, so the random bits differ from Flax's (same
+      distribution, the same mask at every step of a sequence).
     rngs: the default carry's RNGs, as ``flax.nnx.RNN``'s: `True` (a stream
       of seed 0), an ``nnx.Rngs`` (its ``carry`` stream, forked) or
       `False` (none).
@@ -312,7 +338,15 @@ class RNN(nnx.Module):
       rngs = rngs.carry.fork()
 
     def run(loop, x, carry):
-      return run_nnx(loop, x, carry, rngs, None, None, None)
+      if self.broadcast_rngs is None:
+        return run_nnx(loop, x, carry, rngs, None, None, None)
+
+      # As flax.nnx.RNN: the broadcast streams give one fresh key per call.
+      @nnx.split_rngs(splits=1, only=self.broadcast_rngs, squeeze=True)
+      def fork(cell):
+        return run_nnx(loop._replace(cell=cell), x, carry, rngs, None, None, None)
+
+      return fork(loop.cell)
 
     def default_carry(input_shape):
       return initialize_carry(self.cell, input_shape, rngs)
@@ -325,21 +359,30 @@ class RNN(nnx.Module):
 class Bidirectional(nnx.Module):
   """Runs two recurrent layers over a LoDTensor, one in each direction.
 
-  The NNX twin of `jaxlod.nn.Bidirectional`, over LoDTensors as
-  ``flax.nnx.Bidirectional`` is over padded arrays. The backward layer is
-  called with ``reverse=True``: it runs each sequence from its own last row,
-  so no padding leaks into either direction, and its outputs come back in
-  the input's row order. Both outputs are merged row by row.
+  The NNX twin of `jaxlod.nn.Bidirectional`, over LoDTensors and, as a
+  drop-in for ``flax.nnx.Bidirectional``, over padded arrays. The backward
+  layer is called with ``reverse=True``: it runs each sequence from its own
+  last row, so no padding leaks into either direction, and its outputs come
+  back in the input's row order. Both outputs are merged row by row.
 
   Args:
     forward_rnn: a layer called as ``forward_rnn(x, initial_carry=, rngs=,
       reverse=False, return_carry=True) -> (carry, outputs)`` (and
-      ``table=`` when the call is given one), e.g. a `DynamicRNN`.
-    backward_rnn: the same kind of layer, called with ``reverse=True``.
-    merge_fn: ``merge_fn(forward [tokens, f], backward [tokens, g]) ->
-      [tokens, h]`` on the values; concatenation on the last axis by
-      default. Rows past the last sequence are set to zero after merging.
+      ``table=`` when the call is given one; ``seq_lengths=`` and
+      ``time_major=`` for a padded `inputs`), e.g. a `DynamicRNN` or, for
+      padded arrays, an `RNN`.
+    backward_rnn: the same kind of layer, called with ``reverse=True`` (and
+      ``keep_order=True`` for a padded `inputs`).
+    merge_fn: ``merge_fn(forward [..., f], backward [..., g]) -> [..., h]``
+      on the values; concatenation on the last axis by default. Rows past
+      the last sequence (steps past each length) are set to zero after
+      merging.
+    time_major: a padded `inputs` is ``[time, *batch, *features]``.
     return_carry: also return the final carries.
+    rngs: the RNGs passed to both layers for their default carries over a
+      padded `inputs`, as ``flax.nnx.Bidirectional``'s: `True` (a stream of
+      seed 0), an ``nnx.Rngs`` (its ``carry`` stream, forked), an
+      ``nnx.RngStream``, or `False` (none: each layer's own).
 
   Example:
     >>> import numpy as np
@@ -363,32 +406,51 @@ class Bidirectional(nnx.Module):
     backward_rnn: nnx.Module,
     *,
     merge_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    time_major: bool = False,
     return_carry: bool = False,
+    rngs: nnx.Rngs | nnx.RngStream | bool = True,
   ):
     check_rnn_layer(forward_rnn, "forward_rnn", self)
     check_rnn_layer(backward_rnn, "backward_rnn", self)
     if merge_fn is not None:
       _checks.check_callable(merge_fn, "merge_fn")
-    _checks.check_bool(return_carry, "return_carry")
+    _checks.check_bools(time_major=time_major, return_carry=return_carry)
     self.forward_rnn = forward_rnn
     self.backward_rnn = backward_rnn
     self.merge_fn = merge_fn
+    self.time_major = time_major
     self.return_carry = return_carry
+    self.rngs = rngs if isinstance(rngs, nnx.RngStream) else carry_stream(rngs)
 
   def __call__(
     self,
-    x: LoDTensor,
+    inputs: jax.typing.ArrayLike | LoDTensor,
     initial_carry: tuple[Any, Any] | None = None,
     *,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
+    seq_lengths: jax.typing.ArrayLike | None = None,
     return_carry: bool | None = None,
+    time_major: bool | None = None,
+    reverse: bool | None = None,
+    keep_order: bool | None = None,
     table: RankTable | None = None,
   ) -> Any:
-    """Runs both directions over the last level of `x` and merges their rows:
-    as `jaxlod.nn.Bidirectional.__call__`, with `rngs` passed to both layers
-    in place of ``init_key``."""
+    """Runs both directions over `inputs` and merges their outputs: as
+    `jaxlod.nn.Bidirectional.__call__`, with `rngs` passed to both layers in
+    place of ``init_key`` (an ``nnx.Rngs`` gives its ``carry`` stream). By
+    default a padded `inputs` takes the layer's, as ``flax.nnx.Bidirectional``
+    does, and a LoDTensor none (each layer initializes its carry as
+    `DynamicRNN` does)."""
+    del reverse, keep_order  # unused, as in flax.nnx.Bidirectional
+    if rngs is None and not is_lod(inputs):
+      rngs = self.rngs
+    if isinstance(rngs, nnx.Rngs):
+      rngs = rngs.carry
     keys = [{"rngs": rngs}] * 2
-    return run_directions(self, x, initial_carry, return_carry, table, keys)
+    flags = dict(return_carry=return_carry, time_major=time_major)
+    return run_bidirectional(
+      self, inputs, initial_carry, seq_lengths, flags, table, keys
+    )
 
 
 class StackedRNN(nnx.Module):
