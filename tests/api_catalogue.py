@@ -69,6 +69,23 @@ def rnn_step(carry, x_t, static):
   return carry, x_t
 
 
+def simple_gates(h, xp, hp):
+  """A simple cell's gate math, `jaxlod.ops.Separable`'s ``gates``."""
+  del h
+  new_h = jnp.tanh(xp + hp)
+  return new_h, new_h
+
+
+def own_hidden(carry):
+  return carry
+
+
+def separable() -> ops.Separable:
+  """A simple cell of 2 features and hidden size 2, as `lod` feeds it."""
+  w = np.ones((2, 2), np.float32)
+  return ops.Separable(w, None, w, None, 0, simple_gates, own_hidden)
+
+
 SETTINGS = ops.DecodeSettings(bos_id=0, eos_id=4, max_length=3, beam_size=2)
 # The models' settings: `eos_id` in their target vocabulary of 9.
 MODEL_SETTINGS = ops.DecodeSettings(bos_id=0, eos_id=1, max_length=3, beam_size=2)
@@ -389,6 +406,7 @@ BAD: dict[str, list[Bad]] = {
   # `capacity=` of the sequence ops: an int >= 0, a Buckets or None.
   "capacity": [STR, OBJECT, FLOAT, NEGATIVE, BEYOND_INT32],
   "table": [STR, NONE, OBJECT, A_LOD, STACKED],
+  "separable": [STR, NONE, OBJECT, INT],
   "settings": [STR, NONE, OBJECT, ("dict", lambda: {"bos_id": 0})],
   # A `jaxlod.ops.Memory`.
   "memory": [STR, NONE, OBJECT, A_LOD, ARRAY],

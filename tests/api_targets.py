@@ -29,8 +29,11 @@ from tests.api_catalogue import (
   memory,
   mesh,
   method,
+  own_hidden,
   rnn_step,
   scalars,
+  separable,
+  simple_gates,
   stacked,
   step_log_probs,
   table,
@@ -430,12 +433,47 @@ target(
   },
 )
 target(
+  "ops.fused_rnn",
+  ops.fused_rnn,
+  {
+    "cell": arg(lambda: separable(), "separable"),
+    "x": arg(lod, "lod"),
+    "init_carry": arg(lambda: np.zeros((2, 2), np.float32), "rows"),
+    "reverse": arg(False, "bool"),
+    "table": arg(None, "table", none_ok=True),
+    "tile": arg(16, "int>=1"),
+    "interpret": arg(None, "bool", none_ok=True),
+  },
+  unchecked={
+    "compute_dtype": "None or bfloat16, anything else raises TypeError naming "
+    "`compute_dtype` (tests/ops/test_fused.py)",
+  },
+)
+target(
+  "ops.Separable",
+  ops.Separable,
+  {
+    "w_in": arg(lambda: np.ones((2, 2), np.float32), "matrix"),
+    "b_in": arg(None, "array", none_ok=True),
+    "w_rec": arg(lambda: np.ones((2, 2), np.float32), "matrix"),
+    "b_rec": arg(None, "array", none_ok=True),
+    "probe": arg(0, "int>=0"),
+    "gates": arg(lambda: simple_gates, "callable"),
+    "hidden": arg(lambda: own_hidden, "callable"),
+  },
+  unchecked={
+    "dtype": "handed to Flax's promote_dtype, which checks it",
+    "precision": "handed to jax.lax.dot_general, which checks it",
+  },
+)
+target(
   "ops.LoopPlan",
   ops.LoopPlan,
   {
     "bodies": arg(None, "size>=1", none_ok=True),
     "chunk": arg(1, "size>=1"),
     "hoist": arg(False, "bool"),
+    "fused": arg(False, "bool"),
   },
 )
 target(

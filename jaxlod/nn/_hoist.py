@@ -31,7 +31,6 @@ layers' ``dtype`` and ``precision`` through Flax's ``promote_dtype``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -43,53 +42,10 @@ from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from jaxlod._lod import LoDTensor
-from jaxlod.ops._plan import LoopPlan
+from jaxlod.ops._fused import Separable, dense, fused_rnn
+from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Separable:
-  """A Flax cell as an input projection and a recurrent step.
-
-  Attributes:
-    w_in: the input kernels side by side, ``[features, width]`` (``width``:
-      gates times hidden size, in Flax's gate order).
-    b_in: the biases added to the input projection, ``[width]``, or `None`.
-    w_rec: the recurrent kernels side by side, ``[hidden, width]``.
-    b_rec: the bias of the last `probe` columns of the recurrent product,
-      ``[probe]``, or `None`.
-    probe: the number of last columns of the recurrent product that a gate
-      scales before the input projection is added (0: none).
-    gates: ``gates(carry, xp, hp) -> (carry, h)``: a step from the projected
-      input ``xp [b, width]`` and the recurrent product ``hp [b, width]``.
-    hidden: ``hidden(carry) -> h [b, hidden]``, the state ``w_rec`` reads.
-    dtype: the Dense layers' computation dtype (`None`: inferred).
-    precision: the Dense layers' ``precision``.
-  """
-
-  w_in: jax.Array
-  b_in: jax.Array | None
-  w_rec: jax.Array
-  b_rec: jax.Array | None
-  probe: int
-  gates: Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]]
-  hidden: Callable[[Any], jax.Array]
-  dtype: Any = None
-  precision: Any = None
-
-
-def dense(
-  x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any, precision: Any
-) -> jax.Array:
-  """Flax's ``Dense`` (and ``nnx.Linear``): ``x [..., in] @ kernel [in, out]
-  + bias [out]`` after ``promote_dtype``; ``[..., out]``."""
-  x, kernel, bias = promote_dtype(x, kernel, bias, dtype=dtype)
-  y = jax.lax.dot_general(
-    x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision
-  )
-  return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-
 
 # -- the gate math of each cell, as Flax writes it -----------------------------------
 
@@ -227,8 +183,9 @@ def _unsupported(cell: Any, prefix: str, supported: dict) -> TypeError:
   names = ", ".join(f"{prefix}.{t.__name__}" for t in supported)
   return TypeError(
     f"Expected `cell` to be one of Flax's separable cells ({names}) to hoist "
-    f"its input projection (a plan with hoist=True), got {type(cell).__name__}; "
-    "use jaxlod.ops.LoopPlan(hoist=False) for other cells."
+    f"its input projection (a plan with hoist=True or fused=True), got "
+    f"{type(cell).__name__}; use a jaxlod.ops.LoopPlan with hoist=False and "
+    "fused=False for other cells (jaxlod.ops.dynamic_rnn runs any cell)."
   )
 
 
@@ -409,7 +366,9 @@ def hoisted_rnn(
 ) -> tuple[LoDTensor, Any]:
   """`jaxlod.ops.dynamic_rnn` of a separable cell over the last level of `x`,
   its input projection hoisted before the loop and its recurrent kernel's
-  gradient after it.
+  gradient after it; under a plan with ``fused=True``, `jaxlod.ops.fused_rnn`
+  (one kernel launch per direction of the pass; `ladder` and `remat` are the
+  loop's and do not apply).
 
   Args:
     cell: the cell (`separate_linen`, `separate_nnx`).
@@ -421,6 +380,8 @@ def hoisted_rnn(
     ``(outputs, final_carry)`` as `dynamic_rnn` returns them: outputs
     ``values [token_capacity, *batch, hidden]``.
   """
+  if plan_with_ladder(plan, ladder).fused:
+    return fused_rnn(cell, x, init_carry=init_carry, reverse=reverse, table=table)
   xp = dense(x.values, cell.w_in, cell.b_in, cell.dtype, cell.precision)
   xs = (x.with_values(xp),)
   if cell.probe:

@@ -81,7 +81,7 @@ def run_linen(
     check_leaves(initial_carry, "initial_carry")
   x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
   first = example_row(initial_carry)
-  if loop_plan(layer).hoist:
+  if loop_plan(layer).separates:
     step, unwrap = separate_linen(layer.cell, first, x_row), lambda final: final
   else:
     step = pure_method(layer.cell, "__call__", first, x_row)

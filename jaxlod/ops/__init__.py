@@ -32,6 +32,7 @@ from jaxlod.ops._expand import (
   sequence_expand_as,
   sequence_slice,
 )
+from jaxlod.ops._fused import Separable, fused_rnn
 from jaxlod.ops._loss import sequence_cross_entropy
 from jaxlod.ops._pad import (
   sequence_mask,
@@ -68,11 +69,13 @@ __all__ = [
   "length_normalized",
   "lod_memory",
   "RankTable",
+  "Separable",
   "array_to_lod",
   "beam_search",
   "default_ladder",
   "default_plan",
   "dynamic_rnn",
+  "fused_rnn",
   "lod_reset",
   "lod_to_array",
   "masked_attention",

@@ -55,10 +55,16 @@ class LoopPlan:
       loop keeps only the recurrent product (cuDNN's design). `False` by
       default on every backend: it ships as a default only where the
       benchmark shows it faster (``benchmarks/hoist.py``).
+    fused: the recurrent layers of `jaxlod.nn` run those separable cells
+      through `jaxlod.ops.fused_rnn`: the input projection and the weight
+      gradients as with `hoist`, and the whole time loop, forward and
+      backward, as one Pallas kernel launch each (in interpret mode on a
+      CPU). `False` by default on every backend, until the benchmark
+      (``benchmarks/rnn.py``'s ``jaxlod_fused`` arm) shows it faster.
 
   Raises:
     TypeError: for `bodies` not `None` or a static int, `chunk` not a
-      static int, or `hoist` not a bool.
+      static int, or `hoist` or `fused` not a bool.
     ValueError: for `bodies` or `chunk` below 1 (or beyond int32).
 
   Example:
@@ -72,6 +78,7 @@ class LoopPlan:
   bodies: int | None = None
   chunk: int = 1
   hoist: bool = False
+  fused: bool = False
 
   def __post_init__(self):
     # Stored as Python values: a NumPy int or bool would hash and print
@@ -80,6 +87,13 @@ class LoopPlan:
       object.__setattr__(self, "bodies", static_int(self.bodies, "bodies", 1))
     object.__setattr__(self, "chunk", static_int(self.chunk, "chunk", 1))
     object.__setattr__(self, "hoist", check_bool(self.hoist, "hoist"))
+    object.__setattr__(self, "fused", check_bool(self.fused, "fused"))
+
+  @property
+  def separates(self) -> bool:
+    """Whether the layers run a separable cell's input projection apart from
+    its loop (`hoist` or `fused`)."""
+    return self.hoist or self.fused
 
   def ladder(self, count_capacity: int, ladder: tuple[int, ...]) -> tuple[int, ...]:
     """The batch sizes of the loop's bodies, largest first.

@@ -303,8 +303,10 @@ def test_linen_unsupported_cell_is_refused():
   match = (
     r"Expected `cell` to be one of Flax's separable cells \(nn\.LSTMCell, "
     r"nn\.OptimizedLSTMCell, nn\.GRUCell, nn\.SimpleCell, nn\.MGUCell\) to hoist "
-    r"its input projection \(a plan with hoist=True\), got LinenUserCell; use "
-    r"jaxlod\.ops\.LoopPlan\(hoist=False\) for other cells\."
+    r"its input projection \(a plan with hoist=True or fused=True\), got "
+    r"LinenUserCell; use "
+    r"a jaxlod\.ops\.LoopPlan with hoist=False and fused=False for other cells "
+    r"\(jaxlod\.ops\.dynamic_rnn runs any cell\)\."
   )
   with pytest.raises(TypeError, match=match):
     rnn.init(jax.random.key(0), x)
@@ -317,8 +319,9 @@ def test_nnx_unsupported_cell_is_refused():
   match = (
     r"Expected `cell` to be one of Flax's separable cells \(nnx\.LSTMCell, "
     r"nnx\.OptimizedLSTMCell, nnx\.GRUCell, nnx\.SimpleCell\) to hoist its input "
-    r"projection \(a plan with hoist=True\), got NNXUserCell; use "
-    r"jaxlod\.ops\.LoopPlan\(hoist=False\) for other cells\."
+    r"projection \(a plan with hoist=True or fused=True\), got NNXUserCell; use "
+    r"a jaxlod\.ops\.LoopPlan with hoist=False and fused=False for other cells "
+    r"\(jaxlod\.ops\.dynamic_rnn runs any cell\)\."
   )
   with pytest.raises(TypeError, match=match):
     rnn(_batch(np.float32))

@@ -123,7 +123,7 @@ def run_nnx(
     # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
     check_cell(layer.cell)
     check_leaves(initial_carry, "initial_carry")
-  if loop_plan(layer).hoist:
+  if loop_plan(layer).separates:
     cell = separate_nnx(layer.cell)
   else:
     cell = functional_call(layer.cell, broadcast=getattr(layer, "broadcast_rngs", None))

@@ -1,0 +1,532 @@
+"""The fused recurrence: a separable cell's whole padding-free time loop as one
+Pallas kernel launch, forward and backward.
+
+A *separable* cell (`Separable`: Flax's ``LSTMCell``, ``OptimizedLSTMCell``,
+``GRUCell``, ``SimpleCell``, ``MGUCell`` and the NNX twins) computes ``x @
+w_in`` and ``h @ w_rec`` and mixes them in its gates. `fused_rnn` runs it
+as cuDNN's persistent kernels do, without padding:
+
+  * the input projection of every packed row is one product before the
+    kernel, ``x.values @ w_in + b_in``;
+  * the kernel runs a grid of programs, one per *tile* of ``tile``
+    sequences in rank order (the rank table's: longest first). Each
+    program keeps its rows' carries on chip, reads the recurrent weights,
+    and runs ``h @ w_rec`` and the gate math for exactly as many steps as
+    its own longest sequence: a tile of short sequences stops early, and
+    no program works for a finished tile;
+  * the backward kernel runs each tile's steps in reverse from the saved
+    carries and writes the cotangents of the projected inputs and of the
+    recurrent products; the weight gradients are then two large products
+    over all rows, ``x.T @ d_xp`` and ``h_prev.T @ d_hp``.
+
+The kernels read and write a *tile-major* layout (`TileLayout`): the slots
+of tile ``i`` are contiguous, step after step, ``tile`` rows a step, so each
+program owns its slots and no two programs write the same row. Rows of a
+tile that have ended keep their carry and write to slots that no row reads.
+The slots number at most ``token_capacity + tile * time_capacity``: each
+tile's longest sequence is no longer than the previous tile's shortest.
+
+On a CPU the kernels run in Pallas's interpret mode (the same kernel, as
+XLA operations); on a GPU they compile through Pallas's GPU backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import canonicalize_dtype, promote_dtype
+from jax.experimental import pallas as pl
+
+from jaxlod._checks import check_bool, check_callable, static_int
+from jaxlod._host import as_array, check_rows
+from jaxlod._lod import LoDTensor, check_lod
+from jaxlod.ops._rank import RankTable, check_pair, rank_table
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Separable:
+  """A recurrent cell as an input projection and a recurrent step.
+
+  Attributes:
+    w_in: the input kernels side by side, ``[features, width]`` (``width``:
+      gates times hidden size, in Flax's gate order).
+    b_in: the biases added to the input projection, ``[width]``, or `None`.
+    w_rec: the recurrent kernels side by side, ``[hidden, width]``.
+    b_rec: the bias of the last `probe` columns of the recurrent product,
+      ``[probe]``, or `None`.
+    probe: the number of last columns of the recurrent product that a gate
+      scales before the input projection is added (0: none).
+    gates: ``gates(carry, xp, hp) -> (carry, h)``: a step from the projected
+      input ``xp [b, width]`` and the recurrent product ``hp [b, width]``.
+    hidden: ``hidden(carry) -> h [b, hidden]``, the state ``w_rec`` reads.
+    dtype: the Dense layers' computation dtype (`None`: inferred).
+    precision: the Dense layers' ``precision``.
+  """
+
+  w_in: jax.Array
+  b_in: jax.Array | None
+  w_rec: jax.Array
+  b_rec: jax.Array | None
+  probe: int
+  gates: Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]]
+  hidden: Callable[[Any], jax.Array]
+  dtype: Any = None
+  precision: Any = None
+
+  def __post_init__(self):
+    w_in, w_rec = as_array(self.w_in, "w_in"), as_array(self.w_rec, "w_rec")
+    for name, w, rows in (("w_in", w_in, "features"), ("w_rec", w_rec, "hidden")):
+      if w.ndim != 2:
+        raise ValueError(
+          f"Expected `{name}` to be a matrix [{rows}, width], got shape {w.shape}."
+        )
+    width = w_in.shape[1]
+    if w_rec.shape[1] != width:
+      raise ValueError(
+        f"Expected `w_rec` to have the width of `w_in` ({width} columns), got "
+        f"shape {w_rec.shape}."
+      )
+    probe = static_int(self.probe, "probe", minimum=0)
+    if probe > width:
+      raise ValueError(f"Expected `probe` in [0, {width}] (the width), got {probe}.")
+    biases = {}
+    for name, size in (("b_in", width), ("b_rec", probe)):
+      value = getattr(self, name)
+      if value is None:
+        biases[name] = None
+        continue
+      value = as_array(value, name)
+      if value.shape != (size,) or (name == "b_rec" and not probe):
+        raise ValueError(
+          f"Expected `{name}` to have shape ({size},), got {value.shape}"
+          + (" with probe=0 (no probe columns)." if not probe else ".")
+        )
+      biases[name] = value
+    check_callable(self.gates, "gates")
+    check_callable(self.hidden, "hidden")
+    for name, value in (
+      ("w_in", w_in),
+      ("w_rec", w_rec),
+      ("probe", probe),
+      *biases.items(),
+    ):
+      object.__setattr__(self, name, value)
+
+
+def dense(
+  x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any, precision: Any
+) -> jax.Array:
+  """Flax's ``Dense`` (and ``nnx.Linear``): ``x [..., in] @ kernel [in, out]
+  + bias [out]`` after ``promote_dtype``; ``[..., out]``."""
+  x, kernel, bias = promote_dtype(x, kernel, bias, dtype=dtype)
+  y = jax.lax.dot_general(
+    x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision
+  )
+  return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+  """Index maps between a LoDTensor's rows and the kernels' tile-major slots.
+
+  Attributes:
+    lengths: int32 ``[tiles * tile]``, the lengths in rank order (0 past the
+      count capacity).
+    tile_steps: int32 ``[tiles]``, each tile's steps (its longest length).
+    tile_starts: int32 ``[tiles]``, each tile's first slot.
+    slot_rows: int32 ``[slots]``, each slot's LoDTensor row (0 where unused).
+    slot_valid: bool ``[slots]``, whether a row runs in the slot.
+    row_slots: int32 ``[token_capacity]``, each row's slot (0 for padding).
+    row_valid: bool ``[token_capacity]``, whether the row is data.
+    previous: int32 ``[slots]``, the slot of the same row's previous step,
+      or ``slots + rank`` at its first step (its initial carry).
+  """
+
+  lengths: jax.Array
+  tile_steps: jax.Array
+  tile_starts: jax.Array
+  slot_rows: jax.Array
+  slot_valid: jax.Array
+  row_slots: jax.Array
+  row_valid: jax.Array
+  previous: jax.Array
+
+
+def tile_layout(x: LoDTensor, table: RankTable, tile: int, reverse: bool) -> TileLayout:
+  """The tile-major layout of `x`'s last level, ranked by `table`, in tiles
+  of `tile` ranks; with `reverse` each sequence's step ``t`` is its row
+  ``n - 1 - t``."""
+  offsets, tokens = x.offsets[-1], x.capacity.tokens
+  count = table.count_capacity
+  tiles = max(1, math.ceil(count / tile))
+  lengths = jnp.zeros((tiles * tile,), jnp.int32).at[:count].set(table.lengths)
+  steps = lengths[::tile]
+  starts = tile * (jnp.cumsum(steps, dtype=jnp.int32) - steps)
+  ends = starts + tile * steps
+  slots = slot_count(tokens, table.time_capacity, tile)
+  last = max(count - 1, 0)
+  order = jnp.asarray(table.order) if count else jnp.zeros((1,), jnp.int32)
+  ranks = jnp.asarray(table.ranks) if count else jnp.zeros((1,), jnp.int32)
+
+  # Slot -> (tile i, step t, row r of the tile) -> rank -> LoDTensor row.
+  s = jnp.arange(slots, dtype=jnp.int32)
+  i = jnp.clip(jnp.searchsorted(ends, s, side="right"), 0, tiles - 1)
+  i = i.astype(jnp.int32)
+  t, r = (s - starts[i]) // tile, (s - starts[i]) % tile
+  rank = i * tile + r
+  seq = order[jnp.clip(rank, 0, last)]
+  start, n = offsets[seq], offsets[seq + 1] - offsets[seq]
+  row = start + (n - 1 - t if reverse else t)
+  valid = (s < ends[-1]) & (rank < count) & (t < lengths[rank])
+  previous = jnp.where(t > 0, s - tile, slots + rank)
+
+  # LoDTensor row -> (sequence, step) -> slot.
+  rows = jnp.arange(tokens, dtype=jnp.int32)
+  seq_of = jnp.clip(jnp.searchsorted(offsets, rows, side="right") - 1, 0, last)
+  step = offsets[seq_of + 1] - 1 - rows if reverse else rows - offsets[seq_of]
+  rank_of = ranks[seq_of]
+  row_slot = starts[rank_of // tile] + step * tile + rank_of % tile
+  row_valid = rows < offsets[-1]
+  return TileLayout(
+    lengths,
+    steps,
+    starts,
+    jnp.where(valid, row, 0),
+    valid,
+    jnp.where(row_valid, row_slot, 0),
+    row_valid,
+    previous,
+  )
+
+
+def slot_count(tokens: int, time_capacity: int, tile: int) -> int:
+  """The slots of a tile-major layout: every tile's longest sequence is no
+  longer than the previous tile's shortest, so the tiles past the first
+  hold at most the tokens, and the first at most ``tile * time_capacity``."""
+  return max(tokens + tile * time_capacity, tile)
+
+
+# Recurrent weights up to this size are read once per program and kept on
+# chip for all its steps; larger ones are read at every step (from L2).
+RESIDENT_BYTES = 96 * 1024
+
+
+def _product(h: jax.Array, w: jax.Array, cell: Separable, compute: Any) -> jax.Array:
+  """``h [tile, hidden] @ w [hidden, width]`` as the cell's Dense computes
+  it, or with operands in `compute` (bfloat16) and a wider result."""
+  dtype = canonicalize_dtype(h, w, dtype=cell.dtype)
+  operand = dtype if compute is None else compute
+  return jax.lax.dot_general(
+    h.astype(operand),
+    w.astype(operand),
+    (((1,), (0,)), ((), ())),
+    precision=cell.precision,
+    preferred_element_type=dtype,
+  )
+
+
+def _forward_kernel(
+  cell: Separable, treedef: Any, tile: int, compute: Any, resident: bool
+):
+  leaves = treedef.num_leaves
+
+  def kernel(lengths_ref, steps_ref, starts_ref, xp_ref, w_ref, b_ref, *refs):
+    init_refs, y_ref = refs[:leaves], refs[leaves]
+    saved_refs, final_refs = refs[leaves + 1 : 2 * leaves + 1], refs[2 * leaves + 1 :]
+    i = pl.program_id(0)
+    rows = pl.ds(i * tile, tile)
+    live_until = lengths_ref[rows][:, None]
+    base, bias = starts_ref[i], b_ref[...]
+    resident_w = w_ref[...] if resident else None
+    carry = treedef.unflatten([ref[rows, :] for ref in init_refs])
+
+    def body(t, carry):
+      at = pl.ds(base + t * tile, tile)
+      w = resident_w if resident else w_ref[...]
+      hp = _product(cell.hidden(carry), w, cell, compute) + bias
+      new, y = cell.gates(carry, xp_ref[at, :], hp)
+      live = t < live_until
+      carry = jax.tree.map(
+        lambda n, o: jnp.where(live, n.astype(o.dtype), o), new, carry
+      )
+      y_ref[at, :] = jnp.where(live, y, 0).astype(y_ref.dtype)
+      for ref, leaf in zip(saved_refs, jax.tree.leaves(carry), strict=True):
+        ref[at, :] = leaf
+      return carry
+
+    carry = jax.lax.fori_loop(0, steps_ref[i], body, carry)
+    for ref, leaf in zip(final_refs, jax.tree.leaves(carry), strict=True):
+      ref[rows, :] = leaf
+
+  return kernel
+
+
+def _backward_kernel(
+  cell: Separable, treedef: Any, tile: int, compute: Any, resident: bool
+):
+  leaves = treedef.num_leaves
+
+  def kernel(lengths_ref, steps_ref, starts_ref, xp_ref, w_ref, b_ref, *refs):
+    init_refs, saved_refs = refs[:leaves], refs[leaves : 2 * leaves]
+    dy_ref, dfinal_refs = refs[2 * leaves], refs[2 * leaves + 1 : 3 * leaves + 1]
+    dxp_ref, dhp_ref = refs[3 * leaves + 1], refs[3 * leaves + 2]
+    dinit_refs = refs[3 * leaves + 3 :]
+    i = pl.program_id(0)
+    rows = pl.ds(i * tile, tile)
+    live_until = lengths_ref[rows][:, None]
+    base, bias, steps = starts_ref[i], b_ref[...], steps_ref[i]
+    resident_w = w_ref[...] if resident else None
+    init = [ref[rows, :] for ref in init_refs]
+    dcarry = treedef.unflatten([ref[rows, :] for ref in dfinal_refs])
+
+    def body(k, dcarry):
+      t = steps - 1 - k
+      at = pl.ds(base + t * tile, tile)
+      before = pl.ds(jnp.maximum(base + (t - 1) * tile, 0), tile)
+      prev = [
+        jnp.where(t > 0, ref[before, :], x0)
+        for ref, x0 in zip(saved_refs, init, strict=True)
+      ]
+      prev = treedef.unflatten(prev)
+      w = resident_w if resident else w_ref[...]
+      h, hidden_vjp = jax.vjp(cell.hidden, prev)
+      hp = _product(h, w, cell, compute) + bias
+      (new, y), step_vjp = jax.vjp(cell.gates, prev, xp_ref[at, :], hp)
+      cot = jax.tree.map(lambda d, n: d.astype(n.dtype), dcarry, new)
+      d_prev, d_xp, d_hp = step_vjp((cot, dy_ref[at, :].astype(y.dtype)))
+      live = t < live_until
+      d_xp = jnp.where(live, d_xp, 0)
+      d_hp = jnp.where(live, d_hp, 0)
+      d_h = jax.lax.dot_general(
+        d_hp.astype(w.dtype if compute is None else compute),
+        w.astype(w.dtype if compute is None else compute),
+        (((1,), (1,)), ((), ())),
+        precision=cell.precision,
+        preferred_element_type=h.dtype,
+      )
+      (d_from_h,) = hidden_vjp(d_h)
+      d_prev = jax.tree.map(jnp.add, d_prev, d_from_h)
+      dcarry = jax.tree.map(
+        lambda d, o: jnp.where(live, d.astype(o.dtype), o), d_prev, dcarry
+      )
+      dxp_ref[at, :] = d_xp.astype(dxp_ref.dtype)
+      dhp_ref[at, :] = d_hp.astype(dhp_ref.dtype)
+      return dcarry
+
+    dcarry = jax.lax.fori_loop(0, steps, body, dcarry)
+    for ref, leaf in zip(dinit_refs, jax.tree.leaves(dcarry), strict=True):
+      ref[rows, :] = leaf
+
+  return kernel
+
+
+def _shape(a: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def fused_loop(
+  cell: Separable,
+  layout: TileLayout,
+  xp: jax.Array,
+  init: Any,
+  *,
+  tile: int,
+  compute: Any,
+  interpret: bool,
+) -> tuple[jax.Array, Any]:
+  """The kernels over tile-major inputs, tied by a `jax.custom_vjp`.
+
+  Args:
+    cell: the separable cell.
+    layout: the `TileLayout` of the batch.
+    xp: the projected inputs in slots, ``[slots, width]``, zero where unused.
+    init: the initial carry in rank order, leaves ``[tiles * tile, ...]``.
+    tile, compute, interpret: as `fused_rnn`'s.
+
+  Returns:
+    ``(y, final)``: the outputs in slots ``[slots, out]`` (zero where
+    unused) and the final carry in rank order.
+  """
+  leaves, treedef = jax.tree.flatten(init)
+  if any(leaf.ndim != 2 for leaf in leaves):
+    raise ValueError(
+      "Expected every `init_carry` leaf to be [count_capacity, size] for the "
+      f"fused kernel, got shapes {[leaf.shape for leaf in leaves]}; use "
+      "jaxlod.ops.dynamic_rnn for carries of other ranks."
+    )
+  slots, width = xp.shape
+  grid = (layout.tile_steps.shape[0],)
+  w_rec = cell.w_rec
+  bias = jnp.zeros((1, width), canonicalize_dtype(xp, w_rec, dtype=cell.dtype))
+  if cell.b_rec is not None:
+    bias = bias.at[0, width - cell.probe :].set(cell.b_rec.astype(bias.dtype))
+  resident = w_rec.size * w_rec.dtype.itemsize <= RESIDENT_BYTES
+  tile_args = (layout.lengths, layout.tile_steps, layout.tile_starts)
+  y_shape = jax.eval_shape(
+    cell.gates,
+    treedef.unflatten([_row(leaf, tile) for leaf in leaves]),
+    jax.ShapeDtypeStruct((tile, width), xp.dtype),
+    jax.ShapeDtypeStruct((tile, width), bias.dtype),
+  )[1]
+  y_aval = jax.ShapeDtypeStruct((slots, y_shape.shape[1]), y_shape.dtype)
+  saved_avals = [
+    jax.ShapeDtypeStruct((slots, leaf.shape[1]), leaf.dtype) for leaf in leaves
+  ]
+
+  def forward(w_rec, bias, xp, leaves):
+    outs = pl.pallas_call(
+      _forward_kernel(cell, treedef, tile, compute, resident),
+      out_shape=(y_aval, *saved_avals, *map(_shape, leaves)),
+      grid=grid,
+      interpret=interpret,
+    )(*tile_args, xp, w_rec, bias, *leaves)
+    n = len(leaves)
+    return outs[0], list(outs[1 : n + 1]), list(outs[n + 1 :])
+
+  @jax.custom_vjp
+  def loop(w_rec, bias, xp, leaves):
+    y, _, final = forward(w_rec, bias, xp, leaves)
+    return y, final
+
+  def loop_fwd(w_rec, bias, xp, leaves):
+    y, saved, final = forward(w_rec, bias, xp, leaves)
+    return (y, final), (w_rec, bias, xp, leaves, saved)
+
+  def loop_bwd(res, g):
+    w_rec, bias, xp, leaves, saved = res
+    dy, dfinal = g
+    outs = pl.pallas_call(
+      _backward_kernel(cell, treedef, tile, compute, resident),
+      out_shape=(_shape(xp), _shape(xp), *map(_shape, leaves)),
+      grid=grid,
+      interpret=interpret,
+    )(*tile_args, xp, w_rec, bias, *leaves, *saved, dy, *dfinal)
+    valid = layout.slot_valid[:, None]
+    d_xp = jnp.where(valid, outs[0], 0)
+    d_hp = jnp.where(valid, outs[1], 0)
+    # The state each slot's step started from: the previous slot's carry, or
+    # the initial carry at a sequence's first step.
+    states = cell.hidden(treedef.unflatten(saved))
+    states = jnp.concatenate([states, cell.hidden(treedef.unflatten(leaves))])
+    h_prev = jnp.where(valid, states[layout.previous], 0).astype(d_hp.dtype)
+    g_w = jax.lax.dot_general(
+      h_prev, d_hp, (((0,), (0,)), ((), ())), precision=cell.precision
+    )
+    g_b = jnp.sum(d_hp, axis=0, keepdims=True)
+    return g_w.astype(w_rec.dtype), g_b.astype(bias.dtype), d_xp, list(outs[2:])
+
+  loop.defvjp(loop_fwd, loop_bwd)
+  y, final = loop(w_rec, bias, xp, leaves)
+  return y, treedef.unflatten(final)
+
+
+def _row(leaf: jax.Array, tile: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((tile, *leaf.shape[1:]), leaf.dtype)
+
+
+# The dtypes the kernels compute in; `compute_dtype` may also be bfloat16.
+FLOAT_DTYPES = ("float32", "float64")
+
+
+def fused_rnn(
+  cell: Separable,
+  x: LoDTensor,
+  *,
+  init_carry: Any,
+  reverse: bool = False,
+  table: RankTable | None = None,
+  tile: int = 16,
+  compute_dtype: Any = None,
+  interpret: bool | None = None,
+) -> tuple[LoDTensor, Any]:
+  """A separable cell over every sequence of `x` in one Pallas kernel launch.
+
+  The same results as `jaxlod.ops.dynamic_rnn` running the cell's step
+  (``cell.gates`` on ``x @ w_in + b_in`` and ``h @ w_rec``): the outputs at
+  each row, each sequence's final carry at its own last step, an empty
+  sequence keeping its initial carry; gradients through a
+  `jax.custom_vjp` whose backward pass is the reverse-time kernel.
+
+  Args:
+    cell: the cell's weights and gate math (`jaxlod.nn`'s layers build it
+      from a Flax cell with ``LoopPlan(fused=True)``).
+    x: a LoDTensor ``values [token_capacity, features]``; the cell runs over
+      its last level.
+    init_carry: the carry, leaves ``[count_capacity, size]`` in the caller's
+      order.
+    reverse: run each sequence from its own last row to its first.
+    table: `x`'s rank table; built here when `None`.
+    tile: the sequences (rows) of one program, in rank order: a static int
+      >= 1 (16 by default, the smallest matrix tile of GPU kernels).
+    compute_dtype: `None` (the cell's dtype), or ``jnp.bfloat16`` for the
+      operands of the recurrent products (accumulated in the cell's dtype).
+    interpret: run the kernels in Pallas's interpret mode; `None`: on a CPU
+      backend only.
+
+  Returns:
+    ``(outputs, final_carry)``: outputs a LoDTensor with `x`'s LoD,
+    ``values [token_capacity, hidden]`` (zero at padding rows), and the
+    final carry in the caller's order.
+
+  Raises:
+    TypeError: for a `cell` that is not a `Separable`, `x` that is not a
+      LoDTensor, a non-int `tile`, a non-bool `reverse` or `interpret`, or
+      values of a dtype the kernels do not run (naming `dynamic_rnn`).
+    ValueError: for `values` that are not ``[token_capacity, features]``,
+      carry leaves that are not ``[count_capacity, size]``, or a `tile`
+      below 1.
+  """
+  if not isinstance(cell, Separable):
+    raise TypeError(
+      f"Expected `cell` to be a jaxlod.ops.Separable, got {type(cell).__name__}."
+    )
+  x = check_lod(x, "x")
+  tile = static_int(tile, "tile", minimum=1)
+  reverse = check_bool(reverse, "reverse")
+  if x.values.ndim != 2:
+    raise ValueError(
+      "Expected `x.values` to be [token_capacity, features] for the fused "
+      f"kernel, got shape {tuple(x.values.shape)}; use jaxlod.ops.dynamic_rnn "
+      "for more feature axes."
+    )
+  dtypes = {jnp.dtype(a.dtype).name for a in (x.values, cell.w_in, cell.w_rec)}
+  if not dtypes <= set(FLOAT_DTYPES):
+    raise TypeError(
+      f"Expected the fused kernel's values and weights in {FLOAT_DTYPES}, got "
+      f"{sorted(dtypes)}; use jaxlod.ops.dynamic_rnn for other dtypes."
+    )
+  if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.bfloat16:
+    raise TypeError(
+      f"Expected `compute_dtype` to be None or bfloat16, got {compute_dtype!r}."
+    )
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  interpret = check_bool(interpret, "interpret")
+  if table is None:
+    table = rank_table(x, level=-1)
+  else:
+    check_pair(x, table, "x")
+  count = table.count_capacity
+  check_rows(init_carry, count, "init_carry")
+  layout = tile_layout(x, table, tile, reverse)
+  xp = dense(x.values, cell.w_in, cell.b_in, cell.dtype, cell.precision)
+  xp = jnp.where(layout.slot_valid[:, None], xp[layout.slot_rows], 0)
+  padded = layout.lengths.shape[0]
+
+  def ranked(leaf):
+    leaf = jnp.asarray(leaf)[jnp.asarray(table.order)] if count else jnp.asarray(leaf)
+    return jnp.pad(leaf, [(0, padded - count)] + [(0, 0)] * (leaf.ndim - 1))
+
+  init = jax.tree.map(ranked, init_carry)
+  y, final = fused_loop(
+    cell, layout, xp, init, tile=tile, compute=compute_dtype, interpret=interpret
+  )
+  y = jnp.where(layout.row_valid[:, None], y[layout.row_slots], 0)
+  ranks = jnp.asarray(table.ranks)
+  final = jax.tree.map(lambda leaf: leaf[:count][ranks] if count else leaf[:0], final)
+  return x.with_values(y), final
