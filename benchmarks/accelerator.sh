@@ -6,7 +6,11 @@
 #
 # Runs, one after another, each in its own process:
 #   rnn.py             --candidates on W1, W2 and W3 (every loop plan
-#                      candidate beside jaxlod, the baselines and cuDNN)
+#                      candidate beside jaxlod, the baselines and cuDNN),
+#                      and the fused Pallas kernel's arm, jaxlod_fused,
+#                      which rnn.py always runs (issue 54: its times against
+#                      cuDNN's and its compile time against Flax padded to
+#                      the capacity, in each workload's `fused`)
 #   decode.py          --plan default,cpu (the backend's plan and the ladder
 #                      of before, side by side)
 #   g2p_throughput.py  --plan cpu,default on the `fast` shape: before and
@@ -28,7 +32,8 @@
 # --smoke (or ACCELERATOR_SMOKE=1): every script at its smallest (rnn.py's
 # tiny workload S, one repeat or round) with the accelerator's plan forced
 # (`--plan accelerator` where the full run passes `default`), no time limit;
-# OUTPUT_DIR is required. For checking the whole run on a CPU first.
+# OUTPUT_DIR is required. For checking the whole run on a CPU first (where
+# jaxlod_fused runs in Pallas's interpret mode: it checks, it does not time).
 #
 # Uses `python3` from PATH (PYTHON=... to choose another) from the repository
 # root; installs nothing.

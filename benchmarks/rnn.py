@@ -18,7 +18,20 @@ batch of variable-length sequences:
       rows, no reordering). What the steps themselves cost: jaxlod over it
       (``ratio_to_phased_scans``) is the loop's own overhead; it over the
       floor is what running the longest sequence's steps at shrinking
-      batches costs against the floor's fewer, full steps.
+      batches costs against the floor's fewer, full steps;
+  (g) ``jaxlod_fused``: the same cell through `jaxlod.nn.DynamicRNN` under
+      ``LoopPlan(fused=True)`` (its parameters ``{"cell": params}``), which
+      runs `jaxlod.ops.fused_rnn`: the input projection of every row as one
+      product, the whole time loop as one Pallas kernel launch (tiles of
+      ``tile`` sequences in rank order, each to its own longest), the
+      backward pass as another, the weight gradients as two products after
+      it. On a CPU the kernels run in Pallas's interpret mode (the same
+      kernel as XLA operations): its CPU times are not a performance
+      figure, only a check that the arm runs and matches; the kernel
+      targets GPUs, where the workload's ``fused`` gives its times against
+      torch's cuDNN and its compile time against Flax padded to the
+      capacity beside issue 54's targets (``meets_targets``, `None` in
+      interpret mode).
 
 Each arm is timed in two modes: ``forward`` (outputs and final carry; torch
 under ``no_grad``) and ``train`` (value and gradient of a loss over the real
@@ -45,6 +58,16 @@ capacity (only lowered when that would take over
 ``COMPILE_CHECK_CALL_BUDGET_S``) and its traces are counted with a counter
 inside the traced function, beside ``_cache_size()`` and the XLA
 compilations seen.
+
+The fused arm always runs, beside the others (no flag): in interpret mode
+on the 2-core CPU it compiles faster than ``jaxlod`` and steps 1.5-5 times
+slower, a few seconds more per workload, so a flag would only be a way to
+forget it; `benchmarks/accelerator.sh` runs it with the rest. Its first
+calls (trace, compile, run) are made before the interleaved rounds and
+timed there (its ``first_call_s`` and ``compile_s``): a kernel that fails
+to lower on the backend is reported in ``fused["error"]`` and not timed,
+instead of stopping the other arms' run. Its plan, ``tile``, whether it ran
+in interpret mode and its tiles' steps are in ``plans``.
 
 ``--plan`` sets the `jaxlod.ops.LoopPlan` of ``jaxlod`` and
 ``jaxlod_remat``: ``default`` passes none (`dynamic_rnn` then takes
@@ -92,6 +115,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -143,6 +167,19 @@ CANDIDATES: dict[str, jaxlod.ops.LoopPlan] = {
   "jaxlod_bodies2": jaxlod.ops.LoopPlan(bodies=2, chunk=8),
   "jaxlod_hoisted": jaxlod.ops.LoopPlan(bodies=1, chunk=8, hoist=True),
 }
+
+# The `jaxlod_fused` arm: the layers' fused kernel, at `fused_rnn`'s default tile.
+FUSED_PLAN = jaxlod.ops.LoopPlan(fused=True)
+FUSED_TILE: int = inspect.signature(jaxlod.ops.fused_rnn).parameters["tile"].default
+# Issue 54's GPU targets for the fused arm, per workload: its median over torch
+# packed's (cuDNN) per mode, and its training step's compile time over Flax
+# padded to the capacity's.
+FUSED_TARGETS: dict[str, dict[str, float]] = {
+  "W1": {"train_ratio_to_torch_packed": 0.5, "forward_ratio_to_torch_packed": 0.5},
+  "W2": {"train_ratio_to_torch_packed": 0.7},
+  "W3": {"train_ratio_to_torch_packed": 0.7},
+}
+FUSED_COMPILE_TARGET = {"train_compile_ratio_to_flax_capacity": 2.0}
 
 # Relative frequencies of the lengths 1..28 of distinct English words (a
 # vocabulary or word list; running text, dominated by short function words,
@@ -692,6 +729,7 @@ def build_arms(
   return {
     "jaxlod": jaxlod_arm(cell, batch, remat=False, plan=plan),
     "jaxlod_remat": jaxlod_arm(cell, batch, remat=True, plan=plan),
+    "jaxlod_fused": layer_arm(cell, batch, FUSED_PLAN),
     "flax_capacity": flax_arm(cell, batch, w.time_capacity),
     "flax_exact": flax_arm(cell, batch, batch.longest),
     "floor": floor_arm(cell, batch),
@@ -715,6 +753,23 @@ def build_candidates(
       arms[name], errors[name] = None, f"{type(error).__name__}: {error}"
       print(f"  {name}: not built ({errors[name]})", file=sys.stderr)
   return arms, errors
+
+
+def first_calls(arm: Arm, params: Any) -> tuple[dict[str, float], str | None]:
+  """Seconds of `arm`'s first ``forward`` and ``train`` calls (trace,
+  compile, run), made here so that an arm failing to compile is caught
+  alone: ``({}, error)`` for an arm that raised."""
+  seconds = {}
+  for mode in ("forward", "train"):
+    start = time.perf_counter()
+    try:
+      arm.sync(getattr(arm, mode)(params, *arm.inputs))
+    except Exception as error:  # e.g. a kernel that does not lower here
+      message = f"{mode}: {type(error).__name__}: {error}"
+      print(f"  first call failed ({message})", file=sys.stderr)
+      return {}, message
+    seconds[mode] = time.perf_counter() - start
+  return seconds, None
 
 
 def time_arms(arms: dict, params: Any, mode: str, repeats: int) -> dict:
@@ -747,6 +802,10 @@ def summarize(timings: dict) -> dict[str, Any]:
   summary["phased_scans_ratio_to_floor"] = _ratio(
     summary["phased_scans_s"], summary["floor_s"]
   )
+  fused_s = summary["jaxlod_fused_s"]
+  summary["fused_ratio_to_jaxlod"] = _ratio(fused_s, jaxlod_s)
+  summary["fused_ratio_to_torch_packed"] = _ratio(fused_s, summary["torch_packed_s"])
+  summary["fused_ratio_to_flax_capacity"] = _ratio(fused_s, summary["flax_capacity_s"])
   for key in ("compile_s", "first_call_s", "times_s", "minor_faults_per_call"):
     summary[key] = {name: t and t[key] for name, t in timings.items()}
   return summary
@@ -784,6 +843,70 @@ def plan_record(plan: jaxlod.ops.LoopPlan | None, batch: Batch) -> dict[str, Any
   }
 
 
+def fused_plan_record(batch: Batch) -> dict[str, Any]:
+  """What the fused arm ran: its plan, tile, whether in interpret mode (as
+  `fused_rnn` decides: on a CPU backend), and each tile's steps (its longest
+  length; tiles of sequences in rank order) and their token-steps."""
+  lengths = np.zeros(-(-batch.lengths.size // FUSED_TILE) * FUSED_TILE, np.int64)
+  lengths[: batch.lengths.size] = np.sort(batch.lengths)[::-1]
+  tile_steps = lengths[::FUSED_TILE]
+  return {
+    "given": dataclasses.asdict(FUSED_PLAN),
+    "ran": dataclasses.asdict(FUSED_PLAN),
+    "tile": FUSED_TILE,
+    "interpret": jax.default_backend() == "cpu",
+    "tile_steps": tile_steps.tolist(),
+    "token_steps": int(tile_steps.sum()) * FUSED_TILE,
+  }
+
+
+def _matches(same: dict[str, Any]) -> bool:
+  """Whether an arm computes what `jaxlod` does (its `check_equal`)."""
+  return (
+    same["outputs_match"]
+    and same["loss_rel_diff_vs_jaxlod"] <= CANDIDATE_RTOL
+    and same["grad_max_rel_diff_vs_jaxlod"] <= CANDIDATE_RTOL
+  )
+
+
+def fused_summary(
+  timings: dict,
+  equality: dict,
+  record: dict,
+  error: str | None,
+  targets: dict[str, float],
+) -> dict[str, Any]:
+  """The fused arm's times and compile times, their ratios to `jaxlod`, torch
+  packed and Flax padded to the capacity, whether it computes what `jaxlod`
+  does, and issue 54's `targets` with whether each is met (`None` in
+  interpret mode, where the times are not the kernel's, or without torch)."""
+  entry = dict(record)
+  if error is not None:
+    return {**entry, "error": error}
+  for mode in ("forward", "train"):
+    t = timings[mode]
+    fused, jaxlod_, flax = t["jaxlod_fused"], t["jaxlod"], t["flax_capacity"]
+    torch_s = t["torch_packed"] and t["torch_packed"]["median_s"]
+    entry[f"{mode}_s"] = fused["median_s"]
+    entry[f"{mode}_compile_s"] = fused["compile_s"]
+    entry[f"{mode}_ratio_to_jaxlod"] = _ratio(fused["median_s"], jaxlod_["median_s"])
+    entry[f"{mode}_ratio_to_torch_packed"] = _ratio(fused["median_s"], torch_s)
+    entry[f"{mode}_compile_ratio_to_jaxlod"] = _ratio(
+      fused["compile_s"], jaxlod_["compile_s"]
+    )
+    entry[f"{mode}_compile_ratio_to_flax_capacity"] = _ratio(
+      fused["compile_s"], flax["compile_s"]
+    )
+  entry["matches_jaxlod"] = _matches(equality["jaxlod_fused"])
+  targets = {**targets, **FUSED_COMPILE_TARGET}
+  entry["targets"] = targets
+  entry["meets_targets"] = {
+    key: None if record["interpret"] or entry[key] is None else entry[key] <= target
+    for key, target in targets.items()
+  }
+  return entry
+
+
 def candidate_summary(
   timings: dict, equality: dict, plans: dict, errors: dict
 ) -> dict[str, Any]:
@@ -802,12 +925,7 @@ def candidate_summary(
       entry[f"{mode}_compile_ratio_to_jaxlod"] = _ratio(
         t["compile_s"], ref["compile_s"]
       )
-    same = equality[name]
-    entry["matches_jaxlod"] = (
-      same["outputs_match"]
-      and same["loss_rel_diff_vs_jaxlod"] <= CANDIDATE_RTOL
-      and same["grad_max_rel_diff_vs_jaxlod"] <= CANDIDATE_RTOL
-    )
+    entry["matches_jaxlod"] = _matches(equality[name])
     out[name] = entry
   return out
 
@@ -818,11 +936,18 @@ def run_workload(
   torch_device: str = "cpu",
   plan: jaxlod.ops.LoopPlan | None = None,
   candidates: bool = False,
+  fused_targets: dict[str, float] | None = None,
 ) -> dict[str, Any]:
+  """One workload's report; `fused_targets`: issue 54's targets of the fused
+  arm on `w` (`FUSED_TARGETS`), besides the compile target."""
   batch = make_batch(w, np.random.default_rng(0))
   params = init_params(make_cell(w), w)
   arms = build_arms(w, params, batch, torch_device, plan)
   plans = {name: plan_record(plan, batch) for name in ("jaxlod", "jaxlod_remat")}
+  plans["jaxlod_fused"] = fused_plan_record(batch)
+  fused_first, fused_error = first_calls(arms["jaxlod_fused"], params)
+  if fused_error is not None:
+    arms["jaxlod_fused"] = None
   errors = {}
   if candidates:
     extra, errors = build_candidates(w, batch)
@@ -831,6 +956,9 @@ def run_workload(
   timings = {
     mode: time_arms(arms, params, mode, repeats) for mode in ("forward", "train")
   }
+  for mode, first in fused_first.items():  # its real first call, made above
+    t = timings[mode]["jaxlod_fused"]
+    t.update(first_call_s=first, compile_s=max(first - t["median_s"], 0.0))
   reference = reference_of(arms["jaxlod"], params)
   train_s = timings["train"]["jaxlod"]["median_s"]
   result = {
@@ -849,6 +977,9 @@ def run_workload(
     },
     "plans": plans,
   }
+  result["fused"] = fused_summary(
+    timings, result["equality"], plans["jaxlod_fused"], fused_error, fused_targets or {}
+  )
   if candidates:
     result["candidates"] = candidate_summary(timings, result["equality"], plans, errors)
   result["compiles"] = compile_check(w, arms["jaxlod"], params, batch, train_s)
@@ -962,6 +1093,11 @@ def main(argv: list[str] | None = None) -> None:
     "repeats": args.repeats,
     "plan": {"name": args.plan, "plan": plan and dataclasses.asdict(plan)},
     "candidates": args.candidates,
+    "fused": {
+      "plan": dataclasses.asdict(FUSED_PLAN),
+      "tile": FUSED_TILE,
+      "interpret": jax.default_backend() == "cpu",
+    },
     "workloads": {},
   }
   for name in args.workloads:
@@ -972,6 +1108,7 @@ def main(argv: list[str] | None = None) -> None:
       torch_device,
       plan,
       candidates=name in args.candidates,
+      fused_targets=FUSED_TARGETS.get(name),
     )
     report["wall_s"] = time.perf_counter() - start
     if args.json is not None:  # what is done so far, should the run stop
