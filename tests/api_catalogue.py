@@ -72,7 +72,7 @@ def rnn_step(carry, x_t, static):
 def simple_gates(h, xp, hp):
   """A simple cell's gate math, `jaxlod.ops.Separable`'s ``gates``."""
   del h
-  new_h = jnp.tanh(xp + hp)
+  new_h = jnp.tanh(xp[0] + hp[0])
   return new_h, new_h
 
 
@@ -83,7 +83,7 @@ def own_hidden(carry):
 def separable() -> ops.Separable:
   """A simple cell of 2 features and hidden size 2, as `lod` feeds it."""
   w = np.ones((2, 2), np.float32)
-  return ops.Separable(w, None, w, None, 0, simple_gates, own_hidden)
+  return ops.Separable(w, None, w, None, 0, simple_gates, own_hidden, 1)
 
 
 SETTINGS = ops.DecodeSettings(bos_id=0, eos_id=4, max_length=3, beam_size=2)

@@ -460,6 +460,7 @@ target(
     "probe": arg(0, "int>=0"),
     "gates": arg(lambda: simple_gates, "callable"),
     "hidden": arg(lambda: own_hidden, "callable"),
+    "parts": arg(1, "int>=1"),
   },
   unchecked={
     "dtype": "handed to Flax's promote_dtype, which checks it",
@@ -480,6 +481,11 @@ target(
   "ops.LoopPlan.ladder",
   lambda count_capacity, ladder: ops.LoopPlan(bodies=2).ladder(count_capacity, ladder),
   {"count_capacity": arg(8, "size>=0"), "ladder": arg([8, 4], "ladder")},
+)
+target(
+  "ops.Separable.split",
+  lambda a: separable().split(a),
+  {"a": arg(lambda: np.ones((3, 2), np.float32), "array")},
 )
 target("ops.default_plan", ops.default_plan, {"backend": arg(None, "backend")})
 target(

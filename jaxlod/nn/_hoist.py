@@ -61,7 +61,7 @@ def _own_hidden(carry: jax.Array) -> jax.Array:
 def _lstm(gate_fn: Callable, activation_fn: Callable) -> Callable:
   def gates(carry, xp, hp):
     c, _ = carry
-    i, f, g, o = jnp.split(xp + hp, 4, axis=-1)
+    i, f, g, o = (x + h for x, h in zip(xp, hp, strict=True))
     i, f, g, o = gate_fn(i), gate_fn(f), activation_fn(g), gate_fn(o)
     new_c = f * c + i * g
     new_h = o * activation_fn(new_c)
@@ -72,8 +72,7 @@ def _lstm(gate_fn: Callable, activation_fn: Callable) -> Callable:
 
 def _gru(gate_fn: Callable, activation_fn: Callable) -> Callable:
   def gates(h, xp, hp):
-    xr, xz, xn = jnp.split(xp, 3, axis=-1)
-    hr, hz, hn = jnp.split(hp, 3, axis=-1)
+    (xr, xz, xn), (hr, hz, hn) = xp, hp
     r, z = gate_fn(xr + hr), gate_fn(xz + hz)
     n = activation_fn(xn + r * hn)
     new_h = (1.0 - z) * n + z * h
@@ -84,7 +83,7 @@ def _gru(gate_fn: Callable, activation_fn: Callable) -> Callable:
 
 def _simple(activation_fn: Callable, residual: bool) -> Callable:
   def gates(h, xp, hp):
-    new_h = xp + hp
+    new_h = xp[0] + hp[0]
     if residual:
       new_h += h
     new_h = activation_fn(new_h)
@@ -95,8 +94,7 @@ def _simple(activation_fn: Callable, residual: bool) -> Callable:
 
 def _mgu(gate_fn: Callable, activation_fn: Callable, reset_gate: bool) -> Callable:
   def gates(h, xp, hp):
-    xf, xn = jnp.split(xp, 2, axis=-1)
-    hf, hn = jnp.split(hp, 2, axis=-1)
+    (xf, xn), (hf, hn) = xp, hp
     f = gate_fn(xf + hf)
     if reset_gate:
       hn *= f
@@ -124,6 +122,7 @@ def _linen_lstm(cell: nn.Module, p: Any) -> Separable:
     0,
     _lstm(cell.gate_fn, cell.activation_fn),
     _lstm_hidden,
+    4,
     cell.dtype,
   )
 
@@ -138,6 +137,7 @@ def _linen_gru(cell: nn.Module, p: Any) -> Separable:
     p["hn"]["kernel"].shape[-1],
     _gru(cell.gate_fn, cell.activation_fn),
     _own_hidden,
+    3,
     cell.dtype,
   )
 
@@ -151,6 +151,7 @@ def _linen_simple(cell: nn.Module, p: Any) -> Separable:
     0,
     _simple(cell.activation_fn, cell.residual),
     _own_hidden,
+    1,
     cell.dtype,
   )
 
@@ -166,6 +167,7 @@ def _linen_mgu(cell: nn.Module, p: Any) -> Separable:
     p["hn"]["kernel"].shape[-1] if reset else 0,
     _mgu(cell.gate_fn, cell.activation_fn, reset),
     _own_hidden,
+    2,
     cell.dtype,
   )
 
@@ -257,6 +259,7 @@ def _nnx_lstm(cell: nnx.Module) -> Separable:
     0,
     _lstm(cell.gate_fn, cell.activation_fn),
     _lstm_hidden,
+    4,
     dtype,
     precision,
   )
@@ -273,6 +276,7 @@ def _nnx_gru(cell: nnx.Module) -> Separable:
     cell.hidden_features,
     _gru(cell.gate_fn, cell.activation_fn),
     _own_hidden,
+    3,
     dtype,
     precision,
   )
@@ -288,6 +292,7 @@ def _nnx_simple(cell: nnx.Module) -> Separable:
     0,
     _simple(cell.activation_fn, cell.residual),
     _own_hidden,
+    1,
     dtype,
     precision,
   )
@@ -398,7 +403,7 @@ def hoisted_rnn(
       if cell.probe:
         tail = hp[..., -cell.probe :] if b is None else hp[..., -cell.probe :] + b
         hp = jnp.concatenate([hp[..., : -cell.probe], tail + x_t[1]], axis=-1)
-      return cell.gates(carry, x_t[0], hp)
+      return cell.gates(carry, cell.split(x_t[0]), cell.split(hp))
 
     return dynamic_rnn(
       step,

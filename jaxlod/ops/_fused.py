@@ -62,8 +62,13 @@ class Separable:
     probe: the number of last columns of the recurrent product that a gate
       scales before the input projection is added (0: none).
     gates: ``gates(carry, xp, hp) -> (carry, h)``: a step from the projected
-      input ``xp [b, width]`` and the recurrent product ``hp [b, width]``.
+      input and the recurrent product, each given as its `parts` (a tuple
+      of ``[b, width // parts]`` arrays, gate by gate).
     hidden: ``hidden(carry) -> h [b, hidden]``, the state ``w_rec`` reads.
+    parts: the number of equal column blocks (gates) of ``width``: 4 for an
+      LSTM, 3 for a GRU, 2 for an MGU, 1 for a simple cell. The fused kernel
+      computes each block apart (Pallas's GPU backend neither slices nor
+      joins arrays in registers).
     dtype: the Dense layers' computation dtype (`None`: inferred).
     precision: the Dense layers' ``precision``.
   """
@@ -75,6 +80,7 @@ class Separable:
   probe: int
   gates: Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]]
   hidden: Callable[[Any], jax.Array]
+  parts: int
   dtype: Any = None
   precision: Any = None
 
@@ -94,6 +100,12 @@ class Separable:
     probe = static_int(self.probe, "probe", minimum=0)
     if probe > width:
       raise ValueError(f"Expected `probe` in [0, {width}] (the width), got {probe}.")
+    parts = static_int(self.parts, "parts", minimum=1)
+    if width % parts or probe % max(width // parts, 1):
+      raise ValueError(
+        f"Expected `parts` to divide the width {width} into blocks that the "
+        f"probe columns ({probe}) fill whole, got {parts}."
+      )
     biases = {}
     for name, size in (("b_in", width), ("b_rec", probe)):
       value = getattr(self, name)
@@ -116,6 +128,22 @@ class Separable:
       *biases.items(),
     ):
       object.__setattr__(self, name, value)
+
+  def split(self, a: jax.Array) -> tuple[jax.Array, ...]:
+    """``a [..., width]`` as its `parts`, gate by gate: ``parts`` arrays
+    ``[..., width // parts]``.
+
+    Raises:
+      TypeError, ValueError: for an `a` that is not an array whose last axis
+        is the width.
+    """
+    a = as_array(a, "a")
+    width = self.w_rec.shape[1]
+    if a.ndim < 1 or a.shape[-1] != width:
+      raise ValueError(
+        f"Expected `a` to have the width {width} on its last axis, got shape {a.shape}."
+      )
+    return tuple(jnp.split(a, self.parts, axis=-1))
 
 
 def dense(
@@ -230,10 +258,26 @@ def _product(h: jax.Array, w: jax.Array, cell: Separable, compute: Any) -> jax.A
   )
 
 
+def _recurrent(
+  h: jax.Array, w: tuple, bias: tuple, cell: Separable, compute: Any
+) -> tuple[jax.Array, ...]:
+  """The recurrent product ``h @ w_rec + b_rec``, part by part."""
+  return tuple(
+    _product(h, w_k, cell, compute) + b_k for w_k, b_k in zip(w, bias, strict=True)
+  )
+
+
+def _columns(ref: Any, rows: Any, parts: int, size: int) -> tuple[jax.Array, ...]:
+  """``ref[rows]``'s column blocks of `size`, one per part (loaded apart:
+  Pallas's GPU backend does not slice arrays in registers)."""
+  return tuple(ref[rows, pl.ds(k * size, size)] for k in range(parts))
+
+
 def _forward_kernel(
   cell: Separable, treedef: Any, tile: int, compute: Any, resident: bool
 ):
-  leaves = treedef.num_leaves
+  leaves, parts = treedef.num_leaves, cell.parts
+  size = cell.w_rec.shape[1] // parts
 
   def kernel(lengths_ref, steps_ref, starts_ref, xp_ref, w_ref, b_ref, *refs):
     init_refs, y_ref = refs[:leaves], refs[leaves]
@@ -241,15 +285,16 @@ def _forward_kernel(
     i = pl.program_id(0)
     rows = pl.ds(i * tile, tile)
     live_until = lengths_ref[rows][:, None]
-    base, bias = starts_ref[i], b_ref[...]
-    resident_w = w_ref[...] if resident else None
+    base = starts_ref[i]
+    bias = _columns(b_ref, slice(None), parts, size)
+    resident_w = _columns(w_ref, slice(None), parts, size) if resident else None
     carry = treedef.unflatten([ref[rows, :] for ref in init_refs])
 
     def body(t, carry):
       at = pl.ds(base + t * tile, tile)
-      w = resident_w if resident else w_ref[...]
-      hp = _product(cell.hidden(carry), w, cell, compute) + bias
-      new, y = cell.gates(carry, xp_ref[at, :], hp)
+      w = resident_w if resident else _columns(w_ref, slice(None), parts, size)
+      hp = _recurrent(cell.hidden(carry), w, bias, cell, compute)
+      new, y = cell.gates(carry, _columns(xp_ref, at, parts, size), hp)
       live = t < live_until
       carry = jax.tree.map(
         lambda n, o: jnp.where(live, n.astype(o.dtype), o), new, carry
@@ -269,7 +314,8 @@ def _forward_kernel(
 def _backward_kernel(
   cell: Separable, treedef: Any, tile: int, compute: Any, resident: bool
 ):
-  leaves = treedef.num_leaves
+  leaves, parts = treedef.num_leaves, cell.parts
+  size = cell.w_rec.shape[1] // parts
 
   def kernel(lengths_ref, steps_ref, starts_ref, xp_ref, w_ref, b_ref, *refs):
     init_refs, saved_refs = refs[:leaves], refs[leaves : 2 * leaves]
@@ -279,8 +325,9 @@ def _backward_kernel(
     i = pl.program_id(0)
     rows = pl.ds(i * tile, tile)
     live_until = lengths_ref[rows][:, None]
-    base, bias, steps = starts_ref[i], b_ref[...], steps_ref[i]
-    resident_w = w_ref[...] if resident else None
+    base, steps = starts_ref[i], steps_ref[i]
+    bias = _columns(b_ref, slice(None), parts, size)
+    resident_w = _columns(w_ref, slice(None), parts, size) if resident else None
     init = [ref[rows, :] for ref in init_refs]
     dcarry = treedef.unflatten([ref[rows, :] for ref in dfinal_refs])
 
@@ -293,29 +340,35 @@ def _backward_kernel(
         for ref, x0 in zip(saved_refs, init, strict=True)
       ]
       prev = treedef.unflatten(prev)
-      w = resident_w if resident else w_ref[...]
+      w = resident_w if resident else _columns(w_ref, slice(None), parts, size)
       h, hidden_vjp = jax.vjp(cell.hidden, prev)
-      hp = _product(h, w, cell, compute) + bias
-      (new, y), step_vjp = jax.vjp(cell.gates, prev, xp_ref[at, :], hp)
+      hp = _recurrent(h, w, bias, cell, compute)
+      xp = _columns(xp_ref, at, parts, size)
+      (new, y), step_vjp = jax.vjp(cell.gates, prev, xp, hp)
       cot = jax.tree.map(lambda d, n: d.astype(n.dtype), dcarry, new)
       d_prev, d_xp, d_hp = step_vjp((cot, dy_ref[at, :].astype(y.dtype)))
       live = t < live_until
-      d_xp = jnp.where(live, d_xp, 0)
-      d_hp = jnp.where(live, d_hp, 0)
-      d_h = jax.lax.dot_general(
-        d_hp.astype(w.dtype if compute is None else compute),
-        w.astype(w.dtype if compute is None else compute),
-        (((1,), (1,)), ((), ())),
-        precision=cell.precision,
-        preferred_element_type=h.dtype,
+      d_xp = [jnp.where(live, d, 0) for d in d_xp]
+      d_hp = [jnp.where(live, d, 0) for d in d_hp]
+      operand = h.dtype if compute is None else compute
+      d_h = sum(
+        jax.lax.dot_general(
+          d.astype(operand),
+          w_k.astype(operand),
+          (((1,), (1,)), ((), ())),
+          precision=cell.precision,
+          preferred_element_type=h.dtype,
+        )
+        for d, w_k in zip(d_hp, w, strict=True)
       )
       (d_from_h,) = hidden_vjp(d_h)
       d_prev = jax.tree.map(jnp.add, d_prev, d_from_h)
       dcarry = jax.tree.map(
         lambda d, o: jnp.where(live, d.astype(o.dtype), o), d_prev, dcarry
       )
-      dxp_ref[at, :] = d_xp.astype(dxp_ref.dtype)
-      dhp_ref[at, :] = d_hp.astype(dhp_ref.dtype)
+      for j in range(parts):
+        dxp_ref[at, pl.ds(j * size, size)] = d_xp[j].astype(dxp_ref.dtype)
+        dhp_ref[at, pl.ds(j * size, size)] = d_hp[j].astype(dhp_ref.dtype)
       return dcarry
 
     dcarry = jax.lax.fori_loop(0, steps, body, dcarry)
@@ -323,6 +376,17 @@ def _backward_kernel(
       ref[rows, :] = leaf
 
   return kernel
+
+
+def _params(interpret: bool) -> Any:
+  """On a GPU, Pallas's Triton backend (its Mosaic GPU backend copies whole
+  blocks through shared memory, which a tile of per-row lengths does not
+  fill)."""
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as plgpu
+
+  return plgpu.CompilerParams(num_warps=4, num_stages=1)
 
 
 def _shape(a: Any) -> jax.ShapeDtypeStruct:
@@ -367,11 +431,12 @@ def fused_loop(
     bias = bias.at[0, width - cell.probe :].set(cell.b_rec.astype(bias.dtype))
   resident = w_rec.size * w_rec.dtype.itemsize <= RESIDENT_BYTES
   tile_args = (layout.lengths, layout.tile_steps, layout.tile_starts)
+  block = width // cell.parts
   y_shape = jax.eval_shape(
     cell.gates,
     treedef.unflatten([_row(leaf, tile) for leaf in leaves]),
-    jax.ShapeDtypeStruct((tile, width), xp.dtype),
-    jax.ShapeDtypeStruct((tile, width), bias.dtype),
+    (jax.ShapeDtypeStruct((tile, block), xp.dtype),) * cell.parts,
+    (jax.ShapeDtypeStruct((tile, block), bias.dtype),) * cell.parts,
   )[1]
   y_aval = jax.ShapeDtypeStruct((slots, y_shape.shape[1]), y_shape.dtype)
   saved_avals = [
@@ -384,6 +449,7 @@ def fused_loop(
       out_shape=(y_aval, *saved_avals, *map(_shape, leaves)),
       grid=grid,
       interpret=interpret,
+      compiler_params=_params(interpret),
     )(*tile_args, xp, w_rec, bias, *leaves)
     n = len(leaves)
     return outs[0], list(outs[1 : n + 1]), list(outs[n + 1 :])
@@ -405,6 +471,7 @@ def fused_loop(
       out_shape=(_shape(xp), _shape(xp), *map(_shape, leaves)),
       grid=grid,
       interpret=interpret,
+      compiler_params=_params(interpret),
     )(*tile_args, xp, w_rec, bias, *leaves, *saved, dy, *dfinal)
     valid = layout.slot_valid[:, None]
     d_xp = jnp.where(valid, outs[0], 0)
@@ -427,6 +494,24 @@ def fused_loop(
 
 def _row(leaf: jax.Array, tile: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((tile, *leaf.shape[1:]), leaf.dtype)
+
+
+def _check_gpu_sizes(cell: Separable, init_carry: Any, tile: int) -> None:
+  """Pallas's GPU (Triton) backend computes on arrays whose sizes are powers
+  of 2: the tile, the gate blocks and the carry's leaves."""
+  sizes = {
+    "tile": tile,
+    "gate block (width // parts)": cell.w_rec.shape[1] // cell.parts,
+  }
+  for i, leaf in enumerate(jax.tree.leaves(init_carry)):
+    sizes[f"init_carry leaf {i} size"] = jnp.shape(leaf)[-1]
+  for name, size in sizes.items():
+    if size < 1 or size & (size - 1):
+      raise ValueError(
+        f"Expected the fused kernel's sizes to be powers of 2 on a GPU (Pallas's "
+        f"Triton backend), got {name} {size}; use jaxlod.ops.dynamic_rnn for "
+        "other sizes."
+      )
 
 
 # The dtypes the kernels compute in; `compute_dtype` may also be bfloat16.
@@ -478,8 +563,9 @@ def fused_rnn(
       LoDTensor, a non-int `tile`, a non-bool `reverse` or `interpret`, or
       values of a dtype the kernels do not run (naming `dynamic_rnn`).
     ValueError: for `values` that are not ``[token_capacity, features]``,
-      carry leaves that are not ``[count_capacity, size]``, or a `tile`
-      below 1.
+      carry leaves that are not ``[count_capacity, size]``, a `tile` below
+      1, or on a GPU a tile, gate block or carry size that is not a power
+      of 2 (naming `dynamic_rnn`).
   """
   if not isinstance(cell, Separable):
     raise TypeError(
@@ -506,7 +592,13 @@ def fused_rnn(
     )
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+    import os  # EXPERIMENT
+
+    if os.environ.get("JAXLOD_FUSED_INTERPRET") == "0":
+      interpret = False
   interpret = check_bool(interpret, "interpret")
+  if not interpret:
+    _check_gpu_sizes(cell, init_carry, tile)
   if table is None:
     table = rank_table(x, level=-1)
   else:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import jaxlod.nn as linen
 import jaxlod.nn.nnx as twin
 from jaxlod import Buckets, LoDTensor
+from jaxlod.nn import _hoist
 from jaxlod.ops import LoopPlan, Separable, dynamic_rnn, fused_rnn
 
 FEATURES, HIDDEN, COUNT, TIME = 3, 4, 6, 7
@@ -160,7 +161,8 @@ def _step(cell: Separable):
   """`cell` as a `dynamic_rnn` step: the projections inside the loop."""
 
   def step(carry, x_t, _):
-    return cell.gates(carry, x_t @ cell.w_in + cell.b_in, carry[1] @ cell.w_rec)
+    xp, hp = x_t @ cell.w_in + cell.b_in, carry[1] @ cell.w_rec
+    return cell.gates(carry, cell.split(xp), cell.split(hp))
 
   return step
 
@@ -171,7 +173,7 @@ def _lstm(dtype) -> Separable:
 
   def gates(carry, xp, hp):
     c, _ = carry
-    i, f, g, o = jnp.split(xp + hp, 4, axis=-1)
+    i, f, g, o = (a + b for a, b in zip(xp, hp, strict=True))
     new_c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
     new_h = jax.nn.sigmoid(o) * jnp.tanh(new_c)
     return (new_c, new_h), new_h
@@ -184,6 +186,7 @@ def _lstm(dtype) -> Separable:
     probe=0,
     gates=gates,
     hidden=lambda carry: carry[1],
+    parts=4,
   )
 
 
@@ -303,7 +306,7 @@ def test_separable_checks_its_weights():
   cell = _lstm(jnp.float32)
   fields = {
     f: getattr(cell, f)
-    for f in ("w_in", "b_in", "w_rec", "b_rec", "probe", "gates", "hidden")
+    for f in ("w_in", "b_in", "w_rec", "b_rec", "probe", "gates", "hidden", "parts")
   }
   with pytest.raises(
     ValueError,
@@ -322,5 +325,42 @@ def test_separable_checks_its_weights():
     Separable(**{**fields, "b_rec": jnp.zeros((4,))})
   with pytest.raises(ValueError, match=r"Expected `probe` in \[0, 16\]"):
     Separable(**{**fields, "probe": 17})
+  with pytest.raises(ValueError, match=r"Expected `parts` to divide the width 16 "):
+    Separable(**{**fields, "parts": 3})
   with pytest.raises(TypeError, match=r"Expected `gates` to be callable"):
     Separable(**{**fields, "gates": 3})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LINEN_CELLS)
+def test_kernels_lower_for_gpus(name):
+  """The forward and backward kernels lower through Pallas's GPU (Triton)
+  backend, no GPU needed: JAX lowers for ``cuda`` on any machine."""
+  cell = LINEN_CELLS[name](16)
+  carry = cell.initialize_carry(jax.random.key(0), (COUNT, FEATURES))
+  params = cell.init(jax.random.key(1), carry, jnp.zeros((COUNT, FEATURES)))["params"]
+  x = _batch([7, 0, 3, 5, 1, 7], jnp.float32)
+
+  def loss(params, values, carry):
+    separable = _hoist._LINEN[type(cell)](cell, params)
+    y, final = fused_rnn(
+      separable, x.with_values(values), init_carry=carry, interpret=False
+    )
+    return _loss(y, final)
+
+  grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  lowered = grads.trace(params, x.values, carry).lower(lowering_platforms=("cuda",))
+  # One forward kernel and one backward kernel, as Triton custom calls.
+  assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+
+
+def test_gpu_sizes_are_powers_of_two():
+  cell = _lstm(jnp.float32)
+  carry = (jnp.zeros((COUNT, HIDDEN)), jnp.zeros((COUNT, HIDDEN)))
+  x = _batch([3, 1], jnp.float32)
+  with pytest.raises(
+    ValueError,
+    match=r"Expected the fused kernel's sizes to be powers of 2 on a GPU \(Pallas's "
+    r"Triton backend\), got tile 12; use jaxlod\.ops\.dynamic_rnn for other sizes\.",
+  ):
+    fused_rnn(cell, x, init_carry=carry, interpret=False, tile=12)
