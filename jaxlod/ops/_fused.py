@@ -43,9 +43,10 @@ from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 from jax.experimental import pallas as pl
 
 from jaxlod._checks import check_bool, check_callable, static_int
+from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.ops._rank import RankTable, check_pair, rank_table
+from jaxlod.ops._rank import RankTable, check_pair, nan_unless, rank_table
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -556,7 +557,9 @@ def fused_rnn(
   Returns:
     ``(outputs, final_carry)``: outputs a LoDTensor with `x`'s LoD,
     ``values [token_capacity, hidden]`` (zero at padding rows), and the
-    final carry in the caller's order.
+    final carry in the caller's order. Under `jit`, a `table` that does
+    not rank `x` turns both NaN and sets `jaxlod.Fault.TABLE` in the
+    outputs' ``faults`` (eagerly it raises).
 
   Raises:
     TypeError: for a `cell` that is not a `Separable`, `x` that is not a
@@ -599,10 +602,11 @@ def fused_rnn(
   interpret = check_bool(interpret, "interpret")
   if not interpret:
     _check_gpu_sizes(cell, init_carry, tile)
+  ranked = True
   if table is None:
     table = rank_table(x, level=-1)
   else:
-    check_pair(x, table, "x")
+    ranked = check_pair(x, table, "x")
   count = table.count_capacity
   check_rows(init_carry, count, "init_carry")
   layout = tile_layout(x, table, tile, reverse)
@@ -610,15 +614,19 @@ def fused_rnn(
   xp = jnp.where(layout.slot_valid[:, None], xp[layout.slot_rows], 0)
   padded = layout.lengths.shape[0]
 
-  def ranked(leaf):
+  def by_rank(leaf):
     leaf = jnp.asarray(leaf)[jnp.asarray(table.order)] if count else jnp.asarray(leaf)
     return jnp.pad(leaf, [(0, padded - count)] + [(0, 0)] * (leaf.ndim - 1))
 
-  init = jax.tree.map(ranked, init_carry)
+  init = jax.tree.map(by_rank, init_carry)
   y, final = fused_loop(
     cell, layout, xp, init, tile=tile, compute=compute_dtype, interpret=interpret
   )
   y = jnp.where(layout.row_valid[:, None], y[layout.row_slots], 0)
   ranks = jnp.asarray(table.ranks)
   final = jax.tree.map(lambda leaf: leaf[:count][ranks] if count else leaf[:0], final)
-  return x.with_values(y), final
+  # A table of another batch under `jit` (without `checkify`) gives wrong
+  # results: NaN floats and a faulted output make that loud, as in
+  # `dynamic_rnn`.
+  outputs = with_faults(x.with_values(y), fault_unless(ranked, Fault.TABLE))
+  return nan_unless(ranked, outputs), nan_unless(ranked, final)

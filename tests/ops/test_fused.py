@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import jaxlod.nn as linen
 import jaxlod.nn.nnx as twin
-from jaxlod import Buckets, LoDTensor
+from jaxlod import Buckets, Fault, LoDTensor
 from jaxlod.nn import _hoist
-from jaxlod.ops import LoopPlan, Separable, dynamic_rnn, fused_rnn
+from jaxlod.ops import LoopPlan, Separable, dynamic_rnn, fused_rnn, rank_table
 
 FEATURES, HIDDEN, COUNT, TIME = 3, 4, 6, 7
 CAPACITY = Buckets.fixed(tokens=COUNT * TIME, sequences=COUNT, time=TIME)
@@ -364,3 +364,20 @@ def test_gpu_sizes_are_powers_of_two():
     r"Triton backend\), got tile 12; use jaxlod\.ops\.dynamic_rnn for other sizes\.",
   ):
     fused_rnn(cell, x, init_carry=carry, interpret=False, tile=12)
+
+
+def test_a_table_of_another_batch():
+  """Eagerly an error; under `jit` NaN results and a faulted output, as
+  `dynamic_rnn` gives them."""
+  cell = _lstm(jnp.float32)
+  carry = (jnp.zeros((COUNT, HIDDEN)), jnp.zeros((COUNT, HIDDEN)))
+  x, other = _batch([3, 1], jnp.float32), _batch([1, 3], jnp.float32)
+  table = rank_table(other)
+  with pytest.raises(ValueError, match=r"rank"):
+    fused_rnn(cell, x, init_carry=carry, table=table)
+  y, final = jax.jit(lambda x, t: fused_rnn(cell, x, init_carry=carry, table=t))(
+    x, table
+  )
+  assert np.isnan(np.asarray(y.values)).all()
+  assert all(np.isnan(np.asarray(leaf)).all() for leaf in final)
+  assert int(y.faults) & int(Fault.TABLE)
