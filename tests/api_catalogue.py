@@ -407,6 +407,7 @@ BAD: dict[str, list[Bad]] = {
   "capacity": [STR, OBJECT, FLOAT, NEGATIVE, BEYOND_INT32],
   "table": [STR, NONE, OBJECT, A_LOD, STACKED],
   "separable": [STR, NONE, OBJECT, INT],
+  "iterable": [NONE, OBJECT, INT],
   "settings": [STR, NONE, OBJECT, ("dict", lambda: {"bos_id": 0})],
   # A `jaxlod.ops.Memory`.
   "memory": [STR, NONE, OBJECT, A_LOD, ARRAY],

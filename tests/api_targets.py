@@ -433,6 +433,20 @@ target(
   },
 )
 target(
+  "ops.decode_corpus",
+  ops.decode_corpus,
+  {
+    "step_fn": arg(lambda: step_log_probs, "callable"),
+    "encode_fn": arg(lambda: lambda batch: None, "callable"),
+    "sources": arg(lambda: [], "iterable"),
+    "settings": arg(SETTINGS, "settings"),
+    "slots": arg(2, "size>=1"),
+    "refill": arg(None, "size>=1", none_ok=True),
+    "chunk": arg(8, "size>=1"),
+    "stats": arg(None, "mapping", none_ok=True),
+  },
+)
+target(
   "ops.fused_rnn",
   ops.fused_rnn,
   {

@@ -24,6 +24,7 @@ from jaxlod.ops._attention import (
   lod_memory,
   masked_attention,
 )
+from jaxlod.ops._corpus import decode_corpus
 from jaxlod.ops._decode import DecodeSettings, Hypotheses, beam_search, ensemble_step
 from jaxlod.ops._expand import (
   sequence_concat,
@@ -62,6 +63,7 @@ __all__ = [
   "as_memory",
   "attend",
   "cosine_scores",
+  "decode_corpus",
   "decoder_step",
   "dot_scores",
   "ensemble_step",

@@ -265,8 +265,10 @@ def _gather(a: jax.Array, parent: jax.Array) -> jax.Array:
 
 
 def _write(tokens: jax.Array, token: jax.Array, at: jax.Array, where: jax.Array):
-  """Writes ``token [S, k]`` at position `at` of the slots where `where`."""
-  hit = (jnp.arange(tokens.shape[-1]) == at)[None, None, :] & where[..., None]
+  """Writes ``token [S, k]`` at position `at` (a scalar, or per source
+  ``[S]``) of the slots where `where`."""
+  at = jnp.reshape(at, (-1, 1, 1))
+  hit = (jnp.arange(tokens.shape[-1])[None, None, :] == at) & where[..., None]
   return jnp.where(hit, token[..., None], tokens)
 
 
@@ -291,7 +293,9 @@ def beam_update(
   Args:
     slots: the `Slots` of ``S`` sources.
     log_probs: ``[S, k, vocab]`` the step's log-probabilities.
-    t: the step index (tokens generated so far by every live slot).
+    t: the step index (tokens generated so far by every live slot): a
+      scalar, or int32 ``[S]`` per source (sources that joined the loop at
+      different steps, `jaxlod.ops.decode_corpus`).
     max_length: int32 ``[S]``.
     eos_id, alpha, num_results: see `jaxlod.ops.beam_search`.
 
@@ -317,7 +321,7 @@ def beam_update(
     last=jnp.where(grows, token, eos_id).astype(jnp.int32),
     logp=value,
     length=length + grows.astype(jnp.int32),
-    ended=kept | is_eos | (grows & (t + 1 >= max_length[:, None])),
+    ended=kept | is_eos | (grows & (t + 1 >= max_length)[:, None]),
     eos=jnp.where(kept, _gather(slots.eos, parent), is_eos),
   )
   return new, parent, finished(new, max_length, alpha, num_results)
@@ -353,7 +357,7 @@ def greedy_update(
   gain = jnp.take_along_axis(step, token, axis=-1)
   is_eos = token == eos_id
   grows = ~is_eos
-  ended = is_eos | (t + 1 >= max_length[:, None])
+  ended = is_eos | (t + 1 >= max_length)[:, None]
   new = Slots(
     tokens=_write(slots.tokens, token, t, grows),
     last=jnp.where(grows, token, eos_id).astype(jnp.int32),

@@ -1,0 +1,273 @@
+"""Decoding a corpus with continuous refill: new sources take the slots of
+finished ones between chunks of steps.
+
+`jaxlod.ops.beam_search` decodes a batch until its last source is done; its
+compaction stops the finished sources' work, but the batch's tail runs a
+few long sources with most slots idle, and the next batch waits for it.
+`decode_corpus` keeps ``slots`` sources in flight instead, as LLM servers
+batch requests in flight:
+
+  * one jitted program runs ``chunk`` search steps of every slot, each
+    source at its own step (it joined when a slot freed up); done and free
+    slots compute and change nothing;
+  * between chunks the host reads which sources are done, takes their
+    hypotheses, and fills their slots with the next sources of the corpus:
+    ``encode_fn`` encodes them (the attention's memory, the initial carry)
+    and one more program scatters them into the freed slots.
+
+Every source takes the steps of `beam_search` alone: the same update rules,
+per source, so the same hypotheses, the scores equal up to the rounding of
+another batch size. The programs compile once per `slots`, `refill` and
+`chunk` for the whole corpus.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxlod._checks import check_callable, static_int
+from jaxlod._host import check_rows
+from jaxlod.ops import _search
+from jaxlod.ops._decode import DecodeSettings, _checked_step, check_settings
+from jaxlod.ops._rnn import prepare_statics
+
+
+class _Loop(NamedTuple):
+  """The slots in flight and the step each source is at."""
+
+  state: _search.State  # `source` is the corpus index (-1: a free slot)
+  t: jax.Array  # int32 [slots]
+
+
+def _programs(step_fn: Callable, settings: DecodeSettings, chunk: int):
+  """The jitted programs: `start` (new sources as search states), `insert`
+  (into freed slots), `advance` (`chunk` steps of every slot) and `harvest`
+  (every slot's best results)."""
+  k, cap = settings.beam_size, settings.max_length
+  step = _checked_step(step_fn, settings.bos_id, settings.eos_id, cap)
+  if k == 1:
+    update = functools.partial(_search.greedy_update, eos_id=settings.eos_id)
+  else:
+    update = functools.partial(
+      _search.beam_update,
+      eos_id=settings.eos_id,
+      alpha=settings.length_penalty,
+      num_results=settings.results,
+    )
+
+  @jax.jit
+  def start(init_carry, statics, max_lengths, n, first):
+    count = jax.tree.leaves((init_carry, statics))[0].shape[0]
+
+    def beams(a):
+      return jnp.broadcast_to(a[:, None], (count, k) + a.shape[1:])
+
+    carry, statics = jax.tree.map(beams, (init_carry, statics))
+    flat = jax.tree.map(
+      lambda a: a.reshape((count * k,) + a.shape[2:]), (carry, statics)
+    )
+    rows = jnp.zeros((count * k,), jnp.int32)
+    probe = jax.eval_shape(step, flat[0], rows, flat[1], jnp.ones_like(rows, bool))
+    dtype = probe[1].dtype
+    _search.check_penalty(settings.length_penalty, cap, dtype)
+    real = jnp.arange(count) < n
+    return _search.State(
+      slots=_search.initial_slots(count, k, cap, n, settings.bos_id, dtype),
+      carry=carry,
+      statics=statics,
+      done=~real,
+      max_length=max_lengths,
+      source=jnp.where(real, first + jnp.arange(count, dtype=jnp.int32), -1),
+    )
+
+  @jax.jit
+  def insert(loop: _Loop, new: _search.State, dest: jax.Array) -> _Loop:
+    state = jax.tree.map(lambda a, b: a.at[dest].set(b, mode="drop"), loop.state, new)
+    return _Loop(state, loop.t.at[dest].set(0, mode="drop"))
+
+  @jax.jit
+  def advance(loop: _Loop) -> _Loop:
+    def one(_, loop):
+      state, t = loop
+      active = ~state.done
+      state = _search._advance(state, t, step, update)
+      return _Loop(state, t + active.astype(t.dtype))
+
+    return lax.fori_loop(0, chunk, one, loop)
+
+  @jax.jit
+  def harvest(slots: _search.Slots):
+    best, index = lax.top_k(
+      _search.scores(slots, settings.length_penalty), settings.results
+    )
+    tokens = jnp.take_along_axis(slots.tokens, index[..., None], axis=1)
+    lengths = jnp.take_along_axis(slots.length, index, axis=1)
+    return tokens, lengths, best
+
+  return start, insert, advance, harvest
+
+
+def _check_max_lengths(max_lengths: Any, batch: int, refill: int, cap: int, first: int):
+  """The encoded batch's max lengths on the host, ``[refill]`` int32; a real
+  source's outside ``[1, cap]`` raises naming its corpus index."""
+  if max_lengths is None:
+    return np.full((refill,), cap, np.int32)
+  lengths = np.asarray(max_lengths)
+  if lengths.shape != (refill,) or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(
+      f"Expected `encode_fn`'s max_lengths to be int [{refill}] (the refill "
+      f"size), got {lengths.dtype.name}{list(lengths.shape)}."
+    )
+  for i in range(batch):
+    if not 1 <= lengths[i] <= cap:
+      raise ValueError(
+        f"Expected every source's max length in [1, {cap}] (settings.max_length, "
+        f"the capacity of the results), got {int(lengths[i])} for source "
+        f"{first + i} of the corpus."
+      )
+  return np.clip(lengths, 1, cap).astype(np.int32)
+
+
+def decode_corpus(
+  step_fn: Callable[[Any, jax.Array, Any], tuple[Any, jax.Array]],
+  encode_fn: Callable[[list], tuple[Any, Any, Any]],
+  sources: Iterable,
+  settings: DecodeSettings,
+  *,
+  slots: int,
+  refill: int | None = None,
+  chunk: int = 8,
+  stats: dict | None = None,
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+  """Beam search (greedy for ``beam_size=1``) of every source of a corpus,
+  with continuous refill: new sources join as others finish.
+
+  Args:
+    step_fn: as `jaxlod.ops.beam_search`'s, ``step_fn(carry, token_ids [b],
+      static) -> (new_carry, log_probs [b, vocab])``.
+    encode_fn: ``encode_fn(batch) -> (init_carry, static_inputs,
+      max_lengths)`` for a list of at most `refill` sources of the corpus:
+      leaves ``[refill, ...]`` (rows past the batch are ignored), as
+      `beam_search`'s arguments (static inputs may be LoDTensors of count
+      capacity `refill`); `max_lengths` int ``[refill]`` or `None`
+      (``settings.max_length`` for every source).
+    sources: an iterable of sources, read as slots free up (a file's lines
+      stream through in bounded memory).
+    settings: the static `DecodeSettings` (its `ladder` and `plan` do not
+      apply: the slots stay full instead).
+    slots: the sources in flight, a static int >= 1.
+    refill: the sources encoded at once, a static int in ``[1, slots]``
+      (default ``max(1, slots // 4)``); slots are refilled once that many
+      are free, or when none is running.
+    chunk: search steps between two refills, a static int >= 1.
+    stats: a dict to fill with ``slot_steps`` (slots times steps run),
+      ``source_steps`` (steps of sources in flight), ``occupancy`` (their
+      ratio) and ``chunks``; `None`: not kept.
+
+  Yields:
+    Per source, in the corpus's order: ``(ids, scores)``, up to
+    `num_results` hypotheses best first (``ids[j]`` int32 ``[length]``,
+    `eos` excluded; ``scores`` ``[n]``), as ``Hypotheses.to_list()``
+    gives one source's.
+
+  Raises:
+    TypeError, ValueError: for bad arguments (eagerly, before any source is
+      read: `sources` not iterable, sizes out of range, a `stats` that is
+      not a dict), and while decoding for a source whose max length is outside
+      ``[1, settings.max_length]`` (naming its index in the corpus) or an
+      `encode_fn` whose outputs do not have `refill` rows.
+  """
+  check_settings(settings)
+  check_callable(step_fn, "step_fn")
+  check_callable(encode_fn, "encode_fn")
+  slots = static_int(slots, "slots", minimum=1)
+  refill = max(1, slots // 4) if refill is None else static_int(refill, "refill", 1)
+  if refill > slots:
+    raise ValueError(f"Expected `refill` in [1, {slots}] (the slots), got {refill}.")
+  chunk = static_int(chunk, "chunk", minimum=1)
+  if stats is not None and not isinstance(stats, dict):
+    raise TypeError(
+      f"Expected `stats` to be a dict or None, got {type(stats).__name__}."
+    )
+  try:
+    iterator = iter(sources)
+  except TypeError:
+    raise TypeError(
+      f"Expected `sources` to be an iterable of sources, got {type(sources).__name__}."
+    ) from None
+  return _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
+
+
+def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats):
+  start, insert, advance, harvest = _programs(step_fn, settings, chunk)
+  cap = settings.max_length
+  occupied = np.zeros((slots,), bool)
+  index_of = np.full((slots,), -1)
+  results: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+  read, out, exhausted, loop = 0, 0, False, None
+  counts = {"slot_steps": 0, "source_steps": 0, "chunks": 0}
+
+  def report():
+    if stats is not None:
+      stats.update(counts)
+      stats["occupancy"] = counts["source_steps"] / max(counts["slot_steps"], 1)
+
+  report()
+  while True:
+    free = np.flatnonzero(~occupied)
+    while not exhausted and free.size and (free.size >= refill or not occupied.any()):
+      batch = []
+      for _ in range(min(refill, free.size)):
+        try:
+          batch.append(next(iterator))
+        except StopIteration:
+          exhausted = True
+          break
+      if not batch:
+        break
+      init_carry, statics, max_lengths = encode_fn(batch)
+      statics = prepare_statics(statics, refill, per="source")
+      check_rows((init_carry, statics), refill, "encode_fn's outputs")
+      lengths = _check_max_lengths(max_lengths, len(batch), refill, cap, read)
+      new = start(init_carry, statics, lengths, len(batch), read)
+      if loop is None:
+        loop = _Loop(
+          jax.tree.map(lambda a: jnp.zeros((slots,) + a.shape[1:], a.dtype), new),
+          jnp.zeros((slots,), jnp.int32),
+        )
+        loop = loop._replace(state=loop.state._replace(done=jnp.ones((slots,), bool)))
+      where = free[: len(batch)]
+      dest = np.full((refill,), slots, np.int32)
+      dest[: len(batch)] = where
+      loop = insert(loop, new, dest)
+      occupied[where] = True
+      index_of[where] = np.arange(read, read + len(batch))
+      read += len(batch)
+      free = free[len(batch) :]
+    if not occupied.any():
+      break
+    before = np.asarray(loop.t)
+    loop = advance(loop)
+    t, done = np.asarray(loop.t), np.asarray(loop.state.done)
+    counts["chunks"] += 1
+    counts["slot_steps"] += slots * chunk
+    counts["source_steps"] += int(np.sum((t - before)[occupied]))
+    finished = occupied & done
+    if finished.any():
+      tokens, lengths, best = (np.asarray(a) for a in harvest(loop.state.slots))
+      for s in np.flatnonzero(finished):
+        valid = best[s] > -np.inf
+        ids = [tokens[s, j, : lengths[s, j]] for j in np.flatnonzero(valid)]
+        results[int(index_of[s])] = (ids, best[s][valid])
+      occupied[finished] = False
+    report()
+    while out in results:
+      yield results.pop(out)
+      out += 1
