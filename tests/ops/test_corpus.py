@@ -8,6 +8,8 @@ errors."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,10 +50,14 @@ def encoder(refill):
   return encode
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _search_one(carry, memory, lengths, config):
+  return beam_search(step, carry, config, static_inputs=memory, max_lengths=lengths)
+
+
 def alone(src, config):
-  """`beam_search` of one source alone."""
-  carry, memory, lengths = encoder(1)([src])
-  hyps = beam_search(step, carry, config, static_inputs=memory, max_lengths=lengths)
+  """`beam_search` of one source alone (one compilation for every source)."""
+  hyps = _search_one(*encoder(1)([src]), config)
   return [np.asarray(h) for h in hyps.ids.to_list()[0]], np.asarray(
     hyps.scores.to_list()[0]
   )
