@@ -35,7 +35,7 @@ from jax import lax
 from jaxlod._checks import check_callable, static_int
 from jaxlod._host import check_rows
 from jaxlod.ops import _search
-from jaxlod.ops._decode import DecodeSettings, _checked_step, check_settings
+from jaxlod.ops._decode import DecodeSettings, check_settings, checked_step
 from jaxlod.ops._rnn import prepare_statics
 
 
@@ -51,7 +51,7 @@ def _programs(step_fn: Callable, settings: DecodeSettings, chunk: int):
   (into freed slots), `advance` (`chunk` steps of every slot) and `harvest`
   (every slot's best results)."""
   k, cap = settings.beam_size, settings.max_length
-  step = _checked_step(step_fn, settings.bos_id, settings.eos_id, cap)
+  step = checked_step(step_fn, settings.bos_id, settings.eos_id, cap)
   if k == 1:
     update = functools.partial(_search.greedy_update, eos_id=settings.eos_id)
   else:
@@ -97,7 +97,7 @@ def _programs(step_fn: Callable, settings: DecodeSettings, chunk: int):
     def one(_, loop):
       state, t = loop
       active = ~state.done
-      state = _search._advance(state, t, step, update)
+      state = _search.advance_sources(state, t, step, update)
       return _Loop(state, t + active.astype(t.dtype))
 
     return lax.fori_loop(0, chunk, one, loop)

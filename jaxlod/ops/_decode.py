@@ -246,7 +246,7 @@ def _max_lengths(
   return jnp.clip(lengths, 1, cap).astype(jnp.int32), fault
 
 
-def _checked_step(
+def checked_step(
   step_fn: Callable, bos_id: int, eos_id: int, max_length: int
 ) -> Callable:
   """`step_fn` with its outputs checked at trace time, and every live slot
@@ -482,7 +482,7 @@ def beam_search(
 
   carry = jax.tree.map(beams, init_carry)
   statics = jax.tree.map(beams, statics)
-  step = _checked_step(step_fn, settings.bos_id, eos_id, settings.max_length)
+  step = checked_step(step_fn, settings.bos_id, eos_id, settings.max_length)
   # Explicit sizes: ``-1`` is ambiguous for a zero-size leaf (a source
   # capacity of 0 gives statics ``[count, k, 0, ...]``).
   flat = jax.tree.map(

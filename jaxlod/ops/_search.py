@@ -389,7 +389,7 @@ def _rows(size: int, active: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(pick, new, old)
 
 
-def _advance(
+def advance_sources(
   state: State, t: jax.Array, step: Step, update: Update, go: jax.Array | None = None
 ) -> State:
   """One step of every source in `state` (a prefix of ``S`` sources).
@@ -482,9 +482,9 @@ def run(
     def one(_, loop, going=going):
       prefix, t = loop
       if chunk == 1:  # the loop's condition holds
-        return _advance(prefix, t, step, update), t + 1
+        return advance_sources(prefix, t, step, update), t + 1
       go = going(prefix, t)
-      return _advance(prefix, t, step, update, go), t + go.astype(t.dtype)
+      return advance_sources(prefix, t, step, update, go), t + go.astype(t.dtype)
 
     def body(loop, one=one):
       return one(0, loop) if chunk == 1 else lax.fori_loop(0, chunk, one, loop)
