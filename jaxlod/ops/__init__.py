@@ -4,10 +4,12 @@ sequence ops.
 Fluid's LoDRankTable, lod_tensor_to_array, array_to_lod_tensor,
 reorder_lod_tensor_by_rank and shrink_rnn_memory, with static shapes and
 gather-only backward passes; DynamicRNN (``while`` + ``while_grad``) as
-`dynamic_rnn`, a phased loop with a custom VJP; Paddle's ``sequence_*``
-ops on static capacities, jittable and differentiable; and decoding
-(`beam_search`, greedy for a beam of one) as while loops with per-source
-early exit; the attention-decoder core (`Memory`, the score functions,
+`dynamic_rnn`, a phased loop with a custom VJP, and `fused_rnn`, a
+separable cell's whole loop as one Pallas kernel launch; Paddle's
+``sequence_*`` ops on static capacities, jittable and differentiable; and
+decoding (`beam_search`, greedy for a beam of one) as while loops with
+per-source early exit, and `decode_corpus`, a corpus with continuous
+refill; the attention-decoder core (`Memory`, the score functions,
 `decoder_step`) that `jaxlod.nn`'s Linen and NNX layers call.
 """
 
