@@ -5,9 +5,11 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import flax.linen as nn
 import hypothesis.strategies as st
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxlod import Buckets, LoDTensor
 from jaxlod._lod_checks import check_stored_lod
@@ -169,3 +171,19 @@ def assert_valid(x: LoDTensor) -> None:
   check_stored_lod(x)
   real = int(np.asarray(x.offsets[-1])[-1])
   assert not np.any(np.asarray(x.values)[real:]), np.asarray(x.values)[real:]
+
+
+# Flax's recurrent cells by name (flax 0.12.8 has no nnx.MGUCell).
+LINEN_CELLS = {
+  "LSTMCell": nn.LSTMCell,
+  "OptimizedLSTMCell": nn.OptimizedLSTMCell,
+  "GRUCell": nn.GRUCell,
+  "SimpleCell": nn.SimpleCell,
+  "MGUCell": nn.MGUCell,
+}
+NNX_CELLS = {
+  "LSTMCell": nnx.LSTMCell,
+  "OptimizedLSTMCell": nnx.OptimizedLSTMCell,
+  "GRUCell": nnx.GRUCell,
+  "SimpleCell": nnx.SimpleCell,
+}

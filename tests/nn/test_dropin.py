@@ -20,22 +20,10 @@ import jaxlod.nn as linen
 import jaxlod.nn.nnx as twin
 from jaxlod import LoDTensor
 from jaxlod.ops import rank_table
+from tests.helpers import LINEN_CELLS, NNX_CELLS
 
 B1, B2, TIME, FEATURES, HIDDEN = 2, 3, 5, 3, 4
 TOL = {"rtol": 1e-10, "atol": 1e-10}  # float64: the same sums in another order
-LINEN_CELLS = {
-  "LSTMCell": nn.LSTMCell,
-  "OptimizedLSTMCell": nn.OptimizedLSTMCell,
-  "GRUCell": nn.GRUCell,
-  "SimpleCell": nn.SimpleCell,
-  "MGUCell": nn.MGUCell,
-}
-NNX_CELLS = {
-  "LSTMCell": nnx.LSTMCell,
-  "OptimizedLSTMCell": nnx.OptimizedLSTMCell,
-  "GRUCell": nnx.GRUCell,
-  "SimpleCell": nnx.SimpleCell,
-}
 # (reverse, keep_order) of each direction compared.
 DIRECTIONS = ((False, False), (True, False), (True, True))
 LENGTHS = st.lists(st.integers(0, TIME), min_size=B1 * B2, max_size=B1 * B2)

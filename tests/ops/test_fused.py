@@ -21,6 +21,7 @@ import jaxlod.nn.nnx as twin
 from jaxlod import Buckets, Fault, LoDTensor
 from jaxlod.nn import _hoist
 from jaxlod.ops import LoopPlan, Separable, dynamic_rnn, fused_rnn, rank_table
+from tests.helpers import LINEN_CELLS, NNX_CELLS
 
 FEATURES, HIDDEN, COUNT, TIME = 3, 4, 6, 7
 CAPACITY = Buckets.fixed(tokens=COUNT * TIME, sequences=COUNT, time=TIME)
@@ -28,19 +29,6 @@ FUSED, LOOP = LoopPlan(fused=True), LoopPlan()
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}  # float64: the same sums in another order
 FLOAT32 = {"rtol": 2e-5, "atol": 2e-5}  # float32: products summed in another order
 LENGTHS = st.lists(st.integers(0, TIME), min_size=1, max_size=COUNT)
-LINEN_CELLS = {
-  "LSTMCell": nn.LSTMCell,
-  "OptimizedLSTMCell": nn.OptimizedLSTMCell,
-  "GRUCell": nn.GRUCell,
-  "SimpleCell": nn.SimpleCell,
-  "MGUCell": nn.MGUCell,
-}
-NNX_CELLS = {
-  "LSTMCell": nnx.LSTMCell,
-  "OptimizedLSTMCell": nnx.OptimizedLSTMCell,
-  "GRUCell": nnx.GRUCell,
-  "SimpleCell": nnx.SimpleCell,
-}
 
 
 def _batch(lengths, dtype, seed=0) -> LoDTensor:
