@@ -18,7 +18,7 @@ from jaxlod.nn._rnn import (
   HierarchicalEncoder,
   StackedRNN,
 )
-from jaxlod.nn._seq2seq import Seq2Seq, ensemble_generate
+from jaxlod.nn._seq2seq import Seq2Seq, ensemble_generate, ensemble_generate_corpus
 
 __all__ = [
   "AdditiveAttention",
@@ -34,4 +34,5 @@ __all__ = [
   "Seq2Seq",
   "StackedRNN",
   "ensemble_generate",
+  "ensemble_generate_corpus",
 ]

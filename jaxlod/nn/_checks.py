@@ -265,11 +265,13 @@ def check_encoded(memory: Any) -> LoDTensor:
   return memory
 
 
-def check_vocabs(vocabs: Sequence[int]) -> None:
-  """An ensemble's members share the target vocabulary."""
+def check_vocabs(vocabs: Sequence[int], name: str = "tgt_vocab") -> int:
+  """An ensemble's members share the vocabulary `name` (the target one by
+  default); returns it."""
   if not vocabs:
     raise ValueError("Expected at least one member, got none. `members` is empty.")
   if len(set(vocabs)) != 1:
     raise ValueError(
-      f"Expected the members to share `tgt_vocab`, got {list(vocabs)} (member order)."
+      f"Expected the members to share `{name}`, got {list(vocabs)} (member order)."
     )
+  return vocabs[0]

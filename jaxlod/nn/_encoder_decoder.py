@@ -9,19 +9,25 @@ functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+from jax.tree_util import Partial
 
 from jaxlod import _checks
-from jaxlod._checks import check_integer
+from jaxlod._buckets import Buckets
+from jaxlod._checks import check_integer, static_int
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_encoded, check_tokens
-from jaxlod.nn._recurrent import count_steps, zero_padding
+from jaxlod.nn._recurrent import count_steps, counted_carry, counted_step, zero_padding
 from jaxlod.ops import _decode
 from jaxlod.ops._attention import Memory, check_memory_lod
+from jaxlod.ops._corpus import decode_corpus
 from jaxlod.ops._decode import check_settings
 from jaxlod.ops._pool import sequence_pool
 from jaxlod.ops._rank import RankTable, check_table
@@ -187,3 +193,119 @@ def generate(
     num_sources=check_lod(src, "src").num_sequences(-1),
   )
   return _decode.faulted_by(hyps, encoded)
+
+
+def _corpus_sources(sources: Any, capacity: int, vocab: int) -> Iterator[np.ndarray]:
+  """`sources` read one by one as int32 ``[length]`` ids, each checked on the
+  host: 1-D (or ``[length, 1]``) integers, at most `capacity` of them, each
+  in ``[0, vocab)``, an error naming the source's index in the corpus."""
+  for i, source in enumerate(sources):
+    ids = np.asarray(source)
+    if ids.ndim == 2 and ids.shape[1] == 1:
+      ids = ids[:, 0]
+    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+      raise ValueError(
+        f"Expected every source to be int ids [length], got {ids.dtype.name}"
+        f"{list(ids.shape)} for source {i} of the corpus."
+      )
+    if ids.size > capacity:
+      raise ValueError(
+        f"Expected every source to hold at most {capacity} ids (`src_capacity`), "
+        f"got {ids.size} for source {i} of the corpus."
+      )
+    outside = (ids < 0) | (ids >= vocab)
+    if outside.any():
+      raise ValueError(
+        f"Expected every id of source {i} of the corpus in [0, {vocab}) (the "
+        f"source vocabulary), got {int(ids[np.argmax(outside)])}."
+      )
+    yield ids.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusStep:
+  """The ensemble's decoding step of `generate_corpus`, a hashable function
+  of the members' parameters: equal members compile once across calls.
+
+  Attributes:
+    rebuild: ``rebuild(params) -> list[Member]``, hashable (its equality
+      says when two ensembles are the same programs).
+  """
+
+  rebuild: Callable[[Any], list[Member]]
+
+  def __call__(self, params: Any, carries: tuple, tokens: jax.Array, memories: tuple):
+    """`jaxlod.ops.ensemble_step` of the rebuilt members' steps."""
+    steps = [counted_step(member.decode_step) for member in self.rebuild(params)]
+    return _decode.ensemble_step([lambda c, t, m, f=f: f(c, t, m)[:2] for f in steps])(
+      carries, tokens, memories
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _encode_corpus(rebuild: Callable, params: Any, src: LoDTensor) -> tuple:
+  """Every member's initial carry and precomputed memory of `src`."""
+  carries, memories = [], []
+  for member in rebuild(params):
+    memory = member.encode(src, None)
+    carry = member.initial_state(memory)
+    if counted_step(member.decode_step) is not member.decode_step:
+      carry = counted_carry(carry)
+    carries.append(carry)
+    memories.append(member.precompute(memory))
+  return tuple(carries), tuple(memories)
+
+
+def generate_corpus(
+  rebuild: Callable[[Any], list[Member]],
+  params: Any,
+  src_vocab: int,
+  sources: Iterable,
+  settings: _decode.DecodeSettings,
+  *,
+  src_capacity: int,
+  slots: int,
+  max_length_fn: Callable[[np.ndarray], int] | None,
+  refill: int | None,
+  chunk: int,
+  stats: dict | None,
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+  """`jaxlod.ops.decode_corpus` over the mean of the members'
+  log-probabilities: `generate` of a corpus, with continuous refill.
+
+  The members are ``rebuild(params)``, `rebuild` hashable and `params` their
+  arrays, so that the programs take the arrays as arguments and compile
+  once per `rebuild`, settings and sizes, across calls. Each refill of
+  ``refill`` sources is packed on the host into a LoDTensor of fixed
+  capacities (`refill` sequences of at most `src_capacity` ids) and encoded
+  by one jitted program, every member's memory and initial carry.
+  """
+  check_settings(settings)
+  src_capacity = static_int(src_capacity, "src_capacity", minimum=1)
+  if max_length_fn is not None:
+    _checks.check_callable(max_length_fn, "max_length_fn")
+  slots = static_int(slots, "slots", minimum=1)
+  refill = max(1, slots // 4) if refill is None else static_int(refill, "refill", 1)
+  buckets = Buckets.fixed(
+    tokens=refill * src_capacity, sequences=refill, time=src_capacity
+  )
+
+  def encode_fn(batch: list[np.ndarray]) -> tuple[Any, Any, Any]:
+    src = LoDTensor.from_sequences(batch, buckets=buckets, dtype=np.int32)
+    carries, memories = _encode_corpus(rebuild, params, src)
+    lengths = None
+    if max_length_fn is not None:
+      lengths = np.ones((refill,), np.int32)
+      lengths[: len(batch)] = [max_length_fn(ids) for ids in batch]
+    return carries, memories, lengths
+
+  return decode_corpus(
+    Partial(CorpusStep(rebuild), params),
+    encode_fn,
+    _corpus_sources(sources, src_capacity, src_vocab),
+    settings,
+    slots=slots,
+    refill=refill,
+    chunk=chunk,
+    stats=stats,
+  )

@@ -57,14 +57,28 @@ def count_steps(step: Callable, carry: Any) -> tuple[Callable, Any, Callable]:
   """
   if not getattr(step, "streams", ()):
     return step, carry, lambda final: final
-  count = jax.tree.leaves(carry)[0].shape[0]
+  return counted_step(step), counted_carry(carry), lambda final: final[0]
+
+
+def counted_step(step: Callable) -> Callable:
+  """`count_steps`'s step alone: `step` over ``(carry, counter)``, its streams
+  folded with the counter's maximum; a step without streams unchanged."""
+  if not getattr(step, "streams", ()):
+    return step
 
   def counted(state: Any, *args: Any) -> Any:
     inner, t = state
     new, *rest = step(inner, *args, step=jnp.max(t, initial=0))
     return ((new, t + 1), *rest)
 
-  return counted, (carry, jnp.zeros((count,), jnp.int32)), lambda final: final[0]
+  return counted
+
+
+def counted_carry(carry: Any) -> Any:
+  """`count_steps`'s carry alone: `carry` with a zero step counter
+  ``[count]``."""
+  count = jax.tree.leaves(carry)[0].shape[0]
+  return carry, jnp.zeros((count,), jnp.int32)
 
 
 def override(layer: Any, **values: Any) -> list[Any]:

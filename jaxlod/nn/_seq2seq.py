@@ -3,12 +3,14 @@ ensemble_generate. The NNX twins live in `jaxlod.nn.nnx`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlod import _checks
 from jaxlod._lod import LoDTensor
@@ -21,6 +23,7 @@ from jaxlod.nn._encoder_decoder import (
   encode_ids,
   forced_logits,
   generate,
+  generate_corpus,
 )
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops._attention import Memory
@@ -224,6 +227,67 @@ class Seq2Seq(nn.Module):
       [self.member()], src, settings, max_lengths=max_lengths, src_table=src_table
     )
 
+  def generate_corpus(
+    self,
+    sources: Iterable,
+    settings: DecodeSettings,
+    *,
+    src_capacity: int,
+    slots: int,
+    max_length_fn: Callable[[np.ndarray], int] | None = None,
+    refill: int | None = None,
+    chunk: int = 8,
+    stats: dict | None = None,
+  ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    """Decodes a corpus with continuous refill (`jaxlod.ops.decode_corpus`):
+    `slots` sources in flight, new ones encoded into the slots of finished
+    ones; `ensemble_generate_corpus` with this model as the one member.
+
+    Call it through ``model.apply(variables, sources, settings,
+    method="generate_corpus", src_capacity=..., slots=...)``, not under
+    `jax.jit`: it returns an iterator that runs its own jitted programs
+    (compiled once per call, for the whole corpus) as it is read.
+
+    Args:
+      sources: an iterable of sources, each int ids ``[length]`` (a list or
+        an array), read as slots free up: a file's lines stream through in
+        bounded memory.
+      settings: the `jaxlod.ops.DecodeSettings` (its `ladder` and `plan`
+        do not apply: the slots stay full instead).
+      src_capacity: the most ids of a source (the encoder's time capacity).
+      slots: the sources in flight.
+      max_length_fn: a source's ids to its max hypothesis length (at most
+        ``settings.max_length``), e.g. ``lambda ids: len(ids) + 13``;
+        `None`: ``settings.max_length``.
+      refill, chunk, stats: as `jaxlod.ops.decode_corpus`'s.
+
+    Yields:
+      Per source, in the corpus's order, ``(ids, scores)``: up to
+      `num_results` hypotheses best first (``ids[j]`` int32 ``[length]``,
+      `eos` excluded), as `generate` gives them for that source alone.
+
+    Raises:
+      ValueError: as `generate`, and while reading, for a source longer
+        than `src_capacity`, not 1-D, or with an id outside ``[0,
+        src_vocab)``, naming its index in the corpus.
+    """
+    if self.is_initializing():
+      self.member()  # raises: decoding needs parameters
+    model, variables = self.unbind()
+    return generate_corpus(
+      Members((model,)),
+      ((variables,), _stream_keys(self)),
+      self.src_vocab,
+      sources,
+      settings,
+      src_capacity=src_capacity,
+      slots=slots,
+      max_length_fn=max_length_fn,
+      refill=refill,
+      chunk=chunk,
+      stats=stats,
+    )
+
   def __call__(
     self,
     src: LoDTensor,
@@ -355,6 +419,83 @@ def ensemble_generate(
     >>> [len(h) for h in hyps.ids.to_list()]
     [2, 2]
   """
+  pure = _pure_members(members, rngs)
+  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
+
+
+def ensemble_generate_corpus(
+  members: Sequence[tuple[Seq2Seq, Any]],
+  sources: Iterable,
+  settings: DecodeSettings,
+  *,
+  src_capacity: int,
+  slots: int,
+  max_length_fn: Callable[[np.ndarray], int] | None = None,
+  refill: int | None = None,
+  chunk: int = 8,
+  stats: dict | None = None,
+  rngs: dict[str, jax.Array] | None = None,
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+  """Decodes a corpus with an ensemble of encoder-decoders and continuous
+  refill: `ensemble_generate`'s search (the mean of the members'
+  log-probabilities) run by `jaxlod.ops.decode_corpus`.
+
+  Args:
+    members, settings, rngs: as `ensemble_generate`'s; the members share
+      the source vocabulary too.
+    sources, src_capacity, slots, max_length_fn, refill, chunk, stats: as
+      `Seq2Seq.generate_corpus`'s.
+
+  Yields:
+    Per source, in the corpus's order, ``(ids, scores)``, as
+    `ensemble_generate` gives them for that source alone.
+
+  Raises:
+    TypeError, ValueError: as `ensemble_generate` and
+      `Seq2Seq.generate_corpus`, and for members with different
+      ``src_vocab``.
+  """
+  _pure_members(members, rngs)  # the checks
+  vocab = check_vocabs([model.src_vocab for model, _ in members], "src_vocab")
+  return generate_corpus(
+    Members(tuple(model for model, _ in members)),
+    (tuple(variables for _, variables in members), check_rngs(rngs) or {}),
+    vocab,
+    sources,
+    settings,
+    src_capacity=src_capacity,
+    slots=slots,
+    max_length_fn=max_length_fn,
+    refill=refill,
+    chunk=chunk,
+    stats=stats,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+  """An ensemble's unbound models, hashable: ``Members(models)((variables,
+  rngs))`` binds each to its variables and RNG streams (member ``k`` drawing
+  from each key folded with ``k``) as `Member`s."""
+
+  models: tuple[Seq2Seq, ...]
+
+  def __call__(self, params: tuple[tuple, dict[str, jax.Array]]) -> list[Member]:
+    variables, rngs = params
+    return [
+      model.bind(v, rngs=_member_rngs(rngs, k)).member()
+      for k, (model, v) in enumerate(zip(self.models, variables, strict=True))
+    ]
+
+
+def _stream_keys(module: nn.Module) -> dict[str, jax.Array]:
+  """A bound module's RNG streams but ``params``, one key each."""
+  return {name: module.make_rng(name) for name in module.scope.rngs if name != "params"}
+
+
+def _pure_members(members: Any, rngs: Any) -> list[Member]:
+  """The checked ``(Seq2Seq, variables)`` pairs of an ensemble as `Member`s,
+  member ``k`` drawing from `rngs` folded with ``k``."""
   members = _checks.check_sequence(
     members, "members", "a sequence of (Seq2Seq, variables) pairs"
   )
@@ -370,11 +511,10 @@ def ensemble_generate(
       )
   check_vocabs([model.tgt_vocab for model, _ in members])
   rngs = check_rngs(rngs) or {}
-  pure = [
+  return [
     model.bind(variables, rngs=_member_rngs(rngs, k)).member()
     for k, (model, variables) in enumerate(members)
   ]
-  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
 
 
 def _member_rngs(rngs: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.tree_util import Partial
 
 from jaxlod._checks import check_callable, static_int
 from jaxlod._host import check_rows
@@ -46,12 +47,14 @@ class _Loop(NamedTuple):
   t: jax.Array  # int32 [slots]
 
 
-def _programs(step_fn: Callable, settings: DecodeSettings, chunk: int):
-  """The jitted programs: `start` (new sources as search states), `insert`
-  (into freed slots), `advance` (`chunk` steps of every slot) and `harvest`
-  (every slot's best results)."""
+@functools.cache
+def _programs(settings: DecodeSettings, chunk: int):
+  """The jitted programs, each taking the step function as a pytree (a
+  `jax.tree_util.Partial`) argument: `start` (new sources as search
+  states), `insert` (into freed slots), `advance` (`chunk` steps of every
+  slot) and `harvest` (every slot's best results). Cached per settings and
+  chunk, they compile once per step function and sizes across calls."""
   k, cap = settings.beam_size, settings.max_length
-  step = checked_step(step_fn, settings.bos_id, settings.eos_id, cap)
   if k == 1:
     update = functools.partial(_search.greedy_update, eos_id=settings.eos_id)
   else:
@@ -62,8 +65,12 @@ def _programs(step_fn: Callable, settings: DecodeSettings, chunk: int):
       num_results=settings.results,
     )
 
+  def checked(step_fn: Callable) -> Callable:
+    return checked_step(step_fn, settings.bos_id, settings.eos_id, cap)
+
   @jax.jit
-  def start(init_carry, statics, max_lengths, n, first):
+  def start(step_fn, init_carry, statics, max_lengths, n, first):
+    step = checked(step_fn)
     count = jax.tree.leaves((init_carry, statics))[0].shape[0]
 
     def beams(a):
@@ -93,7 +100,9 @@ def _programs(step_fn: Callable, settings: DecodeSettings, chunk: int):
     return _Loop(state, loop.t.at[dest].set(0, mode="drop"))
 
   @jax.jit
-  def advance(loop: _Loop) -> _Loop:
+  def advance(step_fn, loop: _Loop) -> _Loop:
+    step = checked(step_fn)
+
     def one(_, loop):
       state, t = loop
       active = ~state.done
@@ -206,7 +215,9 @@ def decode_corpus(
 
 
 def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats):
-  start, insert, advance, harvest = _programs(step_fn, settings, chunk)
+  if not isinstance(step_fn, Partial):
+    step_fn = Partial(step_fn)
+  start, insert, advance, harvest = _programs(settings, chunk)
   cap = settings.max_length
   occupied = np.zeros((slots,), bool)
   index_of = np.full((slots,), -1)
@@ -236,7 +247,7 @@ def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
       statics = prepare_statics(statics, refill, per="source")
       check_rows((init_carry, statics), refill, "encode_fn's outputs")
       lengths = _check_max_lengths(max_lengths, len(batch), refill, cap, read)
-      new = start(init_carry, statics, lengths, len(batch), read)
+      new = start(step_fn, init_carry, statics, lengths, len(batch), read)
       if loop is None:
         loop = _Loop(
           jax.tree.map(lambda a: jnp.zeros((slots,) + a.shape[1:], a.dtype), new),
@@ -254,7 +265,7 @@ def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
     if not occupied.any():
       break
     before = np.asarray(loop.t)
-    loop = advance(loop)
+    loop = advance(step_fn, loop)
     t, done = np.asarray(loop.t), np.asarray(loop.state.done)
     counts["chunks"] += 1
     counts["slot_steps"] += slots * chunk

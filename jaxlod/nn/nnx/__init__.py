@@ -26,6 +26,7 @@ from jaxlod.nn.nnx._rnn import (
 from jaxlod.nn.nnx._seq2seq import (
   Seq2Seq,
   ensemble_generate,
+  ensemble_generate_corpus,
 )
 
 # The names of `jaxlod.nn`, one twin each (tests/nn/test_twins.py holds them equal).

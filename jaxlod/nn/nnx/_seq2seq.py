@@ -3,11 +3,13 @@ ensemble_generate, the twins of `jaxlod.nn`'s."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlod import _checks
@@ -21,6 +23,7 @@ from jaxlod.nn._encoder_decoder import (
   encode_ids,
   forced_logits,
   generate,
+  generate_corpus,
 )
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
@@ -180,6 +183,37 @@ class Seq2Seq(nnx.Module):
       [self.member()], src, settings, max_lengths=max_lengths, src_table=src_table
     )
 
+  def generate_corpus(
+    self,
+    sources: Iterable,
+    settings: DecodeSettings,
+    *,
+    src_capacity: int,
+    slots: int,
+    max_length_fn: Callable[[np.ndarray], int] | None = None,
+    refill: int | None = None,
+    chunk: int = 8,
+    stats: dict | None = None,
+  ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    """Decodes a corpus with continuous refill: as
+    `jaxlod.nn.Seq2Seq.generate_corpus`, with this model as the one member
+    of `ensemble_generate_corpus`. Call it outside `nnx.jit`; the model's
+    state is read as the iterator runs."""
+    graphdef, state = nnx.split(self)
+    return generate_corpus(
+      Members((graphdef,)),
+      (state,),
+      self.src_vocab,
+      sources,
+      settings,
+      src_capacity=src_capacity,
+      slots=slots,
+      max_length_fn=max_length_fn,
+      refill=refill,
+      chunk=chunk,
+      stats=stats,
+    )
+
   def __call__(
     self,
     src: LoDTensor,
@@ -226,11 +260,70 @@ def ensemble_generate(
     ValueError: for no members, members with different ``tgt_vocab``,
       `rngs` other than `None`, and as `Seq2Seq.generate` does.
   """
+  _check_no_rngs(rngs)
+  pure = _pure_members(members)
+  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
+
+
+def ensemble_generate_corpus(
+  members: Sequence[Seq2Seq],
+  sources: Iterable,
+  settings: DecodeSettings,
+  *,
+  src_capacity: int,
+  slots: int,
+  max_length_fn: Callable[[np.ndarray], int] | None = None,
+  refill: int | None = None,
+  chunk: int = 8,
+  stats: dict | None = None,
+  rngs: None = None,
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+  """Decodes a corpus with an ensemble of encoder-decoders and continuous
+  refill: the NNX twin of `jaxlod.nn.ensemble_generate_corpus`, with the
+  members given as `Seq2Seq` modules (`rngs` as in `ensemble_generate`)."""
+  _check_no_rngs(rngs)
+  _pure_members(members)  # the checks
+  vocab = check_vocabs([model.src_vocab for model in members], "src_vocab")
+  graphdefs, states = zip(*(nnx.split(model) for model in members), strict=True)
+  return generate_corpus(
+    Members(graphdefs),
+    states,
+    vocab,
+    sources,
+    settings,
+    src_capacity=src_capacity,
+    slots=slots,
+    max_length_fn=max_length_fn,
+    refill=refill,
+    chunk=chunk,
+    stats=stats,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+  """An ensemble's graph definitions, hashable: ``Members(graphdefs)(
+  states)`` merges each with its state as a `Member`."""
+
+  graphdefs: tuple[Any, ...]
+
+  def __call__(self, states: tuple) -> list[Member]:
+    return [
+      nnx.merge(graphdef, state).member()
+      for graphdef, state in zip(self.graphdefs, states, strict=True)
+    ]
+
+
+def _check_no_rngs(rngs: Any) -> None:
   if rngs is not None:
     raise ValueError(
       "Expected `rngs` to be None: NNX members draw from the nnx.Rngs they "
       "were built with (`rngs` is for the Linen twin, jaxlod.nn.ensemble_generate)."
     )
+
+
+def _pure_members(members: Any) -> list[Member]:
+  """The checked `Seq2Seq` members of an ensemble as `Member`s."""
   members = _checks.check_sequence(members, "members", "a sequence of Seq2Seq")
   for k, model in enumerate(members):
     if not isinstance(model, Seq2Seq):
@@ -238,5 +331,4 @@ def ensemble_generate(
         f"Expected `members[{k}]` to be a Seq2Seq, got {type(model).__name__}."
       )
   check_vocabs([model.tgt_vocab for model in members])
-  pure = [model.member() for model in members]
-  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
+  return [model.member() for model in members]
