@@ -208,8 +208,7 @@ def run(
   }
   paired = {other: _paired(timing, "refill", other) for other in per_batch}
   same = {
-    arm: compare(results["compaction"], results[arm])
-    for arm in ("batchwide", "refill")
+    arm: compare(results["compaction"], results[arm]) for arm in ("batchwide", "refill")
   }
   compile_ratio = arms["refill"]["compile_s"] / arms["compaction"]["compile_s"]
   measured = {
@@ -263,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--train-steps", type=int, default=200)
   parser.add_argument("--repeats", type=int, default=7, help="timed rounds")
   parser.add_argument("--slots", type=int, default=128, help="refill's slots")
-  parser.add_argument("--refill", type=int, default=16, help="refill's batch")
-  parser.add_argument("--chunk", type=int, default=4, help="refill's steps a chunk")
+  X
+  parser.add_argument("--chunk", type=int, default=2, help="refill's steps a chunk")
   parser.add_argument("--json", help="also write the report here")
   args = parser.parse_args(argv)
   for name in ("train_steps", "repeats", "slots", "refill", "chunk"):

@@ -428,6 +428,46 @@ target(
   {"src": arg(ids, "lod"), "table": arg(None, "table", none_ok=True)},
   call=lambda **kw: nnx_model().encode(**kw),
 )
+CORPUS = {
+  "sources": arg(lambda: [], "iterable"),
+  "settings": arg(MODEL_SETTINGS, "settings"),
+  "src_capacity": arg(4, "size>=1"),
+  "slots": arg(2, "size>=1"),
+  "max_length_fn": arg(None, "callable", none_ok=True),
+  "refill": arg(None, "size>=1", none_ok=True),
+  "chunk": arg(8, "size>=1"),
+  "stats": arg(None, "mapping", none_ok=True),
+}
+target(
+  "nn.Seq2Seq.generate_corpus",
+  linen.Seq2Seq.generate_corpus,
+  CORPUS,
+  call=lambda **kw: linen_model().apply(linen_params(), method="generate_corpus", **kw),
+)
+target(
+  "nnx.Seq2Seq.generate_corpus",
+  nnx_layers.Seq2Seq.generate_corpus,
+  CORPUS,
+  call=lambda **kw: nnx_model().generate_corpus(**kw),
+)
+target(
+  "nn.ensemble_generate_corpus",
+  linen.ensemble_generate_corpus,
+  {
+    "members": arg(lambda: [(linen_model(), linen_params())], "members"),
+    **CORPUS,
+    "rngs": arg(None, "mapping", none_ok=True),
+  },
+)
+target(
+  "nnx.ensemble_generate_corpus",
+  nnx_layers.ensemble_generate_corpus,
+  {
+    "members": arg(lambda: [nnx_model()], "members"),
+    **CORPUS,
+    "rngs": arg(None, "mapping", none_ok=True),
+  },
+)
 target(
   "nn.ensemble_generate",
   linen.ensemble_generate,

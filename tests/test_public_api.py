@@ -56,6 +56,7 @@ FOUNDATION = {
     "Seq2Seq",
     "StackedRNN",
     "ensemble_generate",
+    "ensemble_generate_corpus",
   },
   "jaxlod.data": {"Batch", "Batcher"},
   # Scale-out (a contract).

@@ -23,7 +23,7 @@ from jaxlod.nn._recurrent import count_steps
 from jaxlod.ops import _attention as core
 from jaxlod.ops._attention import Memory, check_memory_lod
 from jaxlod.ops._plan import LoopPlan, plan_with_ladder, resolve_plan
-from jaxlod.ops._rank import RankTable
+from jaxlod.ops._rank import RankTable, nan_unless
 
 
 def attend_query(
@@ -37,8 +37,8 @@ def attend_query(
   `memory` (an array with `lengths`, a one-level LoDTensor or a
   `jaxlod.ops.Memory`, with `keys`), then `jaxlod.ops.attend`."""
   query = as_array(query, "query")
-  memory = core.as_memory(memory, lengths, keys)
-  return core.attend(scores(query, memory), memory)
+  memory, fits = core.memory_and_fits(memory, lengths, keys)
+  return nan_unless(fits, core.attend(scores(query, memory), memory))
 
 
 def precompute_memory(attention: Any, memory: LoDTensor) -> Memory:

@@ -198,8 +198,24 @@ def generate(
 def _corpus_sources(sources: Any, capacity: int, vocab: int) -> Iterator[np.ndarray]:
   """`sources` read one by one as int32 ``[length]`` ids, each checked on the
   host: 1-D (or ``[length, 1]``) integers, at most `capacity` of them, each
-  in ``[0, vocab)``, an error naming the source's index in the corpus."""
-  for i, source in enumerate(sources):
+  in ``[0, vocab)``, an error naming the source's index in the corpus.
+
+  Raises:
+    TypeError: at once, for `sources` that is not iterable.
+  """
+  try:
+    iterator = iter(sources)
+  except TypeError:
+    raise TypeError(
+      f"Expected `sources` to be an iterable of sources, got {type(sources).__name__}."
+    ) from None
+  return _checked_sources(iterator, capacity, vocab)
+
+
+def _checked_sources(
+  iterator: Iterator, capacity: int, vocab: int
+) -> Iterator[np.ndarray]:
+  for i, source in enumerate(iterator):
     ids = np.asarray(source)
     if ids.ndim == 2 and ids.shape[1] == 1:
       ids = ids[:, 0]

@@ -105,13 +105,28 @@ def as_memory(
       than one level or rows that are not vectors, or an array of the
       wrong rank.
   """
+  memory, fits = memory_and_fits(memory, lengths, keys)
+  if fits is True:
+    return memory
+  return memory._replace(values=nan_unless(fits, memory.values))
+
+
+def memory_and_fits(
+  memory: Memory | LoDTensor | jax.typing.ArrayLike,
+  lengths: jax.typing.ArrayLike | None = None,
+  keys: LoDTensor | jax.typing.ArrayLike | None = None,
+) -> tuple[Memory, Any]:
+  """`as_memory` with the check of an array's `lengths` apart: ``(memory,
+  fits)``, `fits` `True` or (under `jit`) whether every length is in
+  ``[0, source_capacity]``. An attention poisons its outputs with it, not
+  the whole memory (a pass over every value at every decoding step)."""
   if isinstance(memory, Memory):
     if lengths is not None or keys is not None:
       raise ValueError(
         "Got `lengths` or `keys` with a `Memory`, which holds both; pass "
         "`lengths=None` and `keys=None`."
       )
-    return memory
+    return memory, True
   if isinstance(keys, LoDTensor):
     keys = keys.to_padded()[0]
   elif keys is not None:
@@ -123,7 +138,7 @@ def as_memory(
         "pass `lengths=None`."
       )
     values, lengths = check_memory_lod(memory).to_padded()
-    return Memory(values, lengths, _check_padded_keys(keys, values))
+    return Memory(values, lengths, _check_padded_keys(keys, values)), True
   values = as_array(
     memory,
     "memory",
@@ -151,7 +166,7 @@ def as_memory(
       f"Expected `lengths` to have an integer dtype, got {lengths.dtype}."
     )
   fits = _check_lengths(lengths, values.shape[1])
-  return Memory(nan_unless(fits, values), lengths, _check_padded_keys(keys, values))
+  return Memory(values, lengths, _check_padded_keys(keys, values)), fits
 
 
 def _check_lengths(lengths: jax.Array, capacity: int) -> Any:

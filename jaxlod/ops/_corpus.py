@@ -24,6 +24,7 @@ another batch size. The programs compile once per `slots`, `refill` and
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -41,10 +42,12 @@ from jaxlod.ops._rnn import prepare_statics
 
 
 class _Loop(NamedTuple):
-  """The slots in flight and the step each source is at."""
+  """The slots in flight, the step each source is at, and their memories
+  (apart: a chunk reads them and leaves them in place)."""
 
-  state: _search.State  # `source` is the corpus index (-1: a free slot)
+  state: _search.State  # `statics` is (); `source` the corpus index (-1: free)
   t: jax.Array  # int32 [slots]
+  statics: Any  # the search's statics, leaves [slots, beam, ...]
 
 
 @functools.cache
@@ -94,22 +97,30 @@ def _programs(settings: DecodeSettings, chunk: int):
       source=jnp.where(real, first + jnp.arange(count, dtype=jnp.int32), -1),
     )
 
-  @jax.jit
-  def insert(loop: _Loop, new: _search.State, dest: jax.Array) -> _Loop:
-    state = jax.tree.map(lambda a, b: a.at[dest].set(b, mode="drop"), loop.state, new)
-    return _Loop(state, loop.t.at[dest].set(0, mode="drop"))
+  # The loop's buffers (the memories of every slot's beams) are donated: an
+  # insert or a chunk updates them in place instead of copying them.
+  @functools.partial(jax.jit, donate_argnums=0)
+  def insert(loop: _Loop, new: _search.State, rows: jax.Array, dest: jax.Array):
+    def put(a, b):
+      return a.at[dest].set(b[rows], mode="drop")
 
-  @jax.jit
-  def advance(step_fn, loop: _Loop) -> _Loop:
+    state = jax.tree.map(put, loop.state, new._replace(statics=()))
+    statics = jax.tree.map(put, loop.statics, new.statics)
+    return _Loop(state, loop.t.at[dest].set(0, mode="drop"), statics)
+
+  @functools.partial(jax.jit, donate_argnums=1)
+  def advance(step_fn, core: tuple[_search.State, jax.Array], statics: Any):
     step = checked(step_fn)
 
-    def one(_, loop):
-      state, t = loop
+    def one(_, core):
+      state, t = core
       active = ~state.done
-      state = _search.advance_sources(state, t, step, update)
-      return _Loop(state, t + active.astype(t.dtype))
+      state = _search.advance_sources(state._replace(statics=statics), t, step, update)
+      return state._replace(statics=()), t + active.astype(t.dtype)
 
-    return lax.fori_loop(0, chunk, one, loop)
+    # Unrolled: as a while loop, XLA copies the loop-invariant memories into
+    # the loop's state at every call (about 1.5 ms of a 4.6 ms step here).
+    return lax.fori_loop(0, chunk, one, core, unroll=True)
 
   @jax.jit
   def harvest(slots: _search.Slots):
@@ -221,8 +232,11 @@ def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
   cap = settings.max_length
   occupied = np.zeros((slots,), bool)
   index_of = np.full((slots,), -1)
+  t = np.zeros((slots,), np.int32)
   results: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
   read, out, exhausted, loop = 0, 0, False, None
+  # The encoded sources not yet in a slot: rows [taken, count) of `pending`.
+  pending, taken, count = None, 0, 0
   counts = {"slot_steps": 0, "source_steps": 0, "chunks": 0}
 
   def report():
@@ -233,43 +247,50 @@ def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
   report()
   while True:
     free = np.flatnonzero(~occupied)
-    while not exhausted and free.size and (free.size >= refill or not occupied.any()):
-      batch = []
-      for _ in range(min(refill, free.size)):
-        try:
-          batch.append(next(iterator))
-        except StopIteration:
-          exhausted = True
+    while free.size and not (exhausted and taken == count):
+      if taken == count:  # encode the next `refill` sources
+        batch = list(itertools.islice(iterator, refill))
+        exhausted = len(batch) < refill
+        if not batch:
           break
-      if not batch:
-        break
-      init_carry, statics, max_lengths = encode_fn(batch)
-      statics = prepare_statics(statics, refill, per="source")
-      check_rows((init_carry, statics), refill, "encode_fn's outputs")
-      lengths = _check_max_lengths(max_lengths, len(batch), refill, cap, read)
-      new = start(step_fn, init_carry, statics, lengths, len(batch), read)
-      if loop is None:
-        loop = _Loop(
-          jax.tree.map(lambda a: jnp.zeros((slots,) + a.shape[1:], a.dtype), new),
-          jnp.zeros((slots,), jnp.int32),
-        )
-        loop = loop._replace(state=loop.state._replace(done=jnp.ones((slots,), bool)))
-      where = free[: len(batch)]
-      dest = np.full((refill,), slots, np.int32)
-      dest[: len(batch)] = where
-      loop = insert(loop, new, dest)
+        init_carry, statics, max_lengths = encode_fn(batch)
+        statics = prepare_statics(statics, refill, per="source")
+        check_rows((init_carry, statics), refill, "encode_fn's outputs")
+        lengths = _check_max_lengths(max_lengths, len(batch), refill, cap, read)
+        pending = start(step_fn, init_carry, statics, lengths, len(batch), read)
+        taken, count = 0, len(batch)
+        read += len(batch)
+        if loop is None:
+          empty = jax.tree.map(
+            lambda a: jnp.zeros((slots,) + a.shape[1:], a.dtype), pending
+          )
+          loop = _Loop(
+            empty._replace(statics=(), done=jnp.ones((slots,), bool)),
+            jnp.zeros((slots,), jnp.int32),
+            empty.statics,
+          )
+      n = min(free.size, count - taken)
+      where = free[:n]
+      rows = np.zeros((refill,), np.int32)
+      rows[:n] = np.arange(taken, taken + n)
+      dest = np.full((refill,), slots, np.int32)  # out of range: dropped
+      dest[:n] = where
+      loop = insert(loop, pending, rows, dest)
       occupied[where] = True
-      index_of[where] = np.arange(read, read + len(batch))
-      read += len(batch)
-      free = free[len(batch) :]
+      index_of[where] = np.arange(read - count + taken, read - count + taken + n)
+      t[where] = 0
+      taken += n
+      free = free[n:]
     if not occupied.any():
       break
-    before = np.asarray(loop.t)
-    loop = advance(step_fn, loop)
-    t, done = np.asarray(loop.t), np.asarray(loop.state.done)
+    state, after = advance(step_fn, (loop.state, loop.t), loop.statics)
+    loop = loop._replace(state=state, t=after)
+    # Copies: the next chunk reuses (donates) the loop's buffers.
+    after, done = np.array(after), np.array(state.done)
     counts["chunks"] += 1
     counts["slot_steps"] += slots * chunk
-    counts["source_steps"] += int(np.sum((t - before)[occupied]))
+    counts["source_steps"] += int(np.sum((after - t)[occupied]))
+    t = after
     finished = occupied & done
     if finished.any():
       tokens, lengths, best = (np.asarray(a) for a in harvest(loop.state.slots))
