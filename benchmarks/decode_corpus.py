@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--train-steps", type=int, default=200)
   parser.add_argument("--repeats", type=int, default=7, help="timed rounds")
   parser.add_argument("--slots", type=int, default=128, help="refill's slots")
-  X
+  parser.add_argument("--refill", type=int, default=64, help="refill's batch")
   parser.add_argument("--chunk", type=int, default=2, help="refill's steps a chunk")
   parser.add_argument("--json", help="also write the report here")
   args = parser.parse_args(argv)
