@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import pathlib
 import sys
@@ -478,7 +479,9 @@ def _predict_parser() -> argparse.ArgumentParser:
     "words",
     nargs="*",
     metavar="WORD",
-    help="words to transcribe (default: one a line from standard input)",
+    help="words to transcribe (default: one a line from standard input, read "
+    "as the decoder takes them and printed as they finish, in order: a long "
+    "word list streams through in bounded memory)",
   )
   parser.add_argument(
     "--workdir",
@@ -527,15 +530,35 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
   except ValueError as error:
     print(f"{parser.prog}: {error}", file=sys.stderr)
     return 2
-  words = args.words or [line.strip() for line in sys.stdin if line.strip()]
-  kept, messages = decoding.check_words(words, trained.letters)
-  for message in messages:
-    print(f"{parser.prog}: left out {message}", file=sys.stderr)
+  words = args.words or (line.strip() for line in sys.stdin if line.strip())
   beam = max(trained.config.beam, nbest) if args.beam is None else args.beam
-  results = decoding.transcribe(trained, [w for _, w in kept], beam, nbest)
-  for (i, _), hyps in zip(kept, results, strict=True):
+  shown: collections.deque[str] = collections.deque()  # read, not yet printed
+  left_out = False
+
+  def kept_words():
+    """The words the model can transcribe, as they are read; the others are
+    named on standard error at once."""
+    nonlocal left_out
+    for word in words:
+      kept, messages = decoding.check_words([word], trained.letters)
+      for message in messages:
+        print(f"{parser.prog}: left out {message}", file=sys.stderr, flush=True)
+        left_out = True
+      if kept:
+        shown.append(word.strip())
+        yield kept[0][1]
+
+  config = trained.config
+  if config.members > 1 and config.both_directions:  # rescoring needs them all
+    results = iter(decoding.transcribe(trained, list(kept_words()), beam, nbest))
+  else:
+    found = kept_words()
+    results = decoding.stream(
+      trained.params, config, trained.letters, trained.phones, found, beam, nbest
+    )
+  for hyps in results:  # in order, each printed as soon as it and those before are
+    word = shown.popleft()
     for phones, score in hyps[:nbest]:
-      line = f"{words[i].strip()}\t{' '.join(phones)}"
-      print(line if args.nbest is None else f"{line}\t{score:.4f}")
-  sys.stdout.flush()
-  return 1 if messages else 0
+      line = f"{word}\t{' '.join(phones)}"
+      print(line if args.nbest is None else f"{line}\t{score:.4f}", flush=True)
+  return 1 if left_out else 0

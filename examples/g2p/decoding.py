@@ -1,16 +1,18 @@
 """The G2P example's decoding: beam search over words, error rates, rescoring.
 
-`predict` and `evaluate` decode batches of words with the jitted searches
-of `model` (on one device or data-parallel over a mesh); `transcribe`
-gives each word's n-best pronunciations with their scores, and decodes an
-ensemble of both directions by `rescore`-ing its members' hypotheses with
-all of them.
+`stream` decodes words as they are read, with continuous refill
+(`Seq2Seq.generate_corpus`): a slot freed by a finished word takes the
+next one. `predict` and `evaluate` decode with it on one device, and
+batches of words data-parallel over a mesh (`model.parallel_decoder`);
+`transcribe` gives each word's n-best pronunciations with their scores,
+and decodes an ensemble of both directions by `rescore`-ing its members'
+hypotheses with all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from examples.g2p import data
 from examples.g2p import model as m
 from examples.g2p.checkpoints import Trained
 from jaxlod.data import Batcher
+from jaxlod.nn import ensemble_generate_corpus
 from jaxlod.ops import length_normalized
 
 
@@ -55,6 +58,54 @@ def _word_batcher(
   )
 
 
+def stream(
+  params: Any,
+  config: m.Config,
+  letters: data.Vocab,
+  phones: data.Vocab,
+  words: Iterable[str],
+  beam: int,
+  nbest: int = 1,
+) -> Iterator[list[tuple[tuple[str, ...], float]]]:
+  """Each word's `nbest` best pronunciations, best first, as ``(phonemes,
+  score)``, in `words`' order, by beam search with continuous refill.
+
+  `words` (lower-case words of `letters`, at most `m.TIME_CAPACITY`
+  letters: `check_words`) is read as slots free up, ``config.decode_words``
+  words in flight (`Seq2Seq.generate_corpus`; an ensemble of one direction
+  decodes with `jaxlod.nn.ensemble_generate_corpus`), so a file's words
+  stream through in bounded memory. Each word gets what the per-batch
+  search gives it; the programs compile once per model and beam in a
+  process.
+
+  Raises:
+    ValueError: for an ensemble of both directions (see `transcribe`).
+  """
+  if config.members > 1 and config.both_directions:
+    raise ValueError(
+      "An ensemble of both directions has no joint beam search: "
+      "`transcribe` rescores its members' hypotheses."
+    )
+  model = m.build_model(config, len(phones))
+  settings = m.search_settings(beam, m.TIME_CAPACITY, nbest)
+  options = dict(
+    src_capacity=m.TIME_CAPACITY,
+    slots=config.decode_words,
+    max_length_fn=lambda ids: len(ids) + m.LENGTH_MARGIN,
+  )
+  sources = (letters.encode(w) for w in words)
+  if config.members > 1:
+    members = [(model, p) for p in params]
+    found = ensemble_generate_corpus(members, sources, settings, **options)
+  else:
+    found = model.apply(params, sources, settings, method="generate_corpus", **options)
+  for ids, scores in found:
+    yield [
+      (reading_order(config, phones.decode(h)), float(score))
+      for h, score in zip(ids, scores, strict=True)
+    ]
+
+
 def predict(
   params: Any,
   config: m.Config,
@@ -66,11 +117,12 @@ def predict(
 ) -> list[tuple[str, ...]]:
   """The beam search's best pronunciation of each word, in `words`' order.
 
-  The batches come with their rank tables, built on the host
-  (`data.HOST_TABLES`). With a `mesh`, each device decodes its own shard of
-  every batch (`m.parallel_decoder`); one model only. `decode` is
-  `decoder(config, len(corpus.phones), beam, mesh)` built earlier (its
-  compilation reused); `None`: a new one. An ensemble of both directions
+  On one device the words stream through `stream` (continuous refill).
+  With a `mesh`, each device decodes its own shard of every batch
+  (`m.parallel_decoder`, the batches with their rank tables built on the
+  host, `data.HOST_TABLES`); one model only. `decode` is `decoder(config,
+  len(corpus.phones), beam, mesh)` built earlier (its compilation reused;
+  `None`: a new one), for a mesh only. An ensemble of both directions
   (`params` a tuple) rescores its members' hypotheses (`transcribe`),
   `decode` unused."""
   if config.members > 1 and config.both_directions:
@@ -78,17 +130,13 @@ def predict(
       raise ValueError("An ensemble of both directions decodes on one device.")
     trained = Trained(config, corpus.letters, corpus.phones, params, [])
     return [hyps[0][0] for hyps in transcribe(trained, words, beam)]
+  if mesh is None:
+    found = stream(params, config, corpus.letters, corpus.phones, words, beam)
+    return [hyps[0][0] for hyps in found]
   if decode is None:
     decode = decoder(config, len(corpus.phones), beam, mesh)
-  shards = None if mesh is None else mesh.size
-  batcher = _word_batcher(corpus.letters, config, words, shards)
+  batcher = _word_batcher(corpus.letters, config, words, mesh.size)
   out: list[tuple[str, ...]] = [()] * len(words)
-  if mesh is None:
-    for batch in batcher.epoch(0):
-      hyps = decode(params, batch.fields[0], batch.tables[0]).to_list()
-      for i, (best,) in zip(batch.indices, hyps, strict=True):
-        out[i] = reading_order(config, corpus.phones.decode(best))
-    return out
   # Every process gets every shard's hypotheses; the plan maps them to words.
   for batch, shards in zip(batcher.epoch(0), batcher.plan_shards(0), strict=True):
     ids_of_shards = decode(params, batch.fields[0], batch.tables[0])
@@ -154,28 +202,6 @@ def check_words(
     else:
       kept.append((i, norm))
   return kept, messages
-
-
-def _search(
-  params: Any,
-  config: m.Config,
-  letters: data.Vocab,
-  phones: data.Vocab,
-  words: Sequence[str],
-  search: Callable,
-) -> list[list[tuple[tuple[str, ...], float]]]:
-  """Each word's hypotheses by `search` (``m.searcher(config, ...)``), in
-  reading order (`reading_order`), best first, as ``(phonemes, score)``."""
-  out: list[list[tuple[tuple[str, ...], float]]] = [[] for _ in words]
-  for batch in _word_batcher(letters, config, words, None).epoch(0):
-    hyps = search(params, batch.fields[0], batch.tables[0])
-    ids, scores = hyps.ids.to_list(), hyps.scores.to_list()
-    for i, word_ids, word_scores in zip(batch.indices, ids, scores, strict=True):
-      out[i] = [
-        (reading_order(config, phones.decode(h)), float(s))
-        for h, s in zip(word_ids, word_scores, strict=True)
-      ]
-  return out
 
 
 def rescore(
@@ -260,7 +286,7 @@ def transcribe(
   score)``.
 
   One model, or an ensemble of one direction, decodes by beam search
-  (`m.searcher`; an ensemble over the mean of its members'
+  (`stream`; an ensemble over the mean of its members'
   log-probabilities). An ensemble of both directions
   (``config.both_directions``) has no joint search: each member finds its
   `beam` best alone, and every member rescores them all (`rescore`).
@@ -275,17 +301,12 @@ def transcribe(
     One list per word, in `words`' order, of at most `nbest` hypotheses.
   """
   config, letters, phones = trained.config, trained.letters, trained.phones
-  if not words:
-    return []
   if not (config.members > 1 and config.both_directions):
-    search = m.searcher(config, len(phones), beam, nbest)
-    return _search(trained.params, config, letters, phones, words, search)
-  single = dataclasses.replace(config, members=1, both_directions=False)
-  search = m.searcher(single, len(phones), beam, beam)
+    return list(stream(trained.params, config, letters, phones, words, beam, nbest))
   members = [(m.member_config(config, k), p) for k, p in enumerate(trained.params)]
   pools: list[list[tuple[str, ...]]] = [[] for _ in words]
   for member, params in members:
-    found = _search(params, member, letters, phones, words, search)
+    found = stream(params, member, letters, phones, words, beam, beam)
     for pool, hyps in zip(pools, found, strict=True):
       pool.extend(h for h, _ in hyps)
   ranked = rescore(members, letters, phones, words, pools)

@@ -11,14 +11,16 @@ batch requests in flight:
     source at its own step (it joined when a slot freed up); done and free
     slots compute and change nothing;
   * between chunks the host reads which sources are done, takes their
-    hypotheses, and fills their slots with the next sources of the corpus:
-    ``encode_fn`` encodes them (the attention's memory, the initial carry)
-    and one more program scatters them into the freed slots.
+    hypotheses, and fills every free slot with the next sources of the
+    corpus: ``encode_fn`` encodes ``refill`` of them at a time (the
+    attention's memory, the initial carry), and one more program moves as
+    many of those as there are free slots into them.
 
 Every source takes the steps of `beam_search` alone: the same update rules,
 per source, so the same hypotheses, the scores equal up to the rounding of
 another batch size. The programs compile once per `slots`, `refill` and
-`chunk` for the whole corpus.
+`chunk` for the whole corpus, and once across calls for the same step
+function (a `jax.tree_util.Partial` passes its arrays as arguments).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class _Loop(NamedTuple):
 
   state: _search.State  # `statics` is (); `source` the corpus index (-1: free)
   t: jax.Array  # int32 [slots]
-  statics: Any  # the search's statics, leaves [slots, beam, ...]
+  statics: Any  # the search's statics, leaves [slots, ...] (not per beam)
 
 
 @functools.cache
@@ -79,9 +81,9 @@ def _programs(settings: DecodeSettings, chunk: int):
     def beams(a):
       return jnp.broadcast_to(a[:, None], (count, k) + a.shape[1:])
 
-    carry, statics = jax.tree.map(beams, (init_carry, statics))
+    carry, beamed = jax.tree.map(beams, (init_carry, statics))
     flat = jax.tree.map(
-      lambda a: a.reshape((count * k,) + a.shape[2:]), (carry, statics)
+      lambda a: a.reshape((count * k,) + a.shape[2:]), (carry, beamed)
     )
     rows = jnp.zeros((count * k,), jnp.int32)
     probe = jax.eval_shape(step, flat[0], rows, flat[1], jnp.ones_like(rows, bool))
@@ -91,7 +93,7 @@ def _programs(settings: DecodeSettings, chunk: int):
     return _search.State(
       slots=_search.initial_slots(count, k, cap, n, settings.bos_id, dtype),
       carry=carry,
-      statics=statics,
+      statics=statics,  # one copy a source: a chunk broadcasts it to the beams
       done=~real,
       max_length=max_lengths,
       source=jnp.where(real, first + jnp.arange(count, dtype=jnp.int32), -1),
@@ -112,10 +114,15 @@ def _programs(settings: DecodeSettings, chunk: int):
   def advance(step_fn, core: tuple[_search.State, jax.Array], statics: Any):
     step = checked(step_fn)
 
+    slots = jax.tree.leaves(statics)[0].shape[0]
+    beamed = jax.tree.map(
+      lambda a: jnp.broadcast_to(a[:, None], (slots, k) + a.shape[1:]), statics
+    )
+
     def one(_, core):
       state, t = core
       active = ~state.done
-      state = _search.advance_sources(state._replace(statics=statics), t, step, update)
+      state = _search.advance_sources(state._replace(statics=beamed), t, step, update)
       return state._replace(statics=()), t + active.astype(t.dtype)
 
     # Unrolled: as a while loop, XLA copies the loop-invariant memories into
@@ -163,7 +170,7 @@ def decode_corpus(
   *,
   slots: int,
   refill: int | None = None,
-  chunk: int = 8,
+  chunk: int = 4,
   stats: dict | None = None,
 ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
   """Beam search (greedy for ``beam_size=1``) of every source of a corpus,
@@ -171,7 +178,11 @@ def decode_corpus(
 
   Args:
     step_fn: as `jaxlod.ops.beam_search`'s, ``step_fn(carry, token_ids [b],
-      static) -> (new_carry, log_probs [b, vocab])``.
+      static) -> (new_carry, log_probs [b, vocab])``. A
+      `jax.tree_util.Partial` (e.g. ``Partial(step, params)``) passes its
+      arrays to the compiled programs as arguments: calls with the same
+      function and new arrays compile nothing. Arrays a plain function
+      closes over are constants of the programs.
     encode_fn: ``encode_fn(batch) -> (init_carry, static_inputs,
       max_lengths)`` for a list of at most `refill` sources of the corpus:
       leaves ``[refill, ...]`` (rows past the batch are ignored), as
@@ -184,9 +195,12 @@ def decode_corpus(
       apply: the slots stay full instead).
     slots: the sources in flight, a static int >= 1.
     refill: the sources encoded at once, a static int in ``[1, slots]``
-      (default ``max(1, slots // 4)``); slots are refilled once that many
-      are free, or when none is running.
-    chunk: search steps between two refills, a static int >= 1.
+      (default ``max(1, slots // 4)``); every free slot takes one of them
+      after each chunk, and the next `refill` are encoded when they run out.
+    chunk: search steps between two refills, a static int >= 1 (one
+      program runs them unrolled: it compiles in about `chunk` times a
+      step's time; a source done inside a chunk leaves its slot idle to the
+      chunk's end).
     stats: a dict to fill with ``slot_steps`` (slots times steps run),
       ``source_steps`` (steps of sources in flight), ``occupancy`` (their
       ratio) and ``chunks``; `None`: not kept.
