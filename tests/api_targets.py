@@ -444,6 +444,8 @@ target(
     "refill": arg(None, "size>=1", none_ok=True),
     "chunk": arg(8, "size>=1"),
     "stats": arg(None, "mapping", none_ok=True),
+    "mesh": arg(mesh, "mesh", none_ok=True),
+    "axis": arg("data", "axis"),
   },
 )
 target(
@@ -737,6 +739,24 @@ target(
 )
 target(
   "parallel.unstack", parallel.unstack, {"tree": arg(lambda: np.zeros(2), "stacked")}
+)
+target(
+  "parallel.generate_corpus",
+  parallel.generate_corpus,
+  {
+    "members": arg(lambda: (linen_model(), linen_params()), "members"),
+    "sources": arg(lambda: [], "iterable"),
+    "mesh": arg(mesh, "mesh"),
+    "axis": arg("data", "axis"),
+    "settings": arg(MODEL_SETTINGS, "settings"),
+    "src_capacity": arg(4, "size>=1"),
+    "slots": arg(2, "size>=1"),
+    "max_length_fn": arg(None, "callable", none_ok=True),
+    "refill": arg(None, "size>=1", none_ok=True),
+    "chunk": arg(8, "size>=1"),
+    "stats": arg(None, "mapping", none_ok=True),
+    "rngs": arg(None, "mapping", none_ok=True),
+  },
 )
 target(
   "parallel.generate",

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from jax.tree_util import Partial
 
 from jaxlod import _checks
@@ -285,6 +286,8 @@ def generate_corpus(
   refill: int | None,
   chunk: int,
   stats: dict | None,
+  mesh: Mesh | None = None,
+  axis: str = "data",
 ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
   """`jaxlod.ops.decode_corpus` over the mean of the members'
   log-probabilities: `generate` of a corpus, with continuous refill.
@@ -301,7 +304,10 @@ def generate_corpus(
   if max_length_fn is not None:
     _checks.check_callable(max_length_fn, "max_length_fn")
   slots = static_int(slots, "slots", minimum=1)
-  refill = max(1, slots // 4) if refill is None else static_int(refill, "refill", 1)
+  if refill is None:  # decode_corpus's default, for all the devices
+    devices = mesh.shape.get(axis, 1) if isinstance(mesh, Mesh) else 1
+    refill = max(1, slots * devices // 4)
+  refill = static_int(refill, "refill", 1)
   buckets = Buckets.fixed(
     tokens=refill * src_capacity, sequences=refill, time=src_capacity
   )
@@ -324,4 +330,6 @@ def generate_corpus(
     refill=refill,
     chunk=chunk,
     stats=stats,
+    mesh=mesh,
+    axis=axis,
   )

@@ -455,11 +455,10 @@ def ensemble_generate_corpus(
       `Seq2Seq.generate_corpus`, and for members with different
       ``src_vocab``.
   """
-  _pure_members(members, rngs)  # the checks
-  vocab = check_vocabs([model.src_vocab for model, _ in members], "src_vocab")
+  rebuild, params, vocab = corpus_members(members, rngs)
   return generate_corpus(
-    Members(tuple(model for model, _ in members)),
-    (tuple(variables for _, variables in members), check_rngs(rngs) or {}),
+    rebuild,
+    params,
     vocab,
     sources,
     settings,
@@ -486,6 +485,25 @@ class Members:
       model.bind(v, rngs=_member_rngs(rngs, k)).member()
       for k, (model, v) in enumerate(zip(self.models, variables, strict=True))
     ]
+
+
+def corpus_members(
+  members: Any, rngs: Any
+) -> tuple[Members, tuple[tuple, dict[str, jax.Array]], int]:
+  """An ensemble's checked ``(Seq2Seq, variables)`` pairs as `generate_corpus`
+  takes them: ``(Members(models), (variables, rngs), src_vocab)``.
+
+  Raises:
+    TypeError, ValueError: as `ensemble_generate`, and for members with
+      different ``src_vocab``.
+  """
+  _pure_members(members, rngs)  # the checks
+  vocab = check_vocabs([model.src_vocab for model, _ in members], "src_vocab")
+  return (
+    Members(tuple(model for model, _ in members)),
+    (tuple(variables for _, variables in members), check_rngs(rngs) or {}),
+    vocab,
+  )
 
 
 def _stream_keys(module: nn.Module) -> dict[str, jax.Array]:

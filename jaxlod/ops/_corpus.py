@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.tree_util import Partial
 
 from jaxlod._checks import check_callable, static_int
@@ -53,12 +55,17 @@ class _Loop(NamedTuple):
 
 
 @functools.cache
-def _programs(settings: DecodeSettings, chunk: int):
+def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str):
   """The jitted programs, each taking the step function as a pytree (a
   `jax.tree_util.Partial`) argument: `start` (new sources as search
   states), `insert` (into freed slots), `advance` (`chunk` steps of every
   slot) and `harvest` (every slot's best results). Cached per settings and
-  chunk, they compile once per step function and sizes across calls."""
+  chunk, they compile once per step function and sizes across calls.
+
+  With a `mesh`, the slots are sharded over `axis` and each device runs the
+  chunks of its own slots (`jax.shard_map`); the encoded sources are
+  replicated, and `insert` moves each into the device that owns its slot.
+  """
   k, cap = settings.beam_size, settings.max_length
   if k == 1:
     update = functools.partial(_search.greedy_update, eos_id=settings.eos_id)
@@ -101,8 +108,13 @@ def _programs(settings: DecodeSettings, chunk: int):
 
   # The loop's buffers (the memories of every slot's beams) are donated: an
   # insert or a chunk updates them in place instead of copying them.
-  @functools.partial(jax.jit, donate_argnums=0)
   def insert(loop: _Loop, new: _search.State, rows: jax.Array, dest: jax.Array):
+    """`new`'s sources `rows` into the slots `dest` (out of range: none)."""
+    if mesh is not None:  # this device's slots only
+      count = loop.t.shape[0]
+      dest = dest - lax.axis_index(axis) * count
+      dest = jnp.where((dest >= 0) & (dest < count), dest, count)
+
     def put(a, b):
       return a.at[dest].set(b[rows], mode="drop")
 
@@ -110,7 +122,6 @@ def _programs(settings: DecodeSettings, chunk: int):
     statics = jax.tree.map(put, loop.statics, new.statics)
     return _Loop(state, loop.t.at[dest].set(0, mode="drop"), statics)
 
-  @functools.partial(jax.jit, donate_argnums=1)
   def advance(step_fn, core: tuple[_search.State, jax.Array], statics: Any):
     step = checked(step_fn)
 
@@ -128,6 +139,24 @@ def _programs(settings: DecodeSettings, chunk: int):
     # Unrolled: as a while loop, XLA copies the loop-invariant memories into
     # the loop's state at every call (about 1.5 ms of a 4.6 ms step here).
     return lax.fori_loop(0, chunk, one, core, unroll=True)
+
+  if mesh is not None:  # each device its own slots
+    insert = jax.shard_map(
+      insert,
+      mesh=mesh,
+      in_specs=(P(axis), P(), P(), P()),
+      out_specs=P(axis),
+      check_vma=False,
+    )
+    advance = jax.shard_map(
+      advance,
+      mesh=mesh,
+      in_specs=(P(), P(axis), P(axis)),
+      out_specs=P(axis),
+      check_vma=False,
+    )
+  insert = jax.jit(insert, donate_argnums=0)
+  advance = jax.jit(advance, donate_argnums=1)
 
   @jax.jit
   def harvest(slots: _search.Slots):
@@ -172,6 +201,8 @@ def decode_corpus(
   refill: int | None = None,
   chunk: int = 4,
   stats: dict | None = None,
+  mesh: Mesh | None = None,
+  axis: str = "data",
 ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
   """Beam search (greedy for ``beam_size=1``) of every source of a corpus,
   with continuous refill: new sources join as others finish.
@@ -195,12 +226,18 @@ def decode_corpus(
       apply: the slots stay full instead).
     slots: the sources in flight, a static int >= 1.
     refill: the sources encoded at once, a static int in ``[1, slots]``
-      (default ``max(1, slots // 4)``); every free slot takes one of them
+      (with a `mesh`, ``[1, slots * devices]``; default a quarter of the
+      upper bound, at least 1); every free slot takes one of them
       after each chunk, and the next `refill` are encoded when they run out.
     chunk: search steps between two refills, a static int >= 1 (one
       program runs them unrolled: it compiles in about `chunk` times a
       step's time; a source done inside a chunk leaves its slot idle to the
       chunk's end).
+    mesh, axis: data parallelism: `slots` sources in flight on each device
+      of the one-axis `mesh` (axis `axis`, every device this process's),
+      each device running the chunks of its own slots (`jax.shard_map`), a
+      freed slot taking the next encoded source whichever device holds it;
+      `encode_fn` encodes for all of them. `None`: the default device.
     stats: a dict to fill with ``slot_steps`` (slots times steps run),
       ``source_steps`` (steps of sources in flight), ``occupancy`` (their
       ratio) and ``chunks``; `None`: not kept.
@@ -222,6 +259,27 @@ def decode_corpus(
   check_callable(step_fn, "step_fn")
   check_callable(encode_fn, "encode_fn")
   slots = static_int(slots, "slots", minimum=1)
+  if mesh is not None:
+    if not isinstance(mesh, Mesh):
+      raise TypeError(
+        f"Expected `mesh` to be a jax.sharding.Mesh or None, got {mesh!r}."
+      )
+    if axis not in mesh.shape:
+      raise ValueError(
+        f"Expected `axis` to name an axis of `mesh` {tuple(mesh.shape)}, got {axis!r}."
+      )
+    if mesh.devices.size != mesh.shape[axis]:
+      raise ValueError(
+        f"Expected a mesh with the one axis {axis!r}, got {dict(mesh.shape)}: "
+        "decode_corpus shards its slots over one axis."
+      )
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+      raise ValueError(
+        "Expected a mesh of this process's devices: decode_corpus reads its "
+        "slots on the host every chunk, and each process would read another "
+        "corpus. Decode each process's part of the corpus on its own devices."
+      )
+    slots *= mesh.shape[axis]
   refill = max(1, slots // 4) if refill is None else static_int(refill, "refill", 1)
   if refill > slots:
     raise ValueError(f"Expected `refill` in [1, {slots}] (the slots), got {refill}.")
@@ -236,13 +294,17 @@ def decode_corpus(
     raise TypeError(
       f"Expected `sources` to be an iterable of sources, got {type(sources).__name__}."
     ) from None
-  return _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
+  return _decode(
+    step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats, mesh, axis
+  )
 
 
-def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats):
+def _decode(
+  step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats, mesh, axis
+):
   if not isinstance(step_fn, Partial):
     step_fn = Partial(step_fn)
-  start, insert, advance, harvest = _programs(settings, chunk)
+  start, insert, advance, harvest = _programs(settings, chunk, mesh, axis)
   cap = settings.max_length
   occupied = np.zeros((slots,), bool)
   index_of = np.full((slots,), -1)
@@ -272,6 +334,8 @@ def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
         check_rows((init_carry, statics), refill, "encode_fn's outputs")
         lengths = _check_max_lengths(max_lengths, len(batch), refill, cap, read)
         pending = start(step_fn, init_carry, statics, lengths, len(batch), read)
+        if mesh is not None:  # every device may take any of them
+          pending = jax.device_put(pending, NamedSharding(mesh, P()))
         taken, count = 0, len(batch)
         read += len(batch)
         if loop is None:
@@ -283,6 +347,8 @@ def _decode(step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats)
             jnp.zeros((slots,), jnp.int32),
             empty.statics,
           )
+          if mesh is not None:
+            loop = jax.device_put(loop, NamedSharding(mesh, P(axis)))
       n = min(free.size, count - taken)
       where = free[:n]
       rows = np.zeros((refill,), np.int32)

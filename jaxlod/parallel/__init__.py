@@ -6,13 +6,15 @@ capacities, balanced in tokens and lengths; `shard_batch` places the shards
 on a `jax.sharding.Mesh` from each process's local data; `data_parallel`
 runs a function per device under `jax.shard_map` (each device its own phases
 and trip counts) and sums its outputs, and `map_shards` stacks them instead
-(decoding: `generate`). Several hosts join through `jax.distributed`; see
+(decoding: `generate`; a corpus with continuous refill, each device its
+own slots: `generate_corpus`). Several hosts join through `jax.distributed`; see
 ``docs/parallel.md``.
 """
 
 from jaxlod.parallel._shard import (
   data_parallel,
   generate,
+  generate_corpus,
   local_shards,
   map_shards,
   replicate,
@@ -23,6 +25,7 @@ from jaxlod.parallel._shard import (
 __all__ = [
   "data_parallel",
   "generate",
+  "generate_corpus",
   "local_shards",
   "map_shards",
   "replicate",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -24,8 +24,9 @@ from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._vma import vary, varying_axes
 from jaxlod.data._packing import Batch
+from jaxlod.nn import _encoder_decoder
 from jaxlod.nn._checks import check_rngs
-from jaxlod.nn._seq2seq import ensemble_generate
+from jaxlod.nn._seq2seq import corpus_members, ensemble_generate
 from jaxlod.ops._decode import DecodeSettings, check_settings
 from jaxlod.ops._rank import check_table
 
@@ -464,3 +465,71 @@ def generate(
     axis=axis,
   )
   return unstack(out)
+
+
+def generate_corpus(
+  members: Any,
+  sources: Iterable,
+  mesh: Mesh,
+  axis: str = "data",
+  *,
+  settings: DecodeSettings,
+  src_capacity: int,
+  slots: int,
+  max_length_fn: Callable[[np.ndarray], int] | None = None,
+  refill: int | None = None,
+  chunk: int = 4,
+  stats: dict | None = None,
+  rngs: dict[str, jax.Array] | None = None,
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+  """Decodes a corpus with continuous refill, each device its own slots.
+
+  `jaxlod.nn.ensemble_generate_corpus` (one member:
+  `Seq2Seq.generate_corpus`) over the devices of `mesh`: every device keeps
+  `slots` sources in flight and runs the search's chunks over them
+  (`jax.shard_map`), and a slot freed on any device takes the next encoded
+  source. Each source gets the hypotheses it gets on one device.
+
+  Args:
+    members: a ``(Seq2Seq, variables)`` pair, or a list of them.
+    sources: an iterable of sources, each int ids ``[length]``, read as
+      slots free up.
+    mesh: a one-axis mesh of this process's devices.
+    axis: its axis.
+    settings, src_capacity, max_length_fn, refill, chunk, stats: as
+      `Seq2Seq.generate_corpus`'s (`refill` sources encoded at once for all
+      the devices).
+    slots: the sources in flight on each device.
+    rngs: RNG streams for layers that draw, as `ensemble_generate`'s; every
+      device draws from the same keys, so a source's draws do not depend
+      on the device that decodes it.
+
+  Yields:
+    Per source, in the corpus's order, ``(ids, scores)``, as
+    `Seq2Seq.generate_corpus`.
+
+  Raises:
+    TypeError, ValueError: as `jaxlod.nn.ensemble_generate_corpus`, and for
+      a mesh without `axis`, with other axes, or with devices of other
+      processes.
+  """
+  _check_axis(mesh, axis)
+  one_pair = isinstance(members, tuple) and len(members) == 2
+  if one_pair and not isinstance(members[0], tuple | list):
+    members = [members]
+  rebuild, params, vocab = corpus_members(members, rngs)
+  return _encoder_decoder.generate_corpus(
+    rebuild,
+    params,
+    vocab,
+    sources,
+    settings,
+    src_capacity=src_capacity,
+    slots=slots,
+    max_length_fn=max_length_fn,
+    refill=refill,
+    chunk=chunk,
+    stats=stats,
+    mesh=mesh,
+    axis=axis,
+  )

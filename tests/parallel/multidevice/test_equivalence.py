@@ -28,9 +28,16 @@ from jaxlod.nn import (
   DynamicRNN,
   Seq2Seq,
   ensemble_generate,
+  ensemble_generate_corpus,
 )
 from jaxlod.ops import DecodeSettings
-from jaxlod.parallel import data_parallel, generate, shard_batch, unstack
+from jaxlod.parallel import (
+  data_parallel,
+  generate,
+  generate_corpus,
+  shard_batch,
+  unstack,
+)
 from tests.helpers import assert_close
 from tests.nn.test_rngs import SETTINGS as DROP_SETTINGS
 from tests.nn.test_rngs import drop_seq2seq
@@ -313,6 +320,49 @@ def test_beam_search_equals_one_device(mesh):
   )
   flat = [h.tolist() for hyps in per_source for hs in hyps.ids.to_list() for h in hs]
   assert flat == [h.tolist() for hs in got_ids for h in hs]
+
+
+def test_generate_corpus_equals_one_device(mesh):
+  """Continuous refill with 2 slots on each of 4 devices gives each source
+  what 8 slots on one device give it (ids identical, scores close)."""
+  rng = np.random.default_rng(7)
+  corpus = [rng.integers(0, VOCAB, size=n) for n in rng.integers(0, 8, size=30)]
+  model = _seq2seq()
+  src = LoDTensor.from_sequences([np.array([1, 2], np.int32)], dtype=np.int32)
+  params = jax.jit(model.init)(jax.random.key(3), src, src)
+  settings = DecodeSettings(
+    bos_id=0, eos_id=1, max_length=8, beam_size=3, length_penalty=0.6
+  )
+  options = dict(
+    src_capacity=8, refill=3, chunk=2, max_length_fn=lambda ids: min(8, len(ids) + 3)
+  )
+  want = list(
+    ensemble_generate_corpus([(model, params)], corpus, settings, slots=8, **options)
+  )
+  stats = {}
+  got = list(
+    generate_corpus(
+      (model, params), corpus, mesh, settings=settings, slots=2, stats=stats, **options
+    )
+  )
+  assert len(got) == len(want) == len(corpus)
+  for (ids, scores), (want_ids, want_scores) in zip(got, want, strict=True):
+    assert [h.tolist() for h in ids] == [h.tolist() for h in want_ids]
+    assert_close(scores, want_scores)
+  assert stats["slot_steps"] % (SHARDS * 2) == 0
+
+
+def test_generate_corpus_refuses_a_mesh_of_two_axes():
+  two = jax.make_mesh((2, 2), ("data", "model"))
+  with pytest.raises(ValueError, match="one axis 'data'"):
+    generate_corpus(
+      (_seq2seq(), {}),
+      [],
+      two,
+      settings=DecodeSettings(bos_id=0, eos_id=1, max_length=4),
+      src_capacity=2,
+      slots=1,
+    )
 
 
 def test_generate_draws_per_shard_from_the_folded_keys(mesh):
