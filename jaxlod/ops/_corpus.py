@@ -125,7 +125,7 @@ def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
   def advance(step_fn, core: tuple[_search.State, jax.Array], statics: Any):
     step = checked(step_fn)
 
-    slots = jax.tree.leaves(statics)[0].shape[0]
+    slots = core[1].shape[0]
     beamed = jax.tree.map(
       lambda a: jnp.broadcast_to(a[:, None], (slots, k) + a.shape[1:]), statics
     )

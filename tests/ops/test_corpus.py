@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxlod.ops import DecodeSettings, beam_search, decode_corpus
+from jaxlod.ops import DecodeSettings, _corpus, beam_search, decode_corpus
 
 VOCAB, HIDDEN, BOS, EOS, CAP = 7, 8, 0, 1, 12
 RNG = np.random.default_rng(0)
@@ -145,3 +145,44 @@ def test_bad_arguments_raise_before_reading():
     decode_corpus(step, encoder(3), never(), CONFIGS["greedy"], slots=2, refill=3)
   with pytest.raises(ValueError, match=r"Expected `slots` .*got 0"):
     decode_corpus(step, encoder(1), never(), CONFIGS["greedy"], slots=0)
+
+
+def test_a_step_without_static_inputs_and_a_partial_step():
+  """No static inputs (``None``); a `jax.tree_util.Partial` step passes its
+  arrays as arguments: new arrays compile nothing new."""
+
+  def bare(carry, tokens, static, out):
+    del static
+    carry = jnp.tanh(carry @ A + E[tokens])
+    return carry, jax.nn.log_softmax(carry @ out)
+
+  def encode(batch):
+    carry = np.zeros((2, HIDDEN), np.float32)
+    for i, src in enumerate(batch):
+      carry[i] = np.asarray(E)[src].sum(0)
+    return carry, None, None
+
+  corpus = [np.asarray(s, np.int32) for s in ([2, 3], [4], [], [5, 6, 2])]
+  config = CONFIGS["beam"]
+  advance = _corpus._programs(config, 4, None, "data")[2]
+  runs, sizes = [], []
+  for out in (OUT, OUT * 2):
+    step_fn = jax.tree_util.Partial(bare, out=out)
+    runs.append(list(decode_corpus(step_fn, encode, corpus, config, slots=2, refill=2)))
+    sizes.append(advance._cache_size())
+  assert sizes[0] == sizes[1]
+  for src, (ids, scores) in zip(corpus, runs[0], strict=True):
+    carry, _, _ = encode([src])
+    hyps = beam_search(
+      functools.partial(bare, out=OUT), carry[:1], config, static_inputs=None
+    )
+    assert [h.tolist() for h in ids] == [h.tolist() for h in hyps.ids.to_list()[0]]
+    np.testing.assert_allclose(scores, hyps.scores.to_list()[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_mesh_of_other_processes_or_axes_raises():
+  mesh = jax.make_mesh((1,), ("data",))
+  with pytest.raises(ValueError, match="Expected `axis` to name an axis of `mesh`"):
+    decode_corpus(step, encoder(1), [], CONFIGS["greedy"], slots=1, mesh=mesh, axis="x")
+  with pytest.raises(TypeError, match="Expected `mesh` to be a jax.sharding.Mesh"):
+    decode_corpus(step, encoder(1), [], CONFIGS["greedy"], slots=1, mesh="data")
