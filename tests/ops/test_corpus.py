@@ -9,6 +9,7 @@ errors."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -186,3 +187,23 @@ def test_a_mesh_of_other_processes_or_axes_raises():
     decode_corpus(step, encoder(1), [], CONFIGS["greedy"], slots=1, mesh=mesh, axis="x")
   with pytest.raises(TypeError, match="Expected `mesh` to be a jax.sharding.Mesh"):
     decode_corpus(step, encoder(1), [], CONFIGS["greedy"], slots=1, mesh="data")
+
+
+def test_sources_are_read_as_slots_free_up():
+  """A long corpus streams: when a source's results come out, at most the
+  slots, one refill and the finished sources waiting for an earlier one
+  have been read past it (bounded memory for any corpus length)."""
+  read = [0]
+
+  def corpus():
+    for n in itertools.cycle([0, 3, 1, 5, 2]):
+      read[0] += 1
+      yield np.full((n,), 2, np.int32)
+
+  results = decode_corpus(
+    step, encoder(2), corpus(), CONFIGS["greedy"], slots=4, refill=2
+  )
+  ahead = []
+  for i, _ in zip(range(300), results, strict=False):
+    ahead.append(read[0] - (i + 1))
+  assert max(ahead) <= 4 + 2 + 4, max(ahead)
