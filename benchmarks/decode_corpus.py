@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import statistics
 import sys
 import time
@@ -51,7 +50,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.g2p_options import pretrain
+from benchmarks.g2p_options import per_batch_decoder, pretrain
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 from examples.g2p import data
 from examples.g2p import model as m
@@ -84,26 +83,6 @@ def xla_compiles():
     yield names
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def _per_batch(config: m.Config, num_phones: int, ladder: tuple[int, ...] | None):
-  """The example's jitted `Seq2Seq.generate` with the ladder `ladder`."""
-  model = m.build_model(config, num_phones)
-
-  @jax.jit
-  def decode(params, src, src_table):
-    settings = m.search_settings(config.beam, src.capacity.time[0], None)
-    settings = dataclasses.replace(settings, ladder=ladder)
-    return model.apply(
-      params,
-      src,
-      settings,
-      method="generate",
-      max_lengths=m.max_lengths(src),
-      src_table=src_table,
-    )
-
-  return decode
 
 
 def _hypotheses(batches: list, outputs: list, words: int) -> list:
@@ -161,8 +140,8 @@ def run(
   model = m.build_model(config, num_phones)
   settings = m.search_settings(config.beam, m.TIME_CAPACITY, None)
   per_batch = {
-    "compaction": _per_batch(config, num_phones, None),
-    "batchwide": _per_batch(config, num_phones, ()),
+    "compaction": per_batch_decoder(config, num_phones, None, None),
+    "batchwide": per_batch_decoder(config, num_phones, (), None),
   }
   stats: dict[str, Any] = {}
 

@@ -181,12 +181,19 @@ def host_build_ms(config: m.Config, corpus: data.Corpus, start: int) -> dict[str
   }
 
 
-def _decoder(config: m.Config, num_phones: int, ladder: tuple[int, ...] | None):
-  """`m.decoder`'s search with the ladder `ladder`, returning the hypotheses."""
+def per_batch_decoder(
+  config: m.Config,
+  num_phones: int,
+  ladder: tuple[int, ...] | None,
+  num_results: int | None = 1,
+):
+  """`m.decoder`'s search (the example's jitted `Seq2Seq.generate`) with the
+  ladder `ladder` and `num_results` hypotheses a word (`None`: the beam's),
+  returning the hypotheses."""
   model = m.build_model(config, num_phones)
 
   def decode(params, src, src_table):
-    settings = m.search_settings(config.beam, src.capacity.time[0])
+    settings = m.search_settings(config.beam, src.capacity.time[0], num_results)
     settings = dataclasses.replace(settings, ladder=ladder)
     return model.apply(
       params,
@@ -239,7 +246,7 @@ def decode_times(
     tic = time.perf_counter()
     table = batches[0].tables[0] if tables else None
     compiled[arm] = (
-      _decoder(config, len(corpus.phones), ladder)
+      per_batch_decoder(config, len(corpus.phones), ladder)
       .lower(params, batches[0].fields[0], table)
       .compile()
     )
