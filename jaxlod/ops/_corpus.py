@@ -376,8 +376,9 @@ def _decode(
       tokens, lengths, best = (np.asarray(a) for a in harvest(loop.state.slots))
       for s in np.flatnonzero(finished):
         valid = best[s] > -np.inf
-        ids = [tokens[s, j, : lengths[s, j]] for j in np.flatnonzero(valid)]
-        results[int(index_of[s])] = (ids, best[s][valid])
+        # Copies, so that a result kept does not keep every slot's tokens.
+        ids = [tokens[s, j, : lengths[s, j]].copy() for j in np.flatnonzero(valid)]
+        results[int(index_of[s])] = (ids, best[s][valid].copy())
       occupied[finished] = False
     report()
     while out in results:
