@@ -197,8 +197,8 @@ class Seq2Seq(nnx.Module):
   ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """Decodes a corpus with continuous refill: as
     `jaxlod.nn.Seq2Seq.generate_corpus`, with this model as the one member
-    of `ensemble_generate_corpus`. Call it outside `nnx.jit`; the model's
-    state is read as the iterator runs."""
+    of `ensemble_generate_corpus`. Call it outside `nnx.jit`; it decodes
+    with the model's state at the call."""
     graphdef, state = nnx.split(self)
     return generate_corpus(
       Members((graphdef,)),
