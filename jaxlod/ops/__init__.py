@@ -5,7 +5,9 @@ Fluid's LoDRankTable, lod_tensor_to_array, array_to_lod_tensor,
 reorder_lod_tensor_by_rank and shrink_rnn_memory, with static shapes and
 gather-only backward passes; DynamicRNN (``while`` + ``while_grad``) as
 `dynamic_rnn`, a phased loop with a custom VJP, and `fused_rnn`, a
-separable cell's whole loop as one Pallas kernel launch; Paddle's
+separable cell's whole loop as one Pallas kernel launch, and
+`linear_scan`, a linear recurrence over every sequence as one parallel
+scan; Paddle's
 ``sequence_*`` ops on static capacities, jittable and differentiable; and
 decoding (`beam_search`, greedy for a beam of one) as while loops with
 per-source early exit, and `decode_corpus`, a corpus with continuous
@@ -53,6 +55,7 @@ from jaxlod.ops._pool import (
 from jaxlod.ops._rank import RankTable, default_ladder, normalize_ladder, rank_table
 from jaxlod.ops._reshape import lod_reset, sequence_reshape, sequence_scatter
 from jaxlod.ops._rnn import dynamic_rnn
+from jaxlod.ops._scan import linear_scan
 from jaxlod.ops._search import length_normalized
 from jaxlod.ops._window import sequence_conv, sequence_enumerate
 
@@ -71,6 +74,7 @@ __all__ = [
   "ensemble_step",
   "general_scores",
   "length_normalized",
+  "linear_scan",
   "lod_memory",
   "RankTable",
   "Separable",
