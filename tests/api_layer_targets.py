@@ -254,6 +254,46 @@ for twin, (module, cell, init_of, run) in TWINS.items():
     {"x": arg(nested, "lod"), "return_carry (call)": arg(None, "bool", none_ok=True)},
   )
 
+LINEAR_CALL = {
+  "x": arg(lod, "lod"),
+  "initial_carry": arg(None, "carry", none_ok=True),
+  "reverse (call)": arg(None, "bool", none_ok=True),
+  "return_carry (call)": arg(None, "bool", none_ok=True),
+  "table": arg(None, "table", none_ok=True),
+}
+UNUSED_KEY = {
+  "nn": {"init_key": "unused: the default carry is zeros (documented)"},
+  "nnx": {"rngs (call)": "unused: the default carry is zeros (documented)"},
+}
+for name, extra in (("MinGRU", {}), ("RGLRU", {"c": arg(8.0, "float32>0")})):
+  flags = {"reverse": arg(False, "bool"), "return_carry": arg(False, "bool")}
+  cls = getattr(linen, name)
+  layer(
+    f"nn.{name}",
+    (linen_fields(cls), cls.__call__),
+    cls,
+    linen_init,
+    {"features": arg(3, "size>=1"), **extra, **flags},
+    LINEAR_CALL,
+    UNUSED_KEY["nn"],
+  )
+  cls = getattr(nnx_layers, name)
+  layer(
+    f"nnx.{name}",
+    (cls.__init__, cls.__call__),
+    functools.partial(cls, rngs=nnx.Rngs(0)),
+    nnx_call,
+    {
+      "in_features": arg(2, "size>=1"),
+      "features": arg(3, "size>=1"),
+      **extra,
+      **flags,
+    },
+    LINEAR_CALL,
+    {"rngs": KEYS["nnx"]["rngs"], **UNUSED_KEY["nnx"]},
+  )
+
+
 # -- attention -------------------------------------------------------------------
 
 ATTENTION_CALL = {

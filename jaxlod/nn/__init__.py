@@ -12,10 +12,12 @@ from jaxlod.nn._attention import (
 )
 from jaxlod.nn._decoder import AttentionDecoder
 from jaxlod.nn._rnn import (
+  RGLRU,
   RNN,
   Bidirectional,
   DynamicRNN,
   HierarchicalEncoder,
+  MinGRU,
   StackedRNN,
 )
 from jaxlod.nn._seq2seq import Seq2Seq, ensemble_generate, ensemble_generate_corpus
@@ -30,6 +32,8 @@ __all__ = [
   "DynamicRNN",
   "GeneralAttention",
   "HierarchicalEncoder",
+  "MinGRU",
+  "RGLRU",
   "RNN",
   "Seq2Seq",
   "StackedRNN",

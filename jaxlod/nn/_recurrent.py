@@ -7,7 +7,9 @@ documented attributes it reads), as Flax's cells call the functions of
 ``flax.linen.activation``. The helpers before them (zero padding rows, an
 example row, a step counter for RNG streams) serve the decoders too. Under
 a plan that hoists, a `DynamicRNN` hands `run_cell` its cell split by
-`jaxlod.nn._hoist` in place of a step.
+`jaxlod.nn._hoist` in place of a step. The linear recurrent layers
+(`MinGRU`, `RGLRU`) run `run_linear`: one product over the packed rows,
+then `jaxlod.ops.linear_scan`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxlod import _checks
 from jaxlod._checks import check_rate
+from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_rnn_layer, split_pair
 from jaxlod.nn._hoist import Separable, hoisted_rnn
@@ -27,6 +30,7 @@ from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type, sequence_pool
 from jaxlod.ops._rank import RankTable
 from jaxlod.ops._rnn import dynamic_rnn
+from jaxlod.ops._scan import linear_scan
 
 
 def zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
@@ -237,3 +241,81 @@ def run_levels(layer: Any, x: LoDTensor, return_carry: bool | None) -> Any:
   check_rnn_layer(layer.outer, "outer", layer)
   inner = check_lod(layer.inner(x, return_carry=False), "the inner output")
   return layer.outer(sequence_pool(inner, layer.pool_type), return_carry=return_carry)
+
+
+def min_gru_coefficients(gates: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """minGRU's recurrence ``h_t = (1 - z_t) * h_{t-1} + z_t * h~_t`` as the
+  ``(a, b)`` of `jaxlod.ops.linear_scan`, from ``gates [rows, 2 * features]``
+  (the update gate's logits, then the candidate ``h~``)."""
+  z_logits, candidate = jnp.split(gates, 2, axis=-1)
+  z = jax.nn.sigmoid(z_logits)
+  return 1 - z, z * candidate
+
+
+def rg_lru_coefficients(
+  gates: jax.Array, a_param: jax.Array, c: float
+) -> tuple[jax.Array, jax.Array]:
+  """The RG-LRU's recurrence (Griffin, De et al. 2024) ``h_t = a_t * h_{t-1}
+  + sqrt(1 - a_t**2) * (i_t * u_t)``, ``a_t = sigmoid(a_param) ** (c *
+  r_t)``, as the ``(a, b)`` of `jaxlod.ops.linear_scan`, from ``gates
+  [rows, 3 * features]`` (the input ``u``, then the logits of the
+  recurrence gate ``r`` and of the input gate ``i``)."""
+  u, r_logits, i_logits = jnp.split(gates, 3, axis=-1)
+  log_a = -c * jax.nn.softplus(-a_param) * jax.nn.sigmoid(r_logits)
+  scale = jnp.sqrt(-jnp.expm1(2 * log_a))  # sqrt(1 - a**2), exact near a = 1
+  return jnp.exp(log_a), scale * (jax.nn.sigmoid(i_logits) * u)
+
+
+def run_linear(
+  layer: Any,
+  x: LoDTensor,
+  coefficients: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+  project: Callable[[jax.Array], jax.Array],
+  initial_carry: Any,
+  reverse: bool | None,
+  return_carry: bool | None,
+) -> Any:
+  """A linear recurrent layer's body (`MinGRU`, `RGLRU`): ``project`` of all
+  the packed rows at once (one product), `coefficients` of its result, then
+  `jaxlod.ops.linear_scan` over the last level of `x` from `initial_carry`
+  (``[count_capacity, features]``, zeros by default); with `return_carry`,
+  ``(final states, outputs)``, an empty sequence's final state its initial
+  one."""
+  x = check_lod(x, "x")
+  reverse, return_carry = override(layer, reverse=reverse, return_carry=return_carry)
+  _checks.check_bools(reverse=reverse, return_carry=return_carry)
+  if x.values.ndim != 2:
+    raise ValueError(
+      f"Expected `x.values` to have shape [tokens, features], got {x.values.shape}."
+    )
+  a, b = coefficients(project(x.values))
+  count, features = x.capacity.sequences[-1], b.shape[-1]
+  if initial_carry is None:
+    initial_carry = jnp.zeros((count, features), b.dtype)
+  initial_carry = as_array(initial_carry, "initial_carry")
+  if initial_carry.shape != (count, features):
+    raise ValueError(
+      f"Expected `initial_carry` to have shape {(count, features)} ([count_capacity, "
+      f"features]), got {initial_carry.shape}."
+    )
+  outputs = linear_scan(
+    x.with_values(a), x.with_values(b), init=initial_carry, reverse=reverse
+  )
+  if not return_carry:
+    return outputs
+  edge = sequence_pool(outputs, "first" if reverse else "last")
+  edge = edge.values if is_lod(edge) else edge
+  empty = (x.lengths() == 0)[:, None]
+  return jnp.where(empty, initial_carry.astype(edge.dtype), edge), outputs
+
+
+def rg_lru_init(c: float) -> Callable[..., jax.Array]:
+  """An initializer of the RG-LRU's ``Lambda``: ``sigmoid(Lambda) ** c``
+  uniform in ``[0.9, 0.999]`` (Griffin's)."""
+
+  def init(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+    a_c = jax.random.uniform(key, shape, dtype, 0.9, 0.999)
+    a = a_c ** (1 / c)
+    return jnp.log(a) - jnp.log1p(-a)  # the logit of a
+
+  return init

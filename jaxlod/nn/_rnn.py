@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from jaxlod._buckets import Buckets
+from jaxlod._checks import check_sizes, finite_float32
 from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_cell, check_layers
@@ -21,13 +22,17 @@ from jaxlod.nn._recurrent import (
   count_steps,
   example_row,
   loop_plan,
+  min_gru_coefficients,
+  rg_lru_coefficients,
+  rg_lru_init,
   run_cell,
   run_levels,
+  run_linear,
   run_stack,
   stack_rates,
 )
 from jaxlod.ops._plan import LoopPlan
-from jaxlod.ops._rank import RankTable
+from jaxlod.ops._rank import RankTable, check_table
 
 
 def pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
@@ -574,3 +579,116 @@ class HierarchicalEncoder(nn.Module):
         `pool_type`.
     """
     return run_levels(self, x, return_carry)
+
+
+class MinGRU(nn.Module):
+  """minGRU (Feng et al. 2024, "Were RNNs All We Needed?") over the last
+  level of a LoDTensor, as one parallel scan.
+
+  ``z_t = sigmoid(W_z x_t + b_z)``, ``h~_t = W_h x_t + b_h`` and ``h_t =
+  (1 - z_t) * h_{t-1} + z_t * h~_t``: the gates are one product over all the
+  packed rows (``gates``, a ``Dense(2 * features)``), and the recurrence,
+  linear in ``h``, is `jaxlod.ops.linear_scan` (depth ``log(rows)``, no
+  loop over steps). It takes and returns LoDTensors as `DynamicRNN` does,
+  and works inside `Bidirectional` and `StackedRNN`. The NNX twin is
+  `jaxlod.nn.nnx.MinGRU`.
+
+  Attributes:
+    features: the width of the states.
+    reverse: run each sequence from its last row.
+    return_carry: also return the final states ``[count_capacity,
+      features]`` (an empty sequence's: its initial state).
+  """
+
+  features: int
+  reverse: bool = False
+  return_carry: bool = False
+
+  @nn.compact
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    init_key: jax.Array | None = None,
+    reverse: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Runs the recurrence over the last level of `x`.
+
+    Args:
+      x: a LoDTensor, values ``[token_capacity, in_features]``.
+      initial_carry: ``[count_capacity, features]`` initial states in `x`'s
+        order; `None`: zeros.
+      init_key: unused (the default carry is zeros), as `DynamicRNN` takes it.
+      reverse, return_carry: override the attributes.
+      table: unused: the scan needs no rank table.
+
+    Returns:
+      A LoDTensor with `x`'s LoD, values ``[token_capacity, features]``
+      (padding rows zero); with `return_carry`, ``(final_states, outputs)``.
+    """
+    del init_key
+    check_table(table, optional=True)
+    check_sizes(features=self.features)
+    gates = nn.Dense(2 * self.features, name="gates")
+    return run_linear(
+      self, x, min_gru_coefficients, gates, initial_carry, reverse, return_carry
+    )
+
+
+class RGLRU(nn.Module):
+  """The Real-Gated Linear Recurrent Unit (Griffin, De et al. 2024) over the
+  last level of a LoDTensor, as one parallel scan.
+
+  ``u_t``, ``r_t = sigmoid(.)`` and ``i_t = sigmoid(.)`` are one product of
+  the inputs over all the packed rows (``gates``, a ``Dense(3 *
+  features)``); ``a_t = sigmoid(Lambda) ** (c * r_t)`` and ``h_t = a_t *
+  h_{t-1} + sqrt(1 - a_t**2) * (i_t * u_t)``, computed in log space, run by
+  `jaxlod.ops.linear_scan`. ``Lambda`` (``a_param``, ``[features]``) starts
+  where ``sigmoid(Lambda) ** c`` is uniform in ``[0.9, 0.999]``, as in
+  Griffin. It takes and returns LoDTensors as `DynamicRNN` does. The NNX
+  twin is `jaxlod.nn.nnx.RGLRU`.
+
+  Attributes:
+    features: the width of the states.
+    c: the exponent's scale (Griffin's 8).
+    reverse: run each sequence from its last row.
+    return_carry: also return the final states ``[count_capacity,
+      features]``.
+  """
+
+  features: int
+  c: float = 8.0
+  reverse: bool = False
+  return_carry: bool = False
+
+  @nn.compact
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    init_key: jax.Array | None = None,
+    reverse: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Runs the recurrence over the last level of `x`: as
+    `MinGRU.__call__`."""
+    del init_key
+    check_table(table, optional=True)
+    check_sizes(features=self.features)
+    c = finite_float32(self.c, "c", positive=True)
+    gates = nn.Dense(3 * self.features, name="gates")
+    a_param = self.param("a_param", rg_lru_init(c), (self.features,))
+    return run_linear(
+      self,
+      x,
+      lambda g: rg_lru_coefficients(g, a_param, c),
+      gates,
+      initial_carry,
+      reverse,
+      return_carry,
+    )

@@ -207,6 +207,38 @@ def _seq2seq(kind="additive", input_feeding=True, hidden=HIDDEN, seed=0):
   return module, ours
 
 
+def _linear():
+  rngs = nnx.Rngs(0)
+  return {
+    "min_gru": (linen.MinGRU(HIDDEN), twin.MinGRU(FEATURES, HIDDEN, rngs=rngs)),
+    "rg_lru": (
+      linen.RGLRU(HIDDEN, return_carry=True),
+      twin.RGLRU(FEATURES, HIDDEN, return_carry=True, rngs=rngs),
+    ),
+    "bidirectional": (
+      linen.Bidirectional(linen.MinGRU(HIDDEN), linen.RGLRU(HIDDEN + 1)),
+      twin.Bidirectional(
+        twin.MinGRU(FEATURES, HIDDEN, rngs=rngs),
+        twin.RGLRU(FEATURES, HIDDEN + 1, rngs=rngs),
+      ),
+    ),
+    "stacked": (
+      linen.StackedRNN([linen.RGLRU(HIDDEN), linen.MinGRU(HIDDEN)]),
+      twin.StackedRNN(
+        [
+          twin.RGLRU(FEATURES, HIDDEN, rngs=rngs),
+          twin.MinGRU(HIDDEN, HIDDEN, rngs=rngs),
+        ]
+      ),
+    ),
+  }
+
+
+@pytest.mark.parametrize("name", ["min_gru", "rg_lru", "bidirectional", "stacked"])
+def test_linear_recurrent_twins_agree(name):
+  _check_parity(*_linear()[name], X)
+
+
 def test_rnn_twins_agree():
   _check_parity(*_rnn(return_carry=True), X)
   _check_parity(*_rnn(reverse=True), X)
@@ -286,6 +318,8 @@ NNX_ADDS = {
   "RNN": {"state_axes", "broadcast_rngs", "rngs"},
   # flax.nnx.Bidirectional's default carry RNGs (Linen's come from `init_key`).
   "Bidirectional": {"rngs"},
+  "MinGRU": {"in_features", "rngs"},
+  "RGLRU": {"in_features", "rngs"},
 }
 # Constructor arguments of a Linen layer that its NNX twin does not take, as
 # between Flax's own twins.
@@ -335,6 +369,7 @@ def test_every_layer_has_a_twin_with_the_same_arguments(name):
     "encode",
     "decode_step",
     "generate",
+    "generate_corpus",
   ):
     if hasattr(theirs, method) and method in vars(theirs) | vars(theirs.__mro__[1]):
       want = {

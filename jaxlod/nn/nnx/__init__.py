@@ -17,10 +17,12 @@ from jaxlod.nn.nnx._attention import (
 )
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import (
+  RGLRU,
   RNN,
   Bidirectional,
   DynamicRNN,
   HierarchicalEncoder,
+  MinGRU,
   StackedRNN,
 )
 from jaxlod.nn.nnx._seq2seq import (

@@ -23,14 +23,18 @@ from jaxlod.nn._padded import (
 )
 from jaxlod.nn._recurrent import (
   loop_plan,
+  min_gru_coefficients,
+  rg_lru_coefficients,
+  rg_lru_init,
   run_cell,
   run_levels,
+  run_linear,
   run_stack,
   stack_rates,
 )
 from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type
-from jaxlod.ops._rank import RankTable, check_ladder
+from jaxlod.ops._rank import RankTable, check_ladder, check_table
 
 
 def functional_call(
@@ -565,3 +569,103 @@ class HierarchicalEncoder(nnx.Module):
     """Encodes each level-1 sequence, then each level-0 sequence of them: as
     `jaxlod.nn.HierarchicalEncoder.__call__`."""
     return run_levels(self, x, return_carry)
+
+
+class MinGRU(nnx.Module):
+  """minGRU over the last level of a LoDTensor, as one parallel scan: the
+  NNX twin of `jaxlod.nn.MinGRU`, with ``gates`` an ``nnx.Linear(
+  in_features, 2 * features)``.
+
+  Args:
+    in_features: the width of the input rows.
+    features, reverse, return_carry: as `jaxlod.nn.MinGRU`'s attributes.
+    rngs: the initializers' RNGs.
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    features: int,
+    *,
+    reverse: bool = False,
+    return_carry: bool = False,
+    rngs: nnx.Rngs,
+  ):
+    _checks.check_sizes(in_features=in_features, features=features)
+    _checks.check_bools(reverse=reverse, return_carry=return_carry)
+    self.features, self.reverse, self.return_carry = features, reverse, return_carry
+    self.gates = nnx.Linear(in_features, 2 * features, rngs=rngs)
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    reverse: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Runs the recurrence over the last level of `x`: as
+    `jaxlod.nn.MinGRU.__call__` (`rngs` unused, as Linen's `init_key`)."""
+    del rngs
+    check_table(table, optional=True)
+    return run_linear(
+      self, x, min_gru_coefficients, self.gates, initial_carry, reverse, return_carry
+    )
+
+
+class RGLRU(nnx.Module):
+  """The RG-LRU over the last level of a LoDTensor, as one parallel scan:
+  the NNX twin of `jaxlod.nn.RGLRU`, with ``gates`` an ``nnx.Linear(
+  in_features, 3 * features)`` and ``a_param`` an ``nnx.Param``
+  ``[features]``.
+
+  Args:
+    in_features: the width of the input rows.
+    features, c, reverse, return_carry: as `jaxlod.nn.RGLRU`'s attributes.
+    rngs: the initializers' RNGs.
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    features: int,
+    *,
+    c: float = 8.0,
+    reverse: bool = False,
+    return_carry: bool = False,
+    rngs: nnx.Rngs,
+  ):
+    _checks.check_sizes(in_features=in_features, features=features)
+    _checks.check_bools(reverse=reverse, return_carry=return_carry)
+    c = _checks.finite_float32(c, "c", positive=True)
+    self.features, self.c = features, c
+    self.reverse, self.return_carry = reverse, return_carry
+    self.gates = nnx.Linear(in_features, 3 * features, rngs=rngs)
+    self.a_param = nnx.Param(rg_lru_init(c)(rngs.params(), (features,)))
+
+  def __call__(
+    self,
+    x: LoDTensor,
+    initial_carry: Any = None,
+    *,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    reverse: bool | None = None,
+    return_carry: bool | None = None,
+    table: RankTable | None = None,
+  ) -> Any:
+    """Runs the recurrence over the last level of `x`: as
+    `jaxlod.nn.RGLRU.__call__`."""
+    del rngs
+    check_table(table, optional=True)
+    a_param = self.a_param[...]
+    return run_linear(
+      self,
+      x,
+      lambda g: rg_lru_coefficients(g, a_param, self.c),
+      self.gates,
+      initial_carry,
+      reverse,
+      return_carry,
+    )
