@@ -178,3 +178,29 @@ def test_hoist_results_compare_equal_gradients():
       times["jaxlod"] / times["jaxlod_hoisted"]
     ), name
     assert workload["max_abs_grad_diff"] < 1e-2, name
+
+
+def test_scan_results():
+  """benchmarks/scan.py's CPU run (issue 56): every arm on W1 and W3, the
+  ratios consistent with the medians, one compilation, temporary bytes
+  for the workload and for lengths ten times longer."""
+  report = _load("scan")
+  assert report["machine"]["backend"] == "cpu"
+  assert set(report["workloads"]) == {"W1", "W3"}
+  for workload in report["workloads"].values():
+    arms = workload["arms"]
+    assert set(arms) == {
+      "linear_scan",
+      "assoc_capacity",
+      "assoc_longest",
+      "scan_capacity",
+      "dynamic_rnn",
+    }
+    base = arms["linear_scan"]["median_s"]
+    for arm, speedup in workload["speedup"].items():
+      assert speedup == pytest.approx(arms[arm]["median_s"] / base)
+    assert max(workload["max_rel_diff"].values()) < 1e-4
+    assert workload["compiles_over_100_batches"] == 1
+    temp = workload["temp_bytes"]
+    assert temp["ratio_x10"] == pytest.approx(temp["lengths_x10"] / temp["workload"])
+  assert report["targets"] == {"W1_vs_assoc_capacity": 2.0, "vs_assoc_longest": 1.0}
