@@ -16,6 +16,10 @@
 #   g2p_throughput.py  --plan cpu,default on the `fast` shape: before and
 #                      after in the same rounds
 #   attention.py       the backend's plan
+#   decode_corpus.py   continuous refill against per-batch decoding of the
+#                      G2P test set (issue 55), 256 slots, chunks of 4 steps
+#   scan.py            the minGRU step with linear_scan against padded scans
+#                      and dynamic_rnn on W1 and W3 (issue 56)
 # and writes NAME.json into OUTPUT_DIR (default: benchmarks/results/DEVICE/,
 # DEVICE being jax.devices()[0].device_kind lowercased, spaces as `_`, e.g.
 # nvidia_h200), each script's progress (stderr) into OUTPUT_DIR/logs/. It
@@ -23,8 +27,9 @@
 # script failed, ran out of time or was skipped; the others still run.
 #
 # Time: the whole run stays within ACCELERATOR_BUDGET_S seconds (default
-# 470, under 8 minutes): each script gets at most its own share (rnn 250 s,
-# decode 80 s, g2p_throughput 100 s, attention what is left) and at most
+# 560, under the device's 10 minutes a command): each script gets at most
+# its own share (rnn 220 s, decode 60 s, g2p_throughput 80 s, attention 50
+# s, decode_corpus 90 s, scan what is left) and at most
 # what is left of the budget, and is stopped (`timeout`) past it; rnn.py
 # rewrites its JSON after each workload, so a stopped run keeps those it
 # finished. A script left under 30 s is skipped.
@@ -92,15 +97,19 @@ if [[ $smoke == 1 ]]; then
   decode=(--repeats 1)
   g2p=(--arms 0 --rounds 1 --steps 2)
   attention=(--repeats 1)
-  caps=(0 0 0 0) # no limit
+  corpus=(--train-steps 1 --repeats 1 --slots 16 --refill 8)
+  scan=(--workloads S --repeats 1)
+  caps=(0 0 0 0 0 0) # no limit
 else
-  budget=${ACCELERATOR_BUDGET_S:-470}
+  budget=${ACCELERATOR_BUDGET_S:-560}
   default=default
   rnn=(--workloads W1,W2,W3 --candidates --repeats 10)
   decode=(--repeats 5)
   g2p=(--arms 0 --rounds 3 --steps 40)
   attention=(--repeats 5)
-  caps=(250 80 100 0) # 0: what is left
+  corpus=(--repeats 5 --slots 256 --refill 128 --chunk 4)
+  scan=(--workloads W1,W3 --repeats 10)
+  caps=(220 60 80 50 90 0) # 0: what is left
 fi
 min_s=30
 failed=()
@@ -151,6 +160,8 @@ run_script rnn "${caps[0]}" --plan "$default" "${rnn[@]}"
 run_script decode "${caps[1]}" --plan "$default,cpu" "${decode[@]}"
 run_script g2p_throughput "${caps[2]}" --plan "cpu,$default" "${g2p[@]}"
 run_script attention "${caps[3]}" --plan "$default" "${attention[@]}"
+run_script decode_corpus "${caps[4]}" "${corpus[@]}"
+run_script scan "${caps[5]}" "${scan[@]}"
 
 total=$(($(date +%s%3N) - start_ms))
 printf '%-16s %4d.%03d s  (budget %d s)\n' total $((total / 1000)) $((total % 1000)) \
