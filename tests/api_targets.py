@@ -449,6 +449,16 @@ target(
   },
 )
 target(
+  "ops.linear_scan",
+  ops.linear_scan,
+  {
+    "a": arg(lod, "array_or_lod"),
+    "b": arg(lod, "lod"),
+    "init": arg(None, "rows", none_ok=True),
+    "reverse": arg(False, "bool"),
+  },
+)
+target(
   "ops.fused_rnn",
   ops.fused_rnn,
   {
