@@ -1,6 +1,8 @@
 """Flax (Linen) layers over `jaxlod.ops`: recurrent layers (with `RNN`,
-a drop-in for ``flax.linen.RNN`` over padded arrays), attention over LoD
-memories and encoder-decoders. NNX twins with the same names, arguments and
+a drop-in for ``flax.linen.RNN`` over padded arrays, and `MinGRU` and
+`RGLRU`, linear recurrences run as one scan), attention over LoD memories
+and encoder-decoders (with `Seq2Seq.generate_corpus`, a corpus decoded with
+continuous refill). NNX twins with the same names, arguments and
 errors live in `jaxlod.nn.nnx`."""
 
 from jaxlod.nn._attention import (
