@@ -266,6 +266,11 @@ class Seq2Seq(nn.Module):
       `num_results` hypotheses best first (``ids[j]`` int32 ``[length]``,
       `eos` excluded), as `generate` gives them for that source alone.
 
+    Layers that draw (a cell with ``nn.Dropout``) take the RNG streams of
+    ``apply(..., rngs=...)`` as in `generate`, but a step's keys are folded
+    with the furthest step in flight, not each source's own: the draws
+    depend on which sources share the slots.
+
     Raises:
       ValueError: as `generate`, and while reading, for a source longer
         than `src_capacity`, not 1-D, or with an id outside ``[0,
