@@ -236,7 +236,7 @@ class Seq2Seq(nn.Module):
     slots: int,
     max_length_fn: Callable[[np.ndarray], int] | None = None,
     refill: int | None = None,
-    chunk: int = 8,
+    chunk: int = 4,
     stats: dict | None = None,
   ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """Decodes a corpus with continuous refill (`jaxlod.ops.decode_corpus`):
@@ -437,7 +437,7 @@ def ensemble_generate_corpus(
   slots: int,
   max_length_fn: Callable[[np.ndarray], int] | None = None,
   refill: int | None = None,
-  chunk: int = 8,
+  chunk: int = 4,
   stats: dict | None = None,
   rngs: dict[str, jax.Array] | None = None,
 ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:

@@ -192,7 +192,7 @@ class Seq2Seq(nnx.Module):
     slots: int,
     max_length_fn: Callable[[np.ndarray], int] | None = None,
     refill: int | None = None,
-    chunk: int = 8,
+    chunk: int = 4,
     stats: dict | None = None,
   ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """Decodes a corpus with continuous refill: as
@@ -274,7 +274,7 @@ def ensemble_generate_corpus(
   slots: int,
   max_length_fn: Callable[[np.ndarray], int] | None = None,
   refill: int | None = None,
-  chunk: int = 8,
+  chunk: int = 4,
   stats: dict | None = None,
   rngs: None = None,
 ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
