@@ -276,13 +276,12 @@ class Seq2Seq(nn.Module):
         than `src_capacity`, not 1-D, or with an id outside ``[0,
         src_vocab)``, naming its index in the corpus.
     """
-    if self.is_initializing():
-      self.member()  # raises: decoding needs parameters
-    model, variables = self.unbind()
+    self._require_parameters()
+    rebuild, params, vocab = corpus_members([self.unbind()], _stream_keys(self))
     return generate_corpus(
-      Members((model,)),
-      ((variables,), _stream_keys(self)),
-      self.src_vocab,
+      rebuild,
+      params,
+      vocab,
       sources,
       settings,
       src_capacity=src_capacity,
@@ -339,6 +338,15 @@ class Seq2Seq(nn.Module):
     """``Dropout(dropout)`` of packed rows (zero rows stay zero)."""
     return self.drop(values)
 
+  def _require_parameters(self) -> None:
+    """Raises `ValueError` while initializing: decoding needs parameters."""
+    if self.is_initializing():
+      raise ValueError(
+        "Seq2Seq.generate needs parameters: initialize the model with `init` on "
+        "(src, tgt_in), then call `apply(variables, src, settings, "
+        "method='generate')`."
+      )
+
   def member(self) -> Member:
     """This bound model as a `Member` of pure functions of its variables
     (`generate`, `ensemble_generate`).
@@ -352,12 +360,7 @@ class Seq2Seq(nn.Module):
     Raises:
       ValueError: while initializing: decoding needs parameters.
     """
-    if self.is_initializing():
-      raise ValueError(
-        "Seq2Seq.generate needs parameters: initialize the model with `init` on "
-        "(src, tgt_in), then call `apply(variables, src, settings, "
-        "method='generate')`."
-      )
+    self._require_parameters()
     methods = ("encode", "initial_state", "precompute", "decode_step")
     return Member(*(pure_method(self, method) for method in methods))
 
@@ -424,8 +427,10 @@ def ensemble_generate(
     >>> [len(h) for h in hyps.ids.to_list()]
     [2, 2]
   """
-  pure = _pure_members(members, rngs)
-  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
+  rebuild, params = _ensemble(members, rngs)
+  return generate(
+    rebuild(params), src, settings, max_lengths=max_lengths, src_table=src_table
+  )
 
 
 def ensemble_generate_corpus(
@@ -502,13 +507,9 @@ def corpus_members(
     TypeError, ValueError: as `ensemble_generate`, and for members with
       different ``src_vocab``.
   """
-  _pure_members(members, rngs)  # the checks
-  vocab = check_vocabs([model.src_vocab for model, _ in members], "src_vocab")
-  return (
-    Members(tuple(model for model, _ in members)),
-    (tuple(variables for _, variables in members), check_rngs(rngs) or {}),
-    vocab,
-  )
+  rebuild, params = _ensemble(members, rngs)
+  vocab = check_vocabs([model.src_vocab for model in rebuild.models], "src_vocab")
+  return rebuild, params, vocab
 
 
 def _stream_keys(module: nn.Module) -> dict[str, jax.Array]:
@@ -516,9 +517,11 @@ def _stream_keys(module: nn.Module) -> dict[str, jax.Array]:
   return {name: module.make_rng(name) for name in module.scope.rngs if name != "params"}
 
 
-def _pure_members(members: Any, rngs: Any) -> list[Member]:
-  """The checked ``(Seq2Seq, variables)`` pairs of an ensemble as `Member`s,
-  member ``k`` drawing from `rngs` folded with ``k``."""
+def _ensemble(
+  members: Any, rngs: Any
+) -> tuple[Members, tuple[tuple, dict[str, jax.Array]]]:
+  """An ensemble's checked ``(Seq2Seq, variables)`` pairs as ``(Members(
+  models), (variables, rngs))``: calling the first on the second binds them."""
   members = _checks.check_sequence(
     members, "members", "a sequence of (Seq2Seq, variables) pairs"
   )
@@ -533,11 +536,9 @@ def _pure_members(members: Any, rngs: Any) -> list[Member]:
         f"Expected `members[{k}]` to be a (Seq2Seq, variables) pair, got {got}."
       )
   check_vocabs([model.tgt_vocab for model, _ in members])
-  rngs = check_rngs(rngs) or {}
-  return [
-    model.bind(variables, rngs=_member_rngs(rngs, k)).member()
-    for k, (model, variables) in enumerate(members)
-  ]
+  models = tuple(model for model, _ in members)
+  variables = tuple(variables for _, variables in members)
+  return Members(models), (variables, check_rngs(rngs) or {})
 
 
 def _member_rngs(rngs: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:

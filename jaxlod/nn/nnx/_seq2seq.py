@@ -199,11 +199,11 @@ class Seq2Seq(nnx.Module):
     `jaxlod.nn.Seq2Seq.generate_corpus`, with this model as the one member
     of `ensemble_generate_corpus`. Call it outside `nnx.jit`; it decodes
     with the model's state at the call."""
-    graphdef, state = nnx.split(self)
+    rebuild, states, vocab = corpus_members([self], None)
     return generate_corpus(
-      Members((graphdef,)),
-      (state,),
-      self.src_vocab,
+      rebuild,
+      states,
+      vocab,
       sources,
       settings,
       src_capacity=src_capacity,
@@ -260,8 +260,7 @@ def ensemble_generate(
     ValueError: for no members, members with different ``tgt_vocab``,
       `rngs` other than `None`, and as `Seq2Seq.generate` does.
   """
-  _check_no_rngs(rngs)
-  pure = _pure_members(members)
+  pure = [model.member() for model in _ensemble(members, rngs)]
   return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
 
 
@@ -281,12 +280,9 @@ def ensemble_generate_corpus(
   """Decodes a corpus with an ensemble of encoder-decoders and continuous
   refill: the NNX twin of `jaxlod.nn.ensemble_generate_corpus`, with the
   members given as `Seq2Seq` modules (`rngs` as in `ensemble_generate`)."""
-  _check_no_rngs(rngs)
-  _pure_members(members)  # the checks
-  vocab = check_vocabs([model.src_vocab for model in members], "src_vocab")
-  graphdefs, states = zip(*(nnx.split(model) for model in members), strict=True)
+  rebuild, states, vocab = corpus_members(members, rngs)
   return generate_corpus(
-    Members(graphdefs),
+    rebuild,
     states,
     vocab,
     sources,
@@ -314,16 +310,28 @@ class Members:
     ]
 
 
-def _check_no_rngs(rngs: Any) -> None:
+def corpus_members(members: Any, rngs: None) -> tuple[Members, tuple, int]:
+  """An ensemble's checked `Seq2Seq` members as `generate_corpus` takes them:
+  ``(Members(graphdefs), states, src_vocab)``, the twin of
+  `jaxlod.nn._seq2seq.corpus_members`.
+
+  Raises:
+    TypeError, ValueError: as `ensemble_generate`, and for members with
+      different ``src_vocab``.
+  """
+  members = _ensemble(members, rngs)
+  vocab = check_vocabs([model.src_vocab for model in members], "src_vocab")
+  graphdefs, states = zip(*(nnx.split(model) for model in members), strict=True)
+  return Members(graphdefs), states, vocab
+
+
+def _ensemble(members: Any, rngs: Any) -> list[Seq2Seq]:
+  """An ensemble's checked members (`rngs` must be `None`)."""
   if rngs is not None:
     raise ValueError(
       "Expected `rngs` to be None: NNX members draw from the nnx.Rngs they "
       "were built with (`rngs` is for the Linen twin, jaxlod.nn.ensemble_generate)."
     )
-
-
-def _pure_members(members: Any) -> list[Member]:
-  """The checked `Seq2Seq` members of an ensemble as `Member`s."""
   members = _checks.check_sequence(members, "members", "a sequence of Seq2Seq")
   for k, model in enumerate(members):
     if not isinstance(model, Seq2Seq):
@@ -331,4 +339,4 @@ def _pure_members(members: Any) -> list[Member]:
         f"Expected `members[{k}]` to be a Seq2Seq, got {type(model).__name__}."
       )
   check_vocabs([model.tgt_vocab for model in members])
-  return [model.member() for model in members]
+  return list(members)
