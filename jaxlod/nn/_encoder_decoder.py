@@ -28,7 +28,7 @@ from jaxlod.nn._checks import check_encoded, check_tokens
 from jaxlod.nn._recurrent import count_steps, counted_carry, counted_step, zero_padding
 from jaxlod.ops import _decode
 from jaxlod.ops._attention import Memory, check_memory_lod
-from jaxlod.ops._corpus import decode_corpus
+from jaxlod.ops._corpus import corpus_slots, decode_corpus, source_iterator
 from jaxlod.ops._decode import check_settings
 from jaxlod.ops._pool import sequence_pool
 from jaxlod.ops._rank import RankTable, check_table
@@ -196,26 +196,13 @@ def generate(
   return _decode.faulted_by(hyps, encoded)
 
 
-def _corpus_sources(sources: Any, capacity: int, vocab: int) -> Iterator[np.ndarray]:
-  """`sources` read one by one as int32 ``[length]`` ids, each checked on the
-  host: 1-D (or ``[length, 1]``) integers, at most `capacity` of them, each
-  in ``[0, vocab)``, an error naming the source's index in the corpus.
-
-  Raises:
-    TypeError: at once, for `sources` that is not iterable.
-  """
-  try:
-    iterator = iter(sources)
-  except TypeError:
-    raise TypeError(
-      f"Expected `sources` to be an iterable of sources, got {type(sources).__name__}."
-    ) from None
-  return _checked_sources(iterator, capacity, vocab)
-
-
 def _checked_sources(
   iterator: Iterator, capacity: int, vocab: int
 ) -> Iterator[np.ndarray]:
+  """The sources of `iterator` read one by one as int32 ``[length]`` ids,
+  each checked on the host: 1-D (or ``[length, 1]``) integers, at most
+  `capacity` of them, each in ``[0, vocab)``, an error naming the source's
+  index in the corpus."""
   for i, source in enumerate(iterator):
     ids = np.asarray(source)
     if ids.ndim == 2 and ids.shape[1] == 1:
@@ -303,11 +290,7 @@ def generate_corpus(
   src_capacity = static_int(src_capacity, "src_capacity", minimum=1)
   if max_length_fn is not None:
     _checks.check_callable(max_length_fn, "max_length_fn")
-  slots = static_int(slots, "slots", minimum=1)
-  if refill is None:  # decode_corpus's default, for all the devices
-    devices = mesh.shape.get(axis, 1) if isinstance(mesh, Mesh) else 1
-    refill = max(1, slots * devices // 4)
-  refill = static_int(refill, "refill", 1)
+  _, refill = corpus_slots(slots, refill, mesh, axis)
   buckets = Buckets.fixed(
     tokens=refill * src_capacity, sequences=refill, time=src_capacity
   )
@@ -324,7 +307,7 @@ def generate_corpus(
   return decode_corpus(
     Partial(CorpusStep(rebuild), params),
     encode_fn,
-    _corpus_sources(sources, src_capacity, src_vocab),
+    _checked_sources(source_iterator(sources), src_capacity, src_vocab),
     settings,
     slots=slots,
     refill=refill,

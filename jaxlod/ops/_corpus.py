@@ -191,6 +191,58 @@ def _check_max_lengths(max_lengths: Any, batch: int, refill: int, cap: int, firs
   return np.clip(lengths, 1, cap).astype(np.int32)
 
 
+def corpus_slots(
+  slots: Any, refill: Any, mesh: Mesh | None, axis: str
+) -> tuple[int, int]:
+  """`decode_corpus`'s ``(slots over all devices, refill)``: `slots` per
+  device of the checked `mesh` (one device: `None`), `refill` checked in
+  ``[1, slots]`` and by default a quarter of them (at least 1).
+
+  Raises:
+    TypeError, ValueError: naming the argument.
+  """
+  slots = static_int(slots, "slots", minimum=1)
+  if mesh is not None:
+    if not isinstance(mesh, Mesh):
+      raise TypeError(
+        f"Expected `mesh` to be a jax.sharding.Mesh or None, got {mesh!r}."
+      )
+    if axis not in mesh.shape:
+      raise ValueError(
+        f"Expected `axis` to name an axis of `mesh` {tuple(mesh.shape)}, got {axis!r}."
+      )
+    if mesh.devices.size != mesh.shape[axis]:
+      raise ValueError(
+        f"Expected a mesh with the one axis {axis!r}, got {dict(mesh.shape)}: "
+        "decode_corpus shards its slots over one axis."
+      )
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+      raise ValueError(
+        "Expected a mesh of this process's devices: decode_corpus reads its "
+        "slots on the host every chunk, and each process would read another "
+        "corpus. Decode each process's part of the corpus on its own devices."
+      )
+    slots *= mesh.shape[axis]
+  refill = max(1, slots // 4) if refill is None else static_int(refill, "refill", 1)
+  if refill > slots:
+    raise ValueError(f"Expected `refill` in [1, {slots}] (the slots), got {refill}.")
+  return slots, refill
+
+
+def source_iterator(sources: Any) -> Iterator:
+  """An iterator over `sources`, taken at once.
+
+  Raises:
+    TypeError: for `sources` that is not iterable.
+  """
+  try:
+    return iter(sources)
+  except TypeError:
+    raise TypeError(
+      f"Expected `sources` to be an iterable of sources, got {type(sources).__name__}."
+    ) from None
+
+
 def decode_corpus(
   step_fn: Callable[[Any, jax.Array, Any], tuple[Any, jax.Array]],
   encode_fn: Callable[[list], tuple[Any, Any, Any]],
@@ -258,42 +310,13 @@ def decode_corpus(
   check_settings(settings)
   check_callable(step_fn, "step_fn")
   check_callable(encode_fn, "encode_fn")
-  slots = static_int(slots, "slots", minimum=1)
-  if mesh is not None:
-    if not isinstance(mesh, Mesh):
-      raise TypeError(
-        f"Expected `mesh` to be a jax.sharding.Mesh or None, got {mesh!r}."
-      )
-    if axis not in mesh.shape:
-      raise ValueError(
-        f"Expected `axis` to name an axis of `mesh` {tuple(mesh.shape)}, got {axis!r}."
-      )
-    if mesh.devices.size != mesh.shape[axis]:
-      raise ValueError(
-        f"Expected a mesh with the one axis {axis!r}, got {dict(mesh.shape)}: "
-        "decode_corpus shards its slots over one axis."
-      )
-    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
-      raise ValueError(
-        "Expected a mesh of this process's devices: decode_corpus reads its "
-        "slots on the host every chunk, and each process would read another "
-        "corpus. Decode each process's part of the corpus on its own devices."
-      )
-    slots *= mesh.shape[axis]
-  refill = max(1, slots // 4) if refill is None else static_int(refill, "refill", 1)
-  if refill > slots:
-    raise ValueError(f"Expected `refill` in [1, {slots}] (the slots), got {refill}.")
+  slots, refill = corpus_slots(slots, refill, mesh, axis)
   chunk = static_int(chunk, "chunk", minimum=1)
   if stats is not None and not isinstance(stats, dict):
     raise TypeError(
       f"Expected `stats` to be a dict or None, got {type(stats).__name__}."
     )
-  try:
-    iterator = iter(sources)
-  except TypeError:
-    raise TypeError(
-      f"Expected `sources` to be an iterable of sources, got {type(sources).__name__}."
-    ) from None
+  iterator = source_iterator(sources)
   return _decode(
     step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats, mesh, axis
   )
