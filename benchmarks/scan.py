@@ -45,8 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxlod
-from benchmarks.rnn import WORKLOADS, Workload
+from benchmarks.rnn import WORKLOADS, Workload, make_batch
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import MinGRU
 from jaxlod.ops import dynamic_rnn
@@ -86,13 +85,10 @@ def longer(w: Workload, factor: int) -> Workload:
 
 
 def batch(w: Workload, rng: np.random.Generator) -> dict[str, Any]:
-  lengths = w.sample_lengths(rng, w.batch)
-  rows = rng.standard_normal((int(lengths.sum()), w.features), dtype=np.float32)
-  lod = jaxlod.LoDTensor.from_lengths(rows, [lengths], buckets=w.buckets)
-  mask = np.arange(w.time_capacity)[None, :] < lengths[:, None]
-  padded = np.zeros((w.batch, w.time_capacity, w.features), np.float32)
-  padded[mask] = rows
-  return {"lengths": lengths, "lod": lod, "padded": padded, "mask": mask}
+  """`benchmarks.rnn.make_batch`'s batch, with the padded rows' mask."""
+  made = make_batch(w, rng)
+  mask = np.arange(w.time_capacity)[None, :] < made.lengths[:, None]
+  return {"lengths": made.lengths, "lod": made.lod, "padded": made.padded, "mask": mask}
 
 
 def _coefficients(params, x):
