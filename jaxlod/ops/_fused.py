@@ -595,10 +595,6 @@ def fused_rnn(
     )
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-    import os  # EXPERIMENT
-
-    if os.environ.get("JAXLOD_FUSED_INTERPRET") == "0":
-      interpret = False
   interpret = check_bool(interpret, "interpret")
   if not interpret:
     _check_gpu_sizes(cell, init_carry, tile)
