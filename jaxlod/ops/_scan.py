@@ -3,12 +3,26 @@
 ``h_t = a_t * h_{t-1} + b_t`` is associative in ``(a, b)``: two steps
 compose as ``(a1, b1) then (a2, b2) = (a1 * a2, a2 * b1 + b2)``. Over the
 packed rows of a LoDTensor, every sequence restarts from its own initial
-state, and a restart is just ``a = 0`` at the sequence's first row (with
-``a * init`` folded into ``b`` there): the composition then forgets
-everything before it. So one `jax.lax.associative_scan` over all the rows,
-depth ``log(rows)``, runs every sequence at once, with no padding to the
-longest, no rank table and no loop over steps; the rows past the data scan
-as their own zero sequences.
+state. A restart is not ``a = 0``: ``0 * inf`` is NaN, so one sequence's
+overflow would poison the next. Each element carries a restart flag
+instead, the textbook segmented scan (Blelloch 1990): ``(f1, a1, b1) then
+(f2, a2, b2) = (f1 | f2, a2 if f2 else a1 * a2, b2 if f2 else a2 * b1 +
+b2)``, so nothing crosses a sequence boundary. Every padding row is a
+segment of its own, of zeros. One `jax.lax.associative_scan` over all the
+rows, depth ``log(rows)``, runs every sequence at once, with no padding to
+the longest, no rank table and no loop over steps.
+
+Within a sequence the composition forms products of ``a`` over ranges of
+rows that the sequential recurrence never forms, and they may overflow
+where the sequential states do not (``a = [1e30] * 4`` and ``b = 0`` has
+states 0, while ``a2 * a3`` is inf in float32). An overflow is never
+hidden: a non-finite value stays non-finite through every later product
+and sum, so a scan whose states are all finite formed no overflow that
+reached them. In a sequence where any state is not finite, the states are
+computed again by the sequential recurrence itself (a `jax.lax.scan` over
+the rows, under `jax.lax.cond`, so that finite batches never pay for it):
+that sequence's results are then the sequential ones exactly, its inf and
+NaN included, and every other sequence keeps its own bit for bit.
 
 The gradient is the adjoint recurrence ``g_t + a_{t+1} * lambda_{t+1}``,
 the same scan run the other way (`jax.custom_vjp`), so the backward pass
@@ -34,15 +48,43 @@ from jaxlod.ops._rank import nan_unless
 
 
 def _compose(first: tuple, second: tuple) -> tuple:
-  a1, b1 = first
-  a2, b2 = second
-  return a1 * a2, a2 * b1 + b2
+  """`first` then `second`, each ``(restart, a, b)``: a restart in
+  `second` forgets `first` (selected, never multiplied by 0)."""
+  f1, a1, b1 = first
+  f2, a2, b2 = second
+  return f1 | f2, jnp.where(f2, a2, a1 * a2), jnp.where(f2, b2, a2 * b1 + b2)
 
 
-def _scan(a: jax.Array, b: jax.Array, reverse: bool) -> jax.Array:
-  """The states of ``h = a * h_prev + b`` from zero, row after row (the other
-  way with `reverse`); `a` and `b` of one shape."""
-  return lax.associative_scan(_compose, (a, b), reverse=reverse)[1]
+def _sequential(restart, a, b, reverse):
+  """``h = b if restart else a * h_prev + b``, one row at a time."""
+
+  def step(h, row):
+    f, a_t, b_t = row
+    h = jnp.where(f, b_t, a_t * h + b_t)
+    return h, h
+
+  rows = (jnp.broadcast_to(restart, b.shape), jnp.broadcast_to(a, b.shape), b)
+  return lax.scan(step, jnp.zeros(b.shape[1:], b.dtype), rows, reverse=reverse)[1]
+
+
+def _scan(restart: jax.Array, a: jax.Array, b: jax.Array, reverse: bool) -> jax.Array:
+  """The states of ``h = b if restart else a * h_prev + b``, row after row
+  (the other way with `reverse`): one parallel scan, and the sequential
+  recurrence in each segment where a state of the parallel scan is not
+  finite. `restart` ``[rows, 1, ...]`` broadcasts to `b`, `a` has `b`'s
+  shape."""
+  h = lax.associative_scan(_compose, (restart, a, b), reverse=reverse)[2]
+
+  def recompute() -> jax.Array:
+    # Only the segments that overflowed take the sequential states: the
+    # others keep theirs bit for bit, whatever their neighbours hold.
+    flags = restart.reshape(restart.shape[0], -1)[:, 0]
+    segment = lax.cumsum(flags.astype(jnp.int32), axis=0, reverse=reverse) - 1
+    bad = ~jnp.isfinite(h).reshape(h.shape[0], -1).all(axis=1)
+    bad = jax.ops.segment_max(bad, segment, num_segments=h.shape[0])[segment]
+    return jnp.where(_expand(bad, h.ndim), _sequential(restart, a, b, reverse), h)
+
+  return lax.cond(jnp.isfinite(h).all(), lambda: h, recompute)
 
 
 def _expand(x: jax.Array, ndim: int) -> jax.Array:
@@ -58,19 +100,18 @@ def _segmented(a, b, init_rows, starts, real, reverse):
   return _segmented_fwd(a, b, init_rows, starts, real, reverse)[0]
 
 
-def _coefficients(a, b, starts, real):
-  """The scan's decays: `a` broadcast to `b`, zero at each segment's first
-  row (the restart) and past the data (so that nothing reaches a padding
-  row, whatever its values)."""
-  start, live = _expand(starts, b.ndim), _expand(real, b.ndim)
-  return jnp.where(start | ~live, 0, jnp.broadcast_to(a, b.shape)), start, live
+def _restarts(starts, real, ndim):
+  """Each segment's first row and every padding row (a segment of its own),
+  as ``[rows, 1, ...]``; and the rows of the data, the same shape."""
+  start, live = _expand(starts, ndim), _expand(real, ndim)
+  return start | ~live, start, live
 
 
 def _segmented_fwd(a, b, init_rows, starts, real, reverse):
-  alpha, start, live = _coefficients(a, b, starts, real)
+  restart, start, live = _restarts(starts, real, b.ndim)
   a_full = jnp.broadcast_to(a, b.shape)
   folded = jnp.where(start, b + a_full * init_rows, jnp.where(live, b, 0))
-  h = _scan(alpha, folded, reverse)
+  h = _scan(restart, a_full, folded, reverse)
   return h, (a, h, init_rows, starts, real)
 
 
@@ -85,15 +126,18 @@ def _shift(x: jax.Array, reverse: bool, fill: Any) -> jax.Array:
 
 def _segmented_bwd(reverse, residuals, g):
   a, h, init_rows, starts, real = residuals
-  alpha, start, live = _coefficients(a, g, starts, real)
+  restart, start, live = _restarts(starts, real, g.ndim)
+  a_full = jnp.broadcast_to(a, g.shape)
   g = jnp.where(live, g, 0)
-  # lambda_t = g_t + alpha_next * lambda_next, `next` the row after t in the
+  # lambda_t = g_t + a_next * lambda_next, `next` the row after t in the
   # scan's direction: the same scan the other way, each row reading its
-  # successor's decay (0 where the successor starts a segment).
-  lam = _scan(_shift(alpha, not reverse, 0), g, not reverse)
+  # successor's decay and restarting where its successor restarts (or at
+  # the last row).
+  after = _shift(restart, not reverse, True)
+  lam = _scan(after, _shift(a_full, not reverse, 0), g, not reverse)
   h_prev = jnp.where(start, init_rows, _shift(h, reverse, 0))
   d_a = jnp.where(live, lam * h_prev, 0)
-  d_init = jnp.where(start, lam * jnp.broadcast_to(a, g.shape), 0)
+  d_init = jnp.where(start, lam * a_full, 0)
   # `a` may broadcast over `b`: its gradient sums over the broadcast axes.
   extra = tuple(i for i in range(g.ndim) if a.shape[i] == 1 and g.shape[i] != 1)
   d_a = jnp.sum(d_a, axis=extra, keepdims=True).reshape(a.shape)

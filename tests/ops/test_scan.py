@@ -167,3 +167,118 @@ def test_errors():
   out = jax.jit(linear_scan)(other, b.with_values(np.ones(24, np.float32)))
   assert np.isnan(np.asarray(out.values)).all()
   assert int(out.faults) & Fault.INPUT
+
+
+# -- no leak between sequences, no overflow the sequential recurrence lacks ----------
+
+LEAK_CASES = [
+  # (a, b, want): the issue's reproductions, the states of two sequences of 4.
+  ([1e30] * 4 + [0.5] * 4, [1.0] * 8, [1, 1e30, np.inf, np.inf, 1, 1.5, 1.75, 1.875]),
+  ([1e30] * 4 + [0.5] * 4, [0.0] * 4 + [1.0] * 4, [0, 0, 0, 0, 1, 1.5, 1.75, 1.875]),
+]
+
+
+@pytest.mark.parametrize("a, b, want", LEAK_CASES)
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_overflow_stays_in_its_sequence(a, b, want, jit):
+  x = LoDTensor.from_lengths(np.array(b, np.float32), [[4, 4]])
+  scan = jax.jit(linear_scan) if jit else linear_scan
+  got = np.asarray(scan(np.array(a, np.float32), x).values)
+  np.testing.assert_array_equal(got, np.array(want, np.float32))
+
+
+def test_an_overflow_stays_in_its_sequence_in_float64_and_reverse():
+  with jax.enable_x64(True):
+    x = LoDTensor.from_lengths(np.ones(8), [[4, 4]])
+    a = np.array([1e200] * 4 + [0.5] * 4)
+    got = np.asarray(linear_scan(a, x).values)
+    np.testing.assert_array_equal(got, [1, 1e200, np.inf, np.inf, 1, 1.5, 1.75, 1.875])
+  x = LoDTensor.from_lengths(np.ones(8, np.float32), [[4, 4]])
+  a = np.array([0.5] * 4 + [1e30] * 4, np.float32)
+  got = np.asarray(linear_scan(a, x, reverse=True).values)
+  want = np.array([1.875, 1.75, 1.5, 1, np.inf, np.inf, 1e30, 1], np.float32)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("poison", [np.inf, -np.inf, np.nan, 1e30])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_no_value_or_gradient_crosses_a_boundary(poison, reverse):
+  """Poisoning the middle sequence (in `a`, `b` and `init`) leaves the
+  other sequences' states and gradients bitwise as they were."""
+  lengths = [3, 4, 2]
+  a, b, init = _case(lengths, np.float32, "full", seed=5)
+  other = np.asarray(b.segment_ids()) != 1
+  other &= np.asarray(b.row_mask())
+  weights = np.where(other[:, None], 1.0, 0.0).astype(np.float32)
+
+  def loss(a, values, init):
+    out = linear_scan(a, b.with_values(values), init=init, reverse=reverse)
+    return jnp.sum(out.values * weights), out.values
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+  clean_grads, clean = grad(a, b.values, init)
+  a2, values2, init2 = a.copy(), np.asarray(b.values).copy(), init.copy()
+  a2[3:7], values2[3:7], init2[1] = poison, poison, poison
+  grads, got = grad(a2, values2, init2)
+  np.testing.assert_array_equal(np.asarray(got)[other], np.asarray(clean)[other])
+  for g, want in zip(grads[:2], clean_grads[:2], strict=True):
+    np.testing.assert_array_equal(np.asarray(g)[other], np.asarray(want)[other])
+  keep = np.arange(6) != 1
+  np.testing.assert_array_equal(np.asarray(grads[2])[keep], clean_grads[2][keep])
+
+
+def _decays():
+  """Decays over ``[0, 1e30]``: zeros, ones, and values of every scale."""
+  exact = st.sampled_from([0.0, 0.5, 1.0, 2.0, 1e10, 1e20, 1e30])
+  spread = st.floats(-30, 30).map(lambda e: 10.0**e)
+  return st.one_of(exact, spread, st.floats(0, 1e30))
+
+
+def _inputs():
+  exact = st.sampled_from([0.0, 1.0, -1.0])
+  return st.one_of(exact, st.floats(-1e20, 1e20))
+
+
+@st.composite
+def _overflow_case(draw):
+  sizes = st.lists(st.integers(0, 10), max_size=6)
+  lengths = draw(sizes.filter(lambda n: sum(n) <= 24))
+  a = draw(st.lists(_decays(), min_size=24, max_size=24))
+  b = draw(st.lists(_inputs(), min_size=24, max_size=24))
+  return lengths, np.array(a), np.array(b), draw(st.booleans())
+
+
+def _bound(a, b, lengths, reverse):
+  """The states of ``|a|`` and ``|b|`` in float64: the scale of each
+  state's rounding error."""
+  with np.errstate(all="ignore"):
+    return reference(np.abs(a), np.abs(b), np.zeros(len(lengths)), lengths, reverse)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_equals_the_sequential_recurrence_where_it_is_finite_and_its_overflow(dtype):
+  """On decays spanning ``[0, 1e30]``: where the sequential recurrence is
+  finite the scan is too and agrees up to rounding; where it is not, the
+  scan's values are its inf and NaN exactly."""
+  tol = TOLERANCE[dtype]
+
+  @settings(max_examples=60, deadline=None)
+  @given(_overflow_case())
+  def check(case):
+    lengths, a, b, reverse = case
+    with jax.enable_x64(dtype == np.float64):
+      a, b = a.astype(dtype), b.astype(dtype)
+      rows = sum(lengths)
+      b[rows:] = 0
+      x = LoDTensor.from_lengths(b[:rows], [lengths], buckets=BUCKETS)
+      got = np.asarray(linear_scan(a, x, reverse=reverse).values)[:rows]
+      with np.errstate(all="ignore"):
+        zeros = np.zeros(len(lengths), dtype)
+        want = reference(a, b, zeros, lengths, reverse)[:rows]
+      finite = np.isfinite(want)
+      np.testing.assert_array_equal(got[~finite], want[~finite])
+      bound = _bound(a.astype(np.float64), b.astype(np.float64), lengths, reverse)
+      error = np.abs(got[finite].astype(np.float64) - want[finite])
+      assert np.all(error <= tol["atol"] + tol["rtol"] * bound[:rows][finite])
+
+  check()
