@@ -272,7 +272,9 @@ def dynamic_rnn(
   plan = plan_with_ladder(plan, ladder)
   table, ranked = _resolve_table(x0, table, ladder)
   count = table.count_capacity
-  loop_ladder = plan.ladder(count, table.ladder)
+  # No sequences (a count capacity of 0): no step runs; the step is traced
+  # at batch 0 for the shapes of its outputs.
+  loop_ladder = plan.ladder(count, table.ladder) if count else (0,)
   check_rows(init_carry, count, "init_carry")
   statics = prepare_statics(static_inputs, count)
   carry_leaves, carry_tree = jax.tree.flatten(init_carry)
@@ -337,8 +339,8 @@ def dynamic_rnn(
     ),
     vma,
   )
-  if table.time_capacity == 0:
-    # Every sequence is empty and no step can run (a loop body would index
+  if table.time_capacity == 0 or count == 0:
+    # No sequence, or every sequence empty, and no step can run (a loop body would index
     # per-step arrays of length 0): outputs are zeros, carries stay as given.
     ys = (
       [spec.zeros((spec.rows, *t), d) for t, d in y_tails] if return_sequences else []

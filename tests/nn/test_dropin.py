@@ -472,3 +472,30 @@ def test_bidirectional_errors(api):
     call(lod, seq_lengths=jnp.array([3]))
   with pytest.raises(ValueError, match=r"Expected `seq_lengths` in \[0, 5\]"):
     call(x, seq_lengths=jnp.array([2, 6]))
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_a_batch_of_no_sequences_gives_empty_results_as_flax_does(kind):
+  """Inputs ``[0, 5, 3]``: outputs ``(0, 5, 4)`` and a carry ``(0, 4)``,
+  eagerly and under `jit`."""
+  x = jnp.zeros((0, 5, 3))
+  want = nn.RNN(nn.GRUCell(4), return_carry=True)
+  want_carry, want_out = want.apply(want.init(jax.random.key(0), x), x)
+  if kind == "linen":
+    layer = linen.RNN(nn.GRUCell(4), return_carry=True)
+    params = layer.init(jax.random.key(0), x)
+
+    def run(x):
+      return layer.apply(params, x)
+
+    calls = (run, jax.jit(run))
+  else:
+    cell = nnx.GRUCell(3, 4, rngs=nnx.Rngs(0))
+    layer = twin.RNN(cell, return_carry=True)
+
+    jitted = nnx.jit(lambda layer, x: layer(x))
+    calls = (layer, lambda x: jitted(layer, x))
+  for call in calls:
+    carry, out = call(x)
+    assert carry.shape == want_carry.shape == (0, 4)
+    assert out.shape == want_out.shape == (0, 5, 4)

@@ -641,3 +641,26 @@ def _padding_grad(loss, remat):
   if remat not in _PADDING_GRADS:
     _PADDING_GRADS[remat] = jax.jit(jax.grad(loss))
   return _PADDING_GRADS[remat]
+
+
+@pytest.mark.parametrize("return_sequences", [True, False])
+def test_a_count_capacity_of_zero_runs_and_gives_empty_results(return_sequences):
+  x = LoDTensor.from_lengths(np.zeros((0, 3), np.float32), [[]])
+
+  def step(h, x_t, _):
+    h = jnp.tanh(h + x_t.sum(-1, keepdims=True))
+    return h, h * 2
+
+  def run(x):
+    return dynamic_rnn(
+      step, x, init_carry=jnp.zeros((0, 1)), return_sequences=return_sequences
+    )
+
+  for call in (run, jax.jit(run)):
+    out = call(x)
+    if return_sequences:
+      ys, h = out
+      assert ys.values.shape == (0, 1) and ys.recursive_lengths() == [[]]
+    else:
+      h = out
+    assert h.shape == (0, 1)
