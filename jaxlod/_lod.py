@@ -37,6 +37,7 @@ from jaxlod._lod_checks import (
   check_values,
   is_array,
   lengths_to_offsets,
+  nan_if_cut,
 )
 
 
@@ -596,7 +597,9 @@ class LoDTensor:
         level's time capacity. A smaller value is checked against the data:
         eagerly with `ValueError`, under `jit` through
         `jax.experimental.checkify` (wrap the caller in `checkify.checkify`
-        to see the error).
+        to see the error); under plain `jit` a float sequence longer than
+        it comes back all NaN, never cut short (int values come back cut:
+        check them eagerly or under checkify).
 
     Returns:
       ``(padded [count_capacity, time, *features], lengths [count_capacity])``.
@@ -618,7 +621,7 @@ class LoDTensor:
       return jnp.full(shape, pad), lengths
     rows = self.values[jnp.clip(index, 0, tokens - 1)]
     mask = mask.reshape(mask.shape + (1,) * len(self.feature_shape))
-    return jnp.where(mask, rows, pad), lengths
+    return nan_if_cut(jnp.where(mask, rows, pad), lengths, time), lengths
 
   def to_segment_ids(self) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The last level as packed rows with segment ids and positions. Jittable.

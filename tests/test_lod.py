@@ -852,3 +852,17 @@ def test_a_bool_among_segment_ids_or_positions_raises(kwargs, match):
   # [1, True, 2] would read as [1, 1, 2]: two sequences, not three.
   with pytest.raises(TypeError, match=match):
     LoDTensor.from_segment_ids(np.ones(3), **kwargs)
+
+
+def test_to_padded_too_small_time_capacity_under_plain_jit_is_nan():
+  """Under plain `jit` the cut sequence comes back all NaN, the others as
+  they are; int values come back as they are (checked eagerly or under
+  checkify)."""
+  x = LoDTensor.from_lengths(np.arange(5.0, dtype=np.float32), [[3, 2]])
+  padded, lengths = jax.jit(lambda x: x.to_padded(time_capacity=2))(x)
+  assert np.isnan(np.asarray(padded[0])).all()
+  np.testing.assert_array_equal(padded[1], [3, 4])
+  assert lengths.tolist() == [3, 2]
+  ids = LoDTensor.from_lengths(np.arange(5, dtype=np.int32), [[3, 2]])
+  padded, _ = jax.jit(lambda x: x.to_padded(time_capacity=2))(ids)
+  np.testing.assert_array_equal(padded, [[0, 1], [3, 4]])

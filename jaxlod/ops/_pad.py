@@ -26,7 +26,12 @@ from jaxlod._checks import (
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod._lod_checks import check_lengths_fit, check_pad_value, per_sequence
+from jaxlod._lod_checks import (
+  check_lengths_fit,
+  check_pad_value,
+  nan_if_cut,
+  per_sequence,
+)
 from jaxlod.ops._array import gather, permutation_gather
 from jaxlod.ops._segment import (
   Rows,
@@ -76,8 +81,10 @@ def sequence_pad(
       capacity (Paddle's default, the longest sequence, depends on data).
       A `maxlen` below the longest sequence is an error: eagerly a
       `ValueError`; under `jit` a `jax.experimental.checkify` check, raised
-      when the caller is wrapped in ``checkify.checkify`` (otherwise the
-      check is skipped).
+      when the caller is wrapped in ``checkify.checkify``; under plain
+      `jit` a float sequence longer than `maxlen` comes back all NaN,
+      never cut short (int values come back cut: check them eagerly or
+      under checkify).
 
   Returns:
     ``(padded [count_capacity, maxlen, *features], lengths int32
@@ -112,8 +119,8 @@ def sequence_pad(
   row_cell, row_valid = _row_cells(rows(x), time)
   flat = gather(x.values, cell_row, cell_valid, row_cell, row_valid)
   mask = cell_valid.reshape((-1,) + (1,) * len(x.feature_shape))
-  padded = jnp.where(mask, flat, pad)
-  return padded.reshape(count, time, *x.feature_shape), lengths
+  padded = jnp.where(mask, flat, pad).reshape(count, time, *x.feature_shape)
+  return nan_if_cut(padded, lengths, time), lengths
 
 
 def _num_sequences(num_sequences: Any, count: int) -> Any:

@@ -567,3 +567,14 @@ def test_reverse_vjp_is_the_reverse(name):
 def test_reverse_errors():
   with pytest.raises(TypeError, match=r"Expected `x` to be a LoDTensor, got ndarray\."):
     sequence_reverse(np.zeros(3))
+
+
+def test_pad_maxlen_too_small_under_plain_jit_is_nan():
+  x = LoDTensor.from_lengths(np.arange(5.0, dtype=np.float32), [[3, 2]])
+  padded, lengths = jax.jit(lambda x: sequence_pad(x, 0.0, maxlen=2))(x)
+  assert np.isnan(np.asarray(padded[0])).all()
+  np.testing.assert_array_equal(padded[1], [3, 4])
+  assert lengths.tolist() == [3, 2]
+  # The gradient reaches the rows that fit.
+  grad = jax.grad(lambda v: jnp.nansum(sequence_pad(x.with_values(v), 0.0, 2)[0]))
+  np.testing.assert_array_equal(jax.jit(grad)(x.values), [0, 0, 0, 1, 1])
