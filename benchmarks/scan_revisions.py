@@ -1,0 +1,137 @@
+"""`jaxlod.ops.linear_scan` at two revisions of the repository, side by side
+in one process: the minGRU training step of `benchmarks/scan.py`.
+
+The scan's module, ``jaxlod/ops/_scan.py``, is read from each git revision
+(``git show REV:jaxlod/ops/_scan.py``) and loaded as a module of its own
+beside the rest of the working tree's jaxlod, so that both run on the same
+batch, weights and machine load. The step is `benchmarks.scan`'s
+``linear_scan`` arm with the layer's scan written out: the gates' product
+over the packed rows, `jaxlod.nn.min_gru_coefficients`, then each
+revision's ``linear_scan``, the loss the mean square of the states and its
+gradient with respect to the gate weights. ``ratio`` is each revision's
+median over the first's; ``max_rel_diff`` compares their losses and
+gradients.
+
+Usage: ``python -m benchmarks.scan_revisions --revisions REV1,REV2
+[--workloads W1,W3] [--repeats N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.rnn import WORKLOADS
+from benchmarks.scan import HIDDEN, batch, workload
+from benchmarks.timing import machine_info, measure_interleaved, write_report
+from jaxlod.nn import MinGRU
+from jaxlod.nn._recurrent import min_gru_coefficients  # MinGRU's own gates
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "jaxlod/ops/_scan.py"
+
+
+def load_scan(revision: str, folder: Path) -> Any:
+  """`linear_scan` of ``jaxlod/ops/_scan.py`` at `revision`."""
+  text = subprocess.run(
+    ["git", "show", f"{revision}:{SOURCE}"],
+    cwd=ROOT,
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout
+  name = f"_scan_at_{len(list(folder.iterdir()))}"
+  path = folder / f"{name}.py"
+  path.write_text(text)
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.linear_scan
+
+
+def step(linear_scan: Any) -> Any:
+  def loss(params, x):
+    gates = x.values @ params["gates"]["kernel"] + params["gates"]["bias"]
+    a, b = min_gru_coefficients(gates)
+    h = linear_scan(x.with_values(a), x.with_values(b)).values
+    return jnp.sum(h**2) / x.num_rows
+
+  return jax.jit(jax.value_and_grad(loss))
+
+
+def _rel_diff(a: Any, b: Any) -> float:
+  diffs = [
+    float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  ]
+  return max(diffs)
+
+
+def run(revisions: list[str], names: list[str], repeats: int) -> dict[str, Any]:
+  start = time.perf_counter()
+  machine = machine_info()
+  report: dict[str, Any] = {}
+  with tempfile.TemporaryDirectory() as folder:
+    scans = {rev: load_scan(rev, Path(folder)) for rev in revisions}
+    for name in names:
+      data = batch(workload(name), np.random.default_rng(0))
+      x = data["lod"]
+      params = MinGRU(HIDDEN).init(jax.random.key(0), x)["params"]
+      fns = {rev: step(scan) for rev, scan in scans.items()}
+      calls = {
+        rev: (lambda f=fns[rev], p=params, x=x: f(p, x), jax.block_until_ready)
+        for rev in revisions
+      }
+      print(f"{name}: timing {', '.join(revisions)}", file=sys.stderr)
+      timing = measure_interleaved(calls, repeats)
+      outputs = {rev: jax.device_get(calls[rev][0]()) for rev in revisions}
+      base = timing[revisions[0]]["median_s"]
+      report[name] = {
+        "tokens": int(data["lengths"].sum()),
+        "median_s": {rev: timing[rev]["median_s"] for rev in revisions},
+        "ratio": {rev: timing[rev]["median_s"] / base for rev in revisions},
+        "max_rel_diff": {
+          rev: _rel_diff(outputs[rev], outputs[revisions[0]]) for rev in revisions
+        },
+      }
+  return {
+    "revisions": revisions,
+    "workloads": report,
+    "hidden": HIDDEN,
+    "repeats": repeats,
+    "machine": machine,
+    "wall_s": time.perf_counter() - start,
+  }
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--revisions", required=True, help="git revisions, e.g. A,B")
+  parser.add_argument("--workloads", default="W1,W3", help="of benchmarks/rnn.py")
+  parser.add_argument("--repeats", type=int, default=15, help="timed rounds")
+  parser.add_argument("--json", help="also write the report here")
+  args = parser.parse_args(argv)
+  revisions = [r for r in args.revisions.split(",") if r]
+  names = [n for n in args.workloads.split(",") if n]
+  unknown = sorted(set(names) - set(WORKLOADS))
+  if unknown or not names:
+    parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
+  if len(revisions) < 2:
+    parser.error("--revisions: give at least two")
+  if args.repeats < 1:
+    parser.error("--repeats must be at least 1")
+  write_report(run(revisions, names, args.repeats), args.json)
+
+
+if __name__ == "__main__":
+  main()
