@@ -1,0 +1,223 @@
+"""Testing helpers for users writing their own step functions, cells and ops.
+
+`check_independent` checks that the sequences of a LoDTensor stay
+independent through a function: changing one sequence, even to ``inf``,
+``NaN`` or ``1e30``, changes no other sequence's outputs or gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlod import LoDTensor
+
+__all__ = ["PERTURBATIONS", "IndependenceError", "check_independent"]
+
+PERTURBATIONS = ("random", "large", "inf", "nan")
+
+
+class IndependenceError(AssertionError):
+  """One sequence's change reached another sequence's outputs or gradients."""
+
+
+def _rows(x: LoDTensor, level: int) -> list[tuple[int, int]]:
+  """The ``[start, end)`` rows of `x.values` of each sequence at `level`."""
+  level = level % x.num_levels
+  offsets = [np.asarray(o) for o in x.offsets]
+  starts, ends = offsets[level][:-1], offsets[level][1:]
+  for deeper in offsets[level + 1 :]:
+    starts, ends = deeper[starts], deeper[ends]
+  return [(int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
+
+
+def _perturb(values: np.ndarray, start: int, end: int, kind: str, seed: int):
+  out = np.array(values)
+  shape = out[start:end].shape
+  if kind == "random":
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(out.dtype, np.integer):
+      out[start:end] = rng.integers(0, max(int(out.max(initial=0)), 1) + 1, shape)
+    else:
+      out[start:end] = out[start:end] + rng.normal(size=shape)
+  else:
+    out[start:end] = {"large": 1e30, "inf": np.inf, "nan": np.nan}[kind]
+  return out
+
+
+def _pieces(leaf: Any, level: int, count: int) -> list[np.ndarray] | None:
+  """`leaf` split per sequence: a LoDTensor's rows, or an array's leading
+  axis of `count` entries; `None` when `leaf` is not per sequence."""
+  if isinstance(leaf, LoDTensor):
+    values = np.asarray(leaf.values)
+    lvl = level if -leaf.num_levels <= level < leaf.num_levels else -1
+    return [values[s:e] for s, e in _rows(leaf, lvl)]
+  array = np.asarray(leaf)
+  if array.ndim and array.shape[0] == count:
+    return list(array)
+  return None
+
+
+def _same(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> bool:
+  if a.shape != b.shape:
+    return False
+  if not np.issubdtype(a.dtype, np.inexact):
+    return bool(np.array_equal(a, b))
+  return bool(np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+
+
+def _is_lod(a: Any) -> bool:
+  return isinstance(a, LoDTensor)
+
+
+def _cotangent(out: Any, level: int, count: int, skip: int, seed: int) -> Any:
+  """Random cotangents on every sequence's outputs but `skip`'s."""
+  rng = np.random.default_rng(seed)
+
+  def one(leaf):
+    if isinstance(leaf, LoDTensor):
+      dtype = leaf.values.dtype
+      ct = np.zeros(leaf.values.shape, np.float32)
+      lvl = level if -leaf.num_levels <= level < leaf.num_levels else -1
+      for j, (s, e) in enumerate(_rows(leaf, lvl)):
+        if j != skip:
+          ct[s:e] = rng.normal(size=ct[s:e].shape)
+      zero = jax.tree.map(_zero_ct, leaf)
+      return dataclasses.replace(zero, values=_as_ct(ct, dtype))
+    array = np.asarray(leaf)
+    if not (array.ndim and array.shape[0] == count):
+      return _zero_ct(leaf)
+    ct = rng.normal(size=array.shape).astype(np.float32)
+    ct[skip] = 0
+    return _as_ct(ct, array.dtype)
+
+  return jax.tree.map(one, out, is_leaf=_is_lod)
+
+
+def _as_ct(ct: np.ndarray, dtype: Any) -> np.ndarray:
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return ct.astype(dtype)
+  return np.zeros(ct.shape, jax.dtypes.float0)
+
+
+def _zero_ct(leaf: Any) -> np.ndarray:
+  leaf = np.asarray(leaf)
+  return _as_ct(np.zeros(leaf.shape, np.float32), leaf.dtype)
+
+
+def check_independent(
+  fn: Callable[[LoDTensor], Any],
+  x: LoDTensor,
+  *,
+  level: int = -1,
+  perturbations: Sequence[str] = PERTURBATIONS,
+  grads: bool | None = None,
+  jit: bool = False,
+  rtol: float = 0.0,
+  atol: float = 0.0,
+  seed: int = 0,
+) -> None:
+  """Checks that changing one sequence of `x` changes no other's results.
+
+  For each sequence ``i`` of `x` at `level` and each perturbation, the rows
+  of sequence ``i`` in ``x.values`` are replaced (``"random"``: a random
+  change; ``"large"``: 1e30; ``"inf"``; ``"nan"``) and `fn` is called again.
+  Every other sequence's outputs must be unchanged (NaN equals NaN), and so
+  must the gradient with respect to ``x.values``, on the other sequences'
+  rows, of a random linear loss of the other sequences' outputs (a `jax.vjp`
+  of `fn` whose cotangent is zero on sequence ``i``'s outputs).
+
+  Per-sequence outputs are found in the pytree ``fn(x)``: a LoDTensor leaf
+  is split by its offsets at `level` (its last level if it has fewer), and an
+  array leaf with leading axis ``count_capacity`` (``len(x.offsets[level]) -
+  1``), e.g. final carries ``[count_capacity, *features]``, by that axis.
+  Other leaves (a batch-wide loss) are not compared: return only what is
+  per sequence.
+
+  Args:
+    fn: ``fn(x) -> outputs``, a pytree of LoDTensors and arrays; it may be
+      jitted.
+    x: a concrete LoDTensor ``values: [token_capacity, *features]``.
+    level: the LoD level whose sequences are perturbed, one at a time.
+    perturbations: a subset of `PERTURBATIONS`.
+    grads: check gradients; by default when ``x.values`` is floating.
+    jit: wrap `fn` in `jax.jit`.
+    rtol: relative tolerance of the comparisons (0: bitwise, NaN aside).
+    atol: absolute tolerance.
+    seed: seeds the random change and the cotangents.
+
+  Raises:
+    IndependenceError: (an AssertionError) naming the perturbed sequence,
+      the perturbation, the output's pytree path and the sequence that
+      changed.
+    ValueError: for an unknown perturbation or a non-LoDTensor `x`.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod import LoDTensor, ops
+    >>> from jaxlod.testing import check_independent
+    >>> x = LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[2, 1]])
+    >>> check_independent(lambda x: ops.sequence_pool(x, "sum"), x)
+    >>> leaky = lambda x: x.with_values(x.values + x.values.mean())
+    >>> check_independent(leaky, x)
+    Traceback (most recent call last):
+    ...
+    jaxlod.testing.IndependenceError: ...
+  """
+  if not isinstance(x, LoDTensor):
+    raise ValueError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
+  for kind in perturbations:
+    if kind not in PERTURBATIONS:
+      raise ValueError(
+        f"Expected each of `perturbations` in {PERTURBATIONS}, got {kind!r}."
+      )
+  call = jax.jit(fn) if jit else fn
+  values = np.asarray(x.values)
+  if grads is None:
+    grads = bool(np.issubdtype(values.dtype, np.floating))
+  count = len(np.asarray(x.offsets[level])) - 1
+  spans = _rows(x, level)
+
+  def run(v: np.ndarray) -> Any:
+    return call(dataclasses.replace(x, values=jnp.asarray(v)))
+
+  def vjp(v: np.ndarray, skip: int) -> np.ndarray:
+    def of_values(vals):
+      return call(dataclasses.replace(x, values=vals))
+
+    out, pullback = jax.vjp(of_values, jnp.asarray(v))
+    return np.asarray(pullback(_cotangent(out, level, count, skip, seed))[0])
+
+  clean = jax.tree_util.tree_flatten_with_path(run(values), is_leaf=_is_lod)[0]
+  for i, (start, end) in enumerate(spans):
+    if start == end:
+      continue
+    clean_grad = vjp(values, i) if grads else None
+    for kind in perturbations:
+      changed = _perturb(values, start, end, kind, seed + i)
+      where = f"Perturbing sequence {i} (level {level}) with {kind!r}"
+      out = jax.tree_util.tree_flatten_with_path(run(changed), is_leaf=_is_lod)[0]
+      for (path, a), (_, b) in zip(clean, out, strict=True):
+        pa, pb = _pieces(a, level, count), _pieces(b, level, count)
+        if pa is None:
+          continue
+        for j, (ra, rb) in enumerate(zip(pa, pb, strict=True)):
+          if j != i and not _same(ra, rb, rtol, atol):
+            raise IndependenceError(
+              f"{where} changed output {jax.tree_util.keystr(path) or '<root>'}"
+              f" of sequence {j}: {ra!r} became {rb!r}."
+            )
+      if grads:
+        grad = vjp(changed, i)
+        for j, (s, e) in enumerate(spans):
+          if j != i and not _same(clean_grad[s:e], grad[s:e], rtol, atol):
+            raise IndependenceError(
+              f"{where} changed the gradient of `x.values` on sequence {j}"
+              f" (rows {s}:{e}) of the other sequences' loss:"
+              f" {clean_grad[s:e]!r} became {grad[s:e]!r}."
+            )
