@@ -28,10 +28,12 @@ from jaxlod._checks import (
   check_callable,
   check_integer,
   is_concrete,
+  is_float_dtype,
   leaf_name,
   require,
   static_int,
 )
+from jaxlod._faults import Fault
 from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, is_lod
 from jaxlod.nn._checks import check_rnn_layer, split_pair
@@ -298,8 +300,36 @@ def run_padded(
     initial_carry = default_carry((*shape.batch, *shape.features))
   carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
   carry, outputs = run(loop._replace(return_carry=True), x, carry)
-  outputs = unpack(outputs, shape, reverse, keep_order)
-  return (unbatch_carry(carry, shape), outputs) if return_carry else outputs
+  outputs = nan_where_unsound(unpack(outputs, shape, reverse, keep_order), x, shape)
+  carry = nan_where_unsound(unbatch_carry(carry, shape), x, shape, time=False)
+  return (carry, outputs) if return_carry else outputs
+
+
+def nan_where_unsound(tree: Any, x: LoDTensor, shape: Layout, time: bool = True) -> Any:
+  """`tree`'s float leaves NaN at every sequence of the batch whose length
+  is outside ``[0, time]``, and everywhere when the packing `x` overflowed
+  its capacities (`jaxlod.Fault.CAPACITY`).
+
+  Eagerly and under `jax.experimental.checkify` such inputs raise; under
+  plain `jit` this makes them loud instead of finite and wrong: the layer
+  returns plain arrays, which carry no fault record. Leaves are ``[*batch,
+  time, ...]`` (``[time, *batch, ...]`` with `time_major`) with `time`, and
+  ``[*batch, ...]`` without.
+  """
+  lengths = shape.lengths
+  bad = (lengths < 0) | (lengths > shape.time)
+  bad = bad | ((jnp.asarray(x.faults) & int(Fault.CAPACITY)) != 0)
+  bad = bad.reshape(shape.batch)
+  if time:
+    bad = bad[None] if shape.time_major else bad[..., None]
+
+  def poison(leaf: jax.Array) -> jax.Array:
+    if not is_float_dtype(leaf.dtype):
+      return leaf
+    where = bad.reshape(bad.shape + (1,) * (leaf.ndim - bad.ndim))
+    return jnp.where(where, jnp.asarray(jnp.nan, leaf.dtype), leaf)
+
+  return jax.tree.map(poison, tree)
 
 
 def zero_past(outputs: Any, seq_lengths: Any, time_major: bool) -> Any:
@@ -316,6 +346,9 @@ def zero_past(outputs: Any, seq_lengths: Any, time_major: bool) -> Any:
       mask = jnp.arange(time).reshape((time,) + (1,) * n) < lengths[None]
     else:
       mask = jnp.arange(time) < lengths[..., None]
+    # A negative length is NaN in its RNNs' outputs (`nan_where_unsound`);
+    # zeros would hide it.
+    mask = mask | ((lengths[None] if time_major else lengths[..., None]) < 0)
     mask = mask.reshape(mask.shape + (1,) * (out.ndim - mask.ndim))
     return jnp.where(mask, out, jnp.zeros((), out.dtype))
 

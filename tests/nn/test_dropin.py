@@ -18,7 +18,7 @@ from jax.experimental import checkify
 
 import jaxlod.nn as linen
 import jaxlod.nn.nnx as twin
-from jaxlod import LoDTensor
+from jaxlod import Buckets, LoDTensor
 from jaxlod.ops import rank_table
 from tests.helpers import LINEN_CELLS, NNX_CELLS
 
@@ -499,3 +499,62 @@ def test_a_batch_of_no_sequences_gives_empty_results_as_flax_does(kind):
     carry, out = call(x)
     assert carry.shape == want_carry.shape == (0, 4)
     assert out.shape == want_out.shape == (0, 5, 4)
+
+
+def _bad_calls(kind):
+  """The drop-in RNN and Bidirectional of `kind`, each as ``call(x,
+  lengths) -> (carry, outputs)`` under plain `jit`."""
+  x = jnp.ones((2, 5, 3))
+  if kind == "linen":
+    rnn = linen.RNN(nn.GRUCell(4), return_carry=True)
+    pair = linen.Bidirectional(
+      linen.RNN(nn.GRUCell(4)), linen.RNN(nn.GRUCell(4)), return_carry=True
+    )
+    calls = []
+    for layer in (rnn, pair):
+      params = layer.init(jax.random.key(0), x)
+      calls.append(
+        jax.jit(lambda x, n, layer=layer, p=params: layer.apply(p, x, seq_lengths=n))
+      )
+    return calls
+  rnn = twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(0)), return_carry=True)
+  pair = twin.Bidirectional(
+    twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(1))),
+    twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(2))),
+    return_carry=True,
+  )
+  jitted = nnx.jit(lambda layer, x, n: layer(x, seq_lengths=n))
+  return [lambda x, n, layer=layer: jitted(layer, x, n) for layer in (rnn, pair)]
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_bad_lengths_under_plain_jit_are_nan_in_their_sequences(kind):
+  """``seq_lengths=[8, -2]`` on a time axis of 5 gave the results of ``[5,
+  0]``; each bad sequence is NaN, outputs and carry, and a good one beside
+  it is finite."""
+  x = jnp.ones((2, 5, 3))
+  for call in _bad_calls(kind):
+    carry, out = call(x, jnp.array([8, -2]))
+    assert np.isnan(np.asarray(out)).all()
+    for leaf in jax.tree.leaves(carry):
+      assert np.isnan(np.asarray(leaf)).all()
+    carry, out = call(x, jnp.array([4, -2]))
+    assert np.isnan(np.asarray(out[1])).all()
+    assert np.isfinite(np.asarray(out[0])).all()
+    for leaf in jax.tree.leaves(carry):
+      assert np.isnan(np.asarray(leaf[1])).all()
+      assert np.isfinite(np.asarray(leaf[0])).all()
+
+
+def test_a_batch_over_its_buckets_under_plain_jit_is_nan():
+  """A padded batch whose real steps overflow the layer's `buckets` came
+  back with real steps zero; under plain `jit` it is NaN, eagerly an
+  error."""
+  buckets = Buckets.fixed(tokens=8, sequences=4, time=5)
+  layer = linen.RNN(nn.GRUCell(4), buckets=buckets)
+  x = jnp.ones((4, 5, 3))
+  params = layer.init(jax.random.key(0), x[:, :2])
+  out = jax.jit(layer.apply)(params, x)
+  assert np.isnan(np.asarray(out)).all()
+  with pytest.raises(ValueError, match="capacity"):
+    layer.apply(params, x)
