@@ -6,7 +6,7 @@ The scan's module, ``jaxlod/ops/_scan.py``, is read from each git revision
 beside the rest of the working tree's jaxlod, so that both run on the same
 batch, weights and machine load. The step is `benchmarks.scan`'s
 ``linear_scan`` arm with the layer's scan written out: the gates' product
-over the packed rows, `jaxlod.nn.min_gru_coefficients`, then each
+over the packed rows, minGRU's coefficients ``(1 - z, z * h~)``, then each
 revision's ``linear_scan``, the loss the mean square of the states and its
 gradient with respect to the gate weights. ``ratio`` is each revision's
 median over the first's; ``max_rel_diff`` compares their losses and
@@ -35,7 +35,6 @@ from benchmarks.rnn import WORKLOADS
 from benchmarks.scan import HIDDEN, batch, workload
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import MinGRU
-from jaxlod.nn._recurrent import min_gru_coefficients  # MinGRU's own gates
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "jaxlod/ops/_scan.py"
@@ -62,7 +61,8 @@ def load_scan(revision: str, folder: Path) -> Any:
 def step(linear_scan: Any) -> Any:
   def loss(params, x):
     gates = x.values @ params["gates"]["kernel"] + params["gates"]["bias"]
-    a, b = min_gru_coefficients(gates)
+    z = jax.nn.sigmoid(gates[:, :HIDDEN])
+    a, b = 1 - z, z * gates[:, HIDDEN:]
     h = linear_scan(x.with_values(a), x.with_values(b)).values
     return jnp.sum(h**2) / x.num_rows
 

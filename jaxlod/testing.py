@@ -45,6 +45,8 @@ def _perturb(values: np.ndarray, start: int, end: int, kind: str, seed: int):
       out[start:end] = rng.integers(0, max(int(out.max(initial=0)), 1) + 1, shape)
     else:
       out[start:end] = out[start:end] + rng.normal(size=shape)
+  elif np.issubdtype(out.dtype, np.integer):  # no inf or NaN: the largest value
+    out[start:end] = np.iinfo(out.dtype).max
   else:
     out[start:end] = {"large": 1e30, "inf": np.inf, "nan": np.nan}[kind]
   return out
@@ -155,7 +157,8 @@ def check_independent(
     IndependenceError: (an AssertionError) naming the perturbed sequence,
       the perturbation, the output's pytree path and the sequence that
       changed.
-    ValueError: for an unknown perturbation or a non-LoDTensor `x`.
+    TypeError: for an `x` that is not a LoDTensor.
+    ValueError: for an unknown perturbation.
 
   Example:
     >>> import numpy as np
@@ -170,7 +173,7 @@ def check_independent(
     jaxlod.testing.IndependenceError: ...
   """
   if not isinstance(x, LoDTensor):
-    raise ValueError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
+    raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
   for kind in perturbations:
     if kind not in PERTURBATIONS:
       raise ValueError(

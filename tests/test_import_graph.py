@@ -36,7 +36,10 @@ FLOORS = (
   ("data", ("jaxlod.data",)),
   ("parallel", ("jaxlod.parallel",)),
   ("interop", ("jaxlod.interop",)),
-  ("the package's face", ("jaxlod", "jaxlod.__main__", "jaxlod._tour")),
+  (
+    "the package's face",
+    ("jaxlod", "jaxlod.__main__", "jaxlod._tour", "jaxlod.testing"),
+  ),
 )
 CORE = "jaxlod._checks"  # imports nothing from jaxlod
 CORE_LINES = 500
