@@ -262,8 +262,27 @@ def rg_lru_coefficients(
   recurrence gate ``r`` and of the input gate ``i``)."""
   u, r_logits, i_logits = jnp.split(gates, 3, axis=-1)
   log_a = -c * jax.nn.softplus(-a_param) * jax.nn.sigmoid(r_logits)
-  scale = jnp.sqrt(-jnp.expm1(2 * log_a))  # sqrt(1 - a**2), exact near a = 1
+  scale = _rg_lru_scale(log_a)  # sqrt(1 - a**2), exact near a = 1
   return jnp.exp(log_a), scale * (jax.nn.sigmoid(i_logits) * u)
+
+
+@jax.custom_jvp
+def _rg_lru_scale(log_a: jax.Array) -> jax.Array:
+  """``sqrt(1 - exp(log_a) ** 2)`` for ``log_a <= 0``, its derivative 0 at
+  ``log_a = 0`` (a saturated gate, where the derivative through the gate's
+  logits tends to 0) instead of ``inf * 0 = nan``."""
+  return jnp.sqrt(-jnp.expm1(2 * log_a))
+
+
+def _rg_lru_scale_jvp(primals, tangents):
+  (log_a,), (log_a_dot,) = primals, tangents
+  scale = _rg_lru_scale(log_a)
+  zero = scale == 0
+  slope = -jnp.exp(2 * log_a) / jnp.where(zero, 1, scale)
+  return scale, jnp.where(zero, 0, slope) * log_a_dot
+
+
+_rg_lru_scale.defjvp(_rg_lru_scale_jvp)
 
 
 def run_linear(

@@ -172,3 +172,26 @@ def test_errors():
     linen.RGLRU(HIDDEN, c=0.0).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=r"\[tokens, features\]"):
     layer.init(jax.random.key(0), x.with_values(np.zeros((24, 2, 2), np.float32)))
+
+
+def test_rg_lru_coefficients_derivative_finite_at_saturated_gate():
+  from jaxlod.nn._recurrent import rg_lru_coefficients
+
+  jac = jax.jacobian(lambda g: rg_lru_coefficients(g, jnp.array([3.0]), 8.0)[1])(
+    jnp.array([[1.0, -200.0, 0.0]])
+  )
+  assert np.all(np.isfinite(jac))
+  np.testing.assert_array_equal(jac[0, 0, 0, 1], 0.0)
+
+
+def test_rg_lru_coefficients_gradients_away_from_edge():
+  from jax.test_util import check_grads
+
+  from jaxlod.nn._recurrent import rg_lru_coefficients
+
+  with jax.enable_x64(True):
+    g = jnp.array([[0.5, -1.0, 0.3], [1.2, 2.0, -0.4]], jnp.float64)
+    a = jnp.array([1.5], jnp.float64)
+    check_grads(
+      lambda g, a: rg_lru_coefficients(g, a, 8.0)[1], (g, a), order=2, modes=("rev",)
+    )
