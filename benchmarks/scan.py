@@ -91,7 +91,8 @@ def batch(w: Workload, rng: np.random.Generator) -> dict[str, Any]:
   return {"lengths": made.lengths, "lod": made.lod, "padded": made.padded, "mask": mask}
 
 
-def _coefficients(params, x):
+def coefficients(params, x):
+  """minGRU's ``(a, b) = (1 - z, z * h~)`` of rows ``x [..., features]``."""
   g = x @ params["gates"]["kernel"] + params["gates"]["bias"]
   z = jax.nn.sigmoid(g[..., :HIDDEN])
   return 1 - z, z * g[..., HIDDEN:]
@@ -110,12 +111,12 @@ def steps(w: Workload) -> dict[str, Any]:
     return jnp.sum(h**2) / x.num_rows
 
   def padded_assoc(params, padded, mask):
-    a, b = _coefficients(params, padded)
+    a, b = coefficients(params, padded)
     h = jax.lax.associative_scan(_compose, (a, b), axis=1)[1]
     return jnp.sum(jnp.where(mask[..., None], h**2, 0)) / jnp.sum(mask)
 
   def padded_scan(params, padded, mask):
-    a, b = _coefficients(params, padded)
+    a, b = coefficients(params, padded)
 
     def step(h, ab):
       h = ab[0] * h + ab[1]
@@ -128,7 +129,7 @@ def steps(w: Workload) -> dict[str, Any]:
 
   def loop_loss(params, x):
     def step(h, x_t, _):
-      a, b = _coefficients(params, x_t)
+      a, b = coefficients(params, x_t)
       h = a * h + b
       return h, h
 
@@ -163,7 +164,7 @@ def _autodiff_step():
   scan's tree of partial products saved), with `linear_scan`'s restarts."""
 
   def loss(params, x):
-    a, b = _coefficients(params, x.values)
+    a, b = coefficients(params, x.values)
     offsets = x.offsets[-1]
     segment = x.segment_ids()
     count = x.capacity.sequences[-1]
@@ -183,7 +184,8 @@ def temp_bytes(step: Any, params: Any, data: dict[str, Any], arm: str) -> int:
   return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def _rel_diff(a: Any, b: Any) -> float:
+def rel_diff(a: Any, b: Any) -> float:
+  """The largest ``max|x - y| / max|y|`` over the leaves of `a` and `b`."""
   worst = 0.0
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
@@ -223,7 +225,7 @@ def run_workload(name: str, repeats: int) -> dict[str, Any]:
       arm: timing[arm]["median_s"] / base for arm in ARMS if arm != "linear_scan"
     },
     "max_rel_diff": {
-      arm: _rel_diff(outputs[arm], outputs["linear_scan"])
+      arm: rel_diff(outputs[arm], outputs["linear_scan"])
       for arm in ARMS
       if arm != "linear_scan"
     },

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.rnn import WORKLOADS
-from benchmarks.scan import HIDDEN, batch, workload
+from benchmarks.scan import HIDDEN, batch, coefficients, rel_diff, workload
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import MinGRU
 
@@ -60,21 +60,11 @@ def load_scan(revision: str, folder: Path) -> Any:
 
 def step(linear_scan: Any) -> Any:
   def loss(params, x):
-    gates = x.values @ params["gates"]["kernel"] + params["gates"]["bias"]
-    z = jax.nn.sigmoid(gates[:, :HIDDEN])
-    a, b = 1 - z, z * gates[:, HIDDEN:]
+    a, b = coefficients(params, x.values)
     h = linear_scan(x.with_values(a), x.with_values(b)).values
     return jnp.sum(h**2) / x.num_rows
 
   return jax.jit(jax.value_and_grad(loss))
-
-
-def _rel_diff(a: Any, b: Any) -> float:
-  diffs = [
-    float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  ]
-  return max(diffs)
 
 
 def run(revisions: list[str], names: list[str], repeats: int) -> dict[str, Any]:
@@ -101,7 +91,7 @@ def run(revisions: list[str], names: list[str], repeats: int) -> dict[str, Any]:
         "median_s": {rev: timing[rev]["median_s"] for rev in revisions},
         "ratio": {rev: timing[rev]["median_s"] / base for rev in revisions},
         "max_rel_diff": {
-          rev: _rel_diff(outputs[rev], outputs[revisions[0]]) for rev in revisions
+          rev: rel_diff(outputs[rev], outputs[revisions[0]]) for rev in revisions
         },
       }
   return {
