@@ -306,6 +306,20 @@ BAD: dict[str, list[Bad]] = {
   "path": [OBJECT, INT, ("empty", lambda: ""), ("file", lambda: __file__)],
   # Functions, and sequences of them (steps, layers).
   "callable": [STR, NONE, OBJECT, INT],
+  # `generate_corpus`'s `max_length_fn`: a function, and what it returns (an
+  # int in [1, settings.max_length]) checked as the corpus is read.
+  "max_length_fn": [
+    STR,
+    NONE,
+    OBJECT,
+    INT,
+    ("returns a float", lambda: lambda ids: 2.7),
+    ("returns None", lambda: lambda ids: None),
+    ("returns a list", lambda: lambda ids: [3]),
+    ("returns a bool", lambda: lambda ids: True),
+    ("returns 0", lambda: lambda ids: 0),
+    ("returns 2**40", lambda: lambda ids: 2**40),
+  ],
   "callables": [STR, NONE, OBJECT, INT, EMPTY, ("strings", lambda: ["a"])],
   "module": [STR, NONE, OBJECT, INT],
   # A layer over LoDTensors (`StackedRNN`'s layers, an encoder): never one

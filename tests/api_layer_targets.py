@@ -468,12 +468,21 @@ target(
   {"src": arg(ids, "lod"), "table": arg(None, "table", none_ok=True)},
   call=lambda **kw: nnx_model().encode(**kw),
 )
+
+
+def first(results: Any) -> Any:
+  """The first result a corpus decoder yields (`None` for none)."""
+  return next(iter(results), None)
+
+
+# The corpus calls read their first result: `max_length_fn`'s values are
+# checked as the sources are read.
 CORPUS = {
-  "sources": arg(lambda: [], "iterable"),
+  "sources": arg(lambda: [[1, 2]], "iterable"),
   "settings": arg(MODEL_SETTINGS, "settings"),
   "src_capacity": arg(4, "size>=1"),
   "slots": arg(2, "size>=1"),
-  "max_length_fn": arg(None, "callable", none_ok=True),
+  "max_length_fn": arg(None, "max_length_fn", none_ok=True),
   "refill": arg(None, "size>=1", none_ok=True),
   "chunk": arg(8, "size>=1"),
   "stats": arg(None, "mapping", none_ok=True),
@@ -482,13 +491,15 @@ target(
   "nn.Seq2Seq.generate_corpus",
   linen.Seq2Seq.generate_corpus,
   CORPUS,
-  call=lambda **kw: linen_model().apply(linen_params(), method="generate_corpus", **kw),
+  call=lambda **kw: first(
+    linen_model().apply(linen_params(), method="generate_corpus", **kw)
+  ),
 )
 target(
   "nnx.Seq2Seq.generate_corpus",
   nnx_layers.Seq2Seq.generate_corpus,
   CORPUS,
-  call=lambda **kw: nnx_model().generate_corpus(**kw),
+  call=lambda **kw: first(nnx_model().generate_corpus(**kw)),
 )
 target(
   "nn.ensemble_generate_corpus",
@@ -498,6 +509,7 @@ target(
     **CORPUS,
     "rngs": arg(None, "mapping", none_ok=True),
   },
+  call=lambda **kw: first(linen.ensemble_generate_corpus(**kw)),
 )
 target(
   "nnx.ensemble_generate_corpus",
@@ -507,6 +519,7 @@ target(
     **CORPUS,
     "rngs": arg(None, "mapping", none_ok=True),
   },
+  call=lambda **kw: first(nnx_layers.ensemble_generate_corpus(**kw)),
 )
 target(
   "nn.ensemble_generate",

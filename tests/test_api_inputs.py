@@ -132,8 +132,8 @@ def test_a_wrong_input_raises_naming_the_argument(t, name, bad):
 
 
 # Decoding compiles its loops (seconds a call); these valid calls run in
-# tests/ops/test_decode.py, tests/nn/test_generate.py and
-# tests/parallel/test_parallel.py.
+# tests/ops/test_decode.py, tests/nn/test_generate.py,
+# tests/nn/test_generate_corpus.py and tests/parallel/test_parallel.py.
 DECODING = {
   "ops.beam_search",
   "nn.Seq2Seq.generate",
@@ -142,7 +142,14 @@ DECODING = {
   "nnx.ensemble_generate",
   "parallel.generate",
 }
-QUICK = [t for t in TARGETS if t.name not in DECODING]
+# The corpus decoders' calls read their first result (a decoding).
+CORPUS = {
+  "nn.Seq2Seq.generate_corpus",
+  "nnx.Seq2Seq.generate_corpus",
+  "nn.ensemble_generate_corpus",
+  "nnx.ensemble_generate_corpus",
+}
+QUICK = [t for t in TARGETS if t.name not in DECODING | CORPUS]
 
 
 @pytest.mark.parametrize("t", QUICK, ids=[t.name for t in QUICK])

@@ -226,6 +226,28 @@ def _checked_sources(
     yield ids.astype(np.int32)
 
 
+def _max_length(value: Any, cap: int, source: int) -> int:
+  """`max_length_fn`'s value for source `source` of the corpus: an int (not
+  a bool, a float or an array) in ``[1, cap]``, `cap` being
+  ``settings.max_length``.
+
+  Raises:
+    TypeError, ValueError: naming `max_length_fn`, the source and the value.
+  """
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(
+      f"Expected `max_length_fn` to return an int, got {value!r} for source "
+      f"{source} of the corpus."
+    )
+  if not 1 <= value <= cap:
+    raise ValueError(
+      f"Expected `max_length_fn` to return a max length in [1, {cap}] "
+      f"(settings.max_length, the capacity of the results), got {int(value)} "
+      f"for source {source} of the corpus."
+    )
+  return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class CorpusStep:
   """The ensemble's decoding step of `generate_corpus`, a hashable function
@@ -295,13 +317,18 @@ def generate_corpus(
     tokens=refill * src_capacity, sequences=refill, time=src_capacity
   )
 
+  read = 0  # the corpus index of the next batch's first source
+
   def encode_fn(batch: list[np.ndarray]) -> tuple[Any, Any, Any]:
-    src = LoDTensor.from_sequences(batch, buckets=buckets, dtype=np.int32)
-    carries, memories = _encode_corpus(rebuild, params, src)
+    nonlocal read
     lengths = None
     if max_length_fn is not None:
       lengths = np.ones((refill,), np.int32)
-      lengths[: len(batch)] = [max_length_fn(ids) for ids in batch]
+      for k, ids in enumerate(batch):
+        lengths[k] = _max_length(max_length_fn(ids), settings.max_length, read + k)
+    read += len(batch)
+    src = LoDTensor.from_sequences(batch, buckets=buckets, dtype=np.int32)
+    carries, memories = _encode_corpus(rebuild, params, src)
     return carries, memories, lengths
 
   return decode_corpus(

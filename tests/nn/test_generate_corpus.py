@@ -226,3 +226,71 @@ def test_bad_arguments_raise_before_reading():
     model.init(
       jax.random.key(0), [], BEAM, method="generate_corpus", src_capacity=2, slots=1
     )
+
+
+BAD_MAX_LENGTHS = [
+  (2.7, TypeError, r"`max_length_fn` to return an int, got 2\.7 for source 2 "),
+  (None, TypeError, r"`max_length_fn` to return an int, got None for source 2 "),
+  ([3], TypeError, r"`max_length_fn` to return an int, got \[3\] for source 2 "),
+  (True, TypeError, r"`max_length_fn` to return an int, got True for source 2 "),
+  (np.float32(3), TypeError, r"to return an int, got np\.float32\(3\.0\) for source 2"),
+  (0, ValueError, rf"`max_length_fn`.* in \[1, {MAX_LENGTH}\].*got 0 for source 2 "),
+  (2**40, ValueError, rf"in \[1, {MAX_LENGTH}\].*got {2**40} for source 2 "),
+  (MAX_LENGTH + 1, ValueError, rf"got {MAX_LENGTH + 1} for source 2 of the corpus"),
+]
+
+
+def _bad_at_source_2(value):
+  return lambda ids: value if ids.tolist() == [3] else 2
+
+
+@pytest.mark.parametrize(("value", "error", "match"), BAD_MAX_LENGTHS)
+def test_a_bad_max_length_raises_naming_max_length_fn_and_the_source(
+  value, error, match
+):
+  corpus = [[1], [2], [3], [4]]
+  bad = _bad_at_source_2(value)
+  with pytest.raises(error, match=match):
+    list(
+      _seq2seq().apply(
+        params(4),
+        corpus,
+        GREEDY,
+        method="generate_corpus",
+        src_capacity=CAPACITY,
+        slots=1,
+        max_length_fn=bad,
+      )
+    )
+  with pytest.raises(error, match=match):
+    list(
+      _nnx_model(4, 0).generate_corpus(
+        corpus, GREEDY, src_capacity=CAPACITY, slots=2, refill=2, max_length_fn=bad
+      )
+    )
+
+
+def test_nnx_decodes_with_the_state_at_the_call():
+  corpus = [[1, 2, 3], [4]]
+  want = list(
+    _nnx_model(4, 0).generate_corpus(corpus, GREEDY, src_capacity=CAPACITY, slots=2)
+  )
+  model = _nnx_model(4, 0)
+  corpus_iter = model.generate_corpus(corpus, GREEDY, src_capacity=CAPACITY, slots=2)
+  # An optimizer step in place, after the call and before the first read.
+  model.output.bias[...] = model.output.bias[...].at[1].set(1e3)
+  got = list(corpus_iter)
+  assert_same(got, want)
+  changed = list(model.generate_corpus(corpus, GREEDY, src_capacity=CAPACITY, slots=2))
+  assert [ids[0].tolist() for ids, _ in changed] != [ids[0].tolist() for ids, _ in want]
+
+  pair = [_nnx_model(4, 0), _nnx_model(4, 1)]
+  want = list(
+    twin.ensemble_generate_corpus(pair, corpus, GREEDY, src_capacity=CAPACITY, slots=2)
+  )
+  corpus_iter = twin.ensemble_generate_corpus(
+    pair, corpus, GREEDY, src_capacity=CAPACITY, slots=2
+  )
+  for member in pair:
+    member.output.bias[...] = member.output.bias[...].at[1].set(1e3)
+  assert_same(list(corpus_iter), want)

@@ -312,7 +312,8 @@ class Members:
 
 def corpus_members(members: Any, rngs: None) -> tuple[Members, tuple, int]:
   """An ensemble's checked `Seq2Seq` members as `generate_corpus` takes them:
-  ``(Members(graphdefs), states, src_vocab)``, the twin of
+  ``(Members(graphdefs), states, src_vocab)``, with the states' arrays as
+  they are at the call, the twin of
   `jaxlod.nn._seq2seq.corpus_members`.
 
   Raises:
@@ -322,6 +323,10 @@ def corpus_members(members: Any, rngs: None) -> tuple[Members, tuple, int]:
   members = _ensemble(members, rngs)
   vocab = check_vocabs([model.src_vocab for model in members], "src_vocab")
   graphdefs, states = zip(*(nnx.split(model) for model in members), strict=True)
+  # `nnx.split` hands out the models' own variables, which an optimizer step
+  # after the call updates in place; the iterator reads its states lazily, so
+  # it takes new variables holding the arrays of the call.
+  states = tuple(jax.tree.map(lambda leaf: leaf, state) for state in states)
   return Members(graphdefs), states, vocab
 
 
