@@ -54,6 +54,7 @@ PUBLIC_MODULES = [
   "jaxlod.data",
   "jaxlod.parallel",
   "jaxlod.interop",
+  "jaxlod.testing",
 ]
 
 # This tree's jaxlod, for autodoc and for the kernels that run notebooks

@@ -16,6 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import LoDTensor
+from jaxlod._checks import (
+  check_bool,
+  check_callable,
+  check_sequence,
+  static_float,
+  static_int,
+)
+from jaxlod._lod_checks import check_level, check_unstacked
 
 __all__ = ["PERTURBATIONS", "IndependenceError", "check_independent"]
 
@@ -157,8 +165,10 @@ def check_independent(
     IndependenceError: (an AssertionError) naming the perturbed sequence,
       the perturbation, the output's pytree path and the sequence that
       changed.
-    TypeError: for an `x` that is not a LoDTensor.
-    ValueError: for an unknown perturbation.
+    TypeError: for an `fn` that is not callable, an `x` that is not a
+      LoDTensor, and arguments of other types, naming the argument.
+    ValueError: for an unknown perturbation, a `level` outside `x`'s
+      levels, `grads` for integer values, negative tolerances or `seed`.
 
   Example:
     >>> import numpy as np
@@ -172,17 +182,30 @@ def check_independent(
     ...
     jaxlod.testing.IndependenceError: ...
   """
+  check_callable(fn, "fn")
   if not isinstance(x, LoDTensor):
     raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
+  check_unstacked(x, "x")
+  check_level(x, level, "level")
+  perturbations = check_sequence(perturbations, "perturbations", "a sequence of str")
   for kind in perturbations:
-    if kind not in PERTURBATIONS:
+    if not isinstance(kind, str) or kind not in PERTURBATIONS:
       raise ValueError(
         f"Expected each of `perturbations` in {PERTURBATIONS}, got {kind!r}."
       )
-  call = jax.jit(fn) if jit else fn
   values = np.asarray(x.values)
-  if grads is None:
-    grads = bool(np.issubdtype(values.dtype, np.floating))
+  floating = bool(np.issubdtype(values.dtype, np.floating))
+  grads = floating if grads is None else check_bool(grads, "grads")
+  if grads and not floating:
+    raise ValueError(
+      f"Expected `grads` False or None for `x.values` of {values.dtype.name}"
+      f" (gradients are of floating values), got {grads}."
+    )
+  call = jax.jit(fn) if check_bool(jit, "jit") else fn
+  for name, tolerance in (("rtol", rtol), ("atol", atol)):
+    if not static_float(tolerance, name) >= 0:
+      raise ValueError(f"Expected `{name}` >= 0, got {tolerance}.")
+  seed = static_int(seed, "seed", minimum=0, device=False)
   count = len(np.asarray(x.offsets[level])) - 1
   spans = _rows(x, level)
 

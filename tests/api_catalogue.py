@@ -306,6 +306,8 @@ BAD: dict[str, list[Bad]] = {
   "path": [OBJECT, INT, ("empty", lambda: ""), ("file", lambda: __file__)],
   # Functions, and sequences of them (steps, layers).
   "callable": [STR, NONE, OBJECT, INT],
+  # `jaxlod.testing.check_independent`'s names of changes.
+  "perturbations": [STR, NONE, OBJECT, ("unknown", lambda: ["huge"])],
   # `generate_corpus`'s `max_length_fn`: a function, and what it returns (an
   # int in [1, settings.max_length]) checked as the corpus is read.
   "max_length_fn": [

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxlod
-from jaxlod import Buckets, LoDTensor, data, ops, parallel
+from jaxlod import Buckets, LoDTensor, data, ops, parallel, testing
 from tests.api_catalogue import (
   MODEL_SETTINGS,
   SETTINGS,
@@ -780,5 +780,24 @@ target(
     "src_table": arg(None, "table", none_ok=True),
     "max_lengths": arg(None, "ints", none_ok=True),
     "rngs": arg(None, "mapping", none_ok=True),
+  },
+)
+
+
+# jaxlod.testing ----------------------------------------------------------------------
+
+target(
+  "testing.check_independent",
+  testing.check_independent,
+  {
+    "fn": arg(lambda: lambda x: ops.sequence_pool(x, "sum"), "callable"),
+    "x": arg(lod, "lod"),
+    "level": arg(-1, "level"),
+    "perturbations": arg(("inf",), "perturbations"),
+    "grads": arg(None, "bool", none_ok=True),
+    "jit": arg(False, "bool"),
+    "rtol": arg(0.0, "float>=0"),
+    "atol": arg(0.0, "float>=0"),
+    "seed": arg(0, "int>=0"),
   },
 )

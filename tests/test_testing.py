@@ -101,3 +101,17 @@ def test_bad_arguments():
     check_independent(lambda x: x, np.zeros(3))
   with pytest.raises(ValueError, match=r"`perturbations` in .*got 'huge'"):
     check_independent(lambda x: x, _x(), perturbations=("huge",))
+  with pytest.raises(TypeError, match="Expected `fn` to be callable, got int"):
+    check_independent(3, _x())
+  with pytest.raises(TypeError, match="`perturbations` to be a sequence of str"):
+    check_independent(lambda x: x, _x(), perturbations="inf")
+  with pytest.raises(ValueError, match=r"`level` in \[-1, 1\).*got 1"):
+    check_independent(lambda x: x, _x(), level=1)
+  ids = LoDTensor.from_lengths(np.arange(3, dtype=np.int32), [[2, 1]])
+  with pytest.raises(ValueError, match="`grads` False or None for `x.values` of int32"):
+    check_independent(lambda x: x, ids, grads=True)
+  check_independent(lambda x: x, ids)  # no gradients of integers by default
+  with pytest.raises(ValueError, match=r"`rtol` >= 0, got -1"):
+    check_independent(lambda x: x, _x(), rtol=-1)
+  with pytest.raises(ValueError, match=r"`seed` >= 0, got -2"):
+    check_independent(lambda x: x, _x(), seed=-2)
