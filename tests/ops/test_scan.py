@@ -6,6 +6,8 @@ compilation per capacity; the errors."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,39 @@ def _full(a):
 LENGTHS = st.lists(st.integers(0, 6), max_size=6).filter(lambda n: sum(n) <= 24)
 
 
+def reference_grads(a, b, init, lengths, reverse, weights):
+  """The gradients of ``sum(h * weights)`` with respect to `a` (full),
+  `b` and `init`, by the adjoint recurrence run backwards (NumPy)."""
+  h = reference(a, b, init, lengths, reverse)
+  ga, gb, ginit = np.zeros_like(h), np.zeros_like(h), np.zeros_like(init)
+  start = 0
+  for i, n in enumerate(lengths):
+    order = list(range(start, start + n))[:: -1 if reverse else 1]
+    g = np.zeros(h.shape[1:])
+    for k in reversed(range(n)):
+      t = order[k]
+      g = weights[t] + g
+      gb[t] = g
+      ga[t] = g * (h[order[k - 1]] if k else init[i])
+      g = a[t] * g
+    ginit[i] = g
+    start += n
+  return ga, gb, ginit
+
+
+_scan = jax.jit(linear_scan, static_argnames="reverse")
+
+
+@functools.partial(jax.jit, static_argnames="reverse")
+def _scan_and_grads(a, b, init, weights, *, reverse):
+  def loss(a, values, init):
+    out = linear_scan(a, b.with_values(values), init=init, reverse=reverse)
+    return jnp.sum(out.values * weights)
+
+  got = linear_scan(a, b, init=init, reverse=reverse)
+  return got.values, jax.grad(loss, argnums=(0, 1, 2))(a, b.values, init)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("a_shape", ["rows", "column", "full"])
 def test_values_and_gradients_equal_the_sequential_recurrence(reverse, a_shape):
@@ -64,35 +99,15 @@ def test_values_and_gradients_equal_the_sequential_recurrence(reverse, a_shape):
   def check(lengths):
     with jax.enable_x64(True):
       a, b, init = _case(lengths, np.float64, a_shape)
-      got = linear_scan(a, b, init=init, reverse=reverse)
-      want = reference(_full(a), np.asarray(b.values), init, lengths, reverse)
-      np.testing.assert_allclose(np.asarray(got.values), want, **TOLERANCE[np.float64])
-      weights = np.random.default_rng(1).normal(size=want.shape)
-
-      def loss(a, values, init):
-        out = linear_scan(a, b.with_values(values), init=init, reverse=reverse)
-        return jnp.sum(out.values * weights)
-
-      def ref_loss(a, values, init):
-        out, start = [], 0
-        full = a.reshape(a.shape + (1,) * (2 - a.ndim))
-        for i, n in enumerate(lengths):
-          h = init[i]
-          seq = [None] * n
-          for t in reversed(range(n)) if reverse else range(n):
-            h = full[start + t] * h + values[start + t]
-            seq[t] = h
-          out.extend(seq)
-          start += n
-        if not out:
-          return jnp.zeros(())
-        return jnp.sum(jnp.stack(out) * weights[: len(out)])
-
-      args = (jnp.asarray(a), b.values, jnp.asarray(init))
-      got_grads = jax.grad(loss, argnums=(0, 1, 2))(*args)
-      want_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(*args)
-      for g, w in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w, **TOLERANCE[np.float64])
+      values = np.asarray(b.values)
+      weights = np.random.default_rng(1).normal(size=values.shape)
+      got, got_grads = _scan_and_grads(a, b, init, weights, reverse=reverse)
+      want = reference(_full(a), values, init, lengths, reverse)
+      np.testing.assert_allclose(np.asarray(got), want, **TOLERANCE[np.float64])
+      ga, gb, ginit = reference_grads(_full(a), values, init, lengths, reverse, weights)
+      ga = ga.sum(axis=1).reshape(a.shape) if a.ndim == 1 or a.shape[1] == 1 else ga
+      for g, w in zip(got_grads, (ga, gb, ginit), strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, **TOLERANCE[np.float64])
 
   check()
 
@@ -271,7 +286,7 @@ def test_equals_the_sequential_recurrence_where_it_is_finite_and_its_overflow(dt
       rows = sum(lengths)
       b[rows:] = 0
       x = LoDTensor.from_lengths(b[:rows], [lengths], buckets=BUCKETS)
-      got = np.asarray(linear_scan(a, x, reverse=reverse).values)[:rows]
+      got = np.asarray(_scan(a, x, reverse=reverse).values)[:rows]
       with np.errstate(all="ignore"):
         zeros = np.zeros(len(lengths), dtype)
         want = reference(a, b, zeros, lengths, reverse)[:rows]
