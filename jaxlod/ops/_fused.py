@@ -431,7 +431,6 @@ def fused_loop(
   if cell.b_rec is not None:
     bias = bias.at[0, width - cell.probe :].set(cell.b_rec.astype(bias.dtype))
   resident = w_rec.size * w_rec.dtype.itemsize <= RESIDENT_BYTES
-  tile_args = (layout.lengths, layout.tile_steps, layout.tile_starts)
   block = width // cell.parts
   y_shape = jax.eval_shape(
     cell.gates,
@@ -444,28 +443,40 @@ def fused_loop(
     jax.ShapeDtypeStruct((slots, leaf.shape[1]), leaf.dtype) for leaf in leaves
   ]
 
-  def forward(w_rec, bias, xp, leaves):
+  # The batch's layout goes in as arguments, not closed over: under `jit` its
+  # arrays are tracers, which a custom VJP's rules must not capture (the
+  # linearized program would hold them as constants).
+  where = (
+    layout.lengths,
+    layout.tile_steps,
+    layout.tile_starts,
+    layout.slot_valid,
+    layout.previous,
+  )
+
+  def forward(w_rec, bias, xp, leaves, where):
     outs = pl.pallas_call(
       _forward_kernel(cell, treedef, tile, compute, resident),
       out_shape=(y_aval, *saved_avals, *map(_shape, leaves)),
       grid=grid,
       interpret=interpret,
       compiler_params=_params(interpret),
-    )(*tile_args, xp, w_rec, bias, *leaves)
+    )(*where[:3], xp, w_rec, bias, *leaves)
     n = len(leaves)
     return outs[0], list(outs[1 : n + 1]), list(outs[n + 1 :])
 
   @jax.custom_vjp
-  def loop(w_rec, bias, xp, leaves):
-    y, _, final = forward(w_rec, bias, xp, leaves)
+  def loop(w_rec, bias, xp, leaves, where):
+    y, _, final = forward(w_rec, bias, xp, leaves, where)
     return y, final
 
-  def loop_fwd(w_rec, bias, xp, leaves):
-    y, saved, final = forward(w_rec, bias, xp, leaves)
-    return (y, final), (w_rec, bias, xp, leaves, saved)
+  def loop_fwd(w_rec, bias, xp, leaves, where):
+    y, saved, final = forward(w_rec, bias, xp, leaves, where)
+    return (y, final), (w_rec, bias, xp, leaves, saved, where)
 
   def loop_bwd(res, g):
-    w_rec, bias, xp, leaves, saved = res
+    w_rec, bias, xp, leaves, saved, where = res
+    slot_valid, previous = where[3:]
     dy, dfinal = g
     outs = pl.pallas_call(
       _backward_kernel(cell, treedef, tile, compute, resident),
@@ -473,23 +484,30 @@ def fused_loop(
       grid=grid,
       interpret=interpret,
       compiler_params=_params(interpret),
-    )(*tile_args, xp, w_rec, bias, *leaves, *saved, dy, *dfinal)
-    valid = layout.slot_valid[:, None]
+    )(*where[:3], xp, w_rec, bias, *leaves, *saved, dy, *dfinal)
+    valid = slot_valid[:, None]
     d_xp = jnp.where(valid, outs[0], 0)
     d_hp = jnp.where(valid, outs[1], 0)
     # The state each slot's step started from: the previous slot's carry, or
     # the initial carry at a sequence's first step.
     states = cell.hidden(treedef.unflatten(saved))
     states = jnp.concatenate([states, cell.hidden(treedef.unflatten(leaves))])
-    h_prev = jnp.where(valid, states[layout.previous], 0).astype(d_hp.dtype)
+    h_prev = jnp.where(valid, states[previous], 0).astype(d_hp.dtype)
     g_w = jax.lax.dot_general(
       h_prev, d_hp, (((0,), (0,)), ((), ())), precision=cell.precision
     )
     g_b = jnp.sum(d_hp, axis=0, keepdims=True)
-    return g_w.astype(w_rec.dtype), g_b.astype(bias.dtype), d_xp, list(outs[2:])
+    d_where = (None,) * len(where)  # integer and bool arrays: no cotangent
+    return (
+      g_w.astype(w_rec.dtype),
+      g_b.astype(bias.dtype),
+      d_xp,
+      list(outs[2:]),
+      d_where,
+    )
 
   loop.defvjp(loop_fwd, loop_bwd)
-  y, final = loop(w_rec, bias, xp, leaves)
+  y, final = loop(w_rec, bias, xp, leaves, where)
   return y, treedef.unflatten(final)
 
 

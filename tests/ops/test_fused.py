@@ -252,6 +252,24 @@ def test_one_compile_over_lengths():
   assert len(traces) == 1
 
 
+def test_the_gradient_of_a_jitted_call():
+  """`jax.vjp` of a jitted `fused_rnn` (the differentiation outside `jit`):
+  the layout's arrays are the custom VJP's arguments, so no tracer of the
+  jitted trace is left in the linearized program."""
+  cell = _lstm(jnp.float32)
+  x = _batch([7, 0, 3, 1], jnp.float32)
+  carry = (jnp.zeros((COUNT, HIDDEN)), jnp.zeros((COUNT, HIDDEN)))
+
+  def loss(values):
+    y, final = fused_rnn(cell, x.with_values(values), init_carry=carry)
+    return _loss(y, final)
+
+  want = jax.grad(loss)(x.values)
+  np.testing.assert_allclose(jax.grad(jax.jit(loss))(x.values), want, **FLOAT32)
+  _, pullback = jax.vjp(jax.jit(loss), x.values)
+  np.testing.assert_allclose(pullback(jnp.ones(()))[0], want, **FLOAT32)
+
+
 # -- errors ---------------------------------------------------------------------------
 
 
