@@ -60,12 +60,25 @@ def _perturb(values: np.ndarray, start: int, end: int, kind: str, seed: int):
   return out
 
 
+def _leaf_level(leaf: LoDTensor, level: int, count: int) -> int | None:
+  """The level of an output LoDTensor whose sequences are those of the
+  input's (non-negative) `level`: the same level counted from the outside
+  (an output with more levels nests more in each sequence, as hypotheses
+  per source), or its last if it has fewer; `None` when that level does not
+  hold `count` sequences."""
+  lvl = min(level, leaf.num_levels - 1)
+  return lvl if len(np.asarray(leaf.offsets[lvl])) - 1 == count else None
+
+
 def _pieces(leaf: Any, level: int, count: int) -> list[np.ndarray] | None:
-  """`leaf` split per sequence: a LoDTensor's rows, or an array's leading
-  axis of `count` entries; `None` when `leaf` is not per sequence."""
+  """`leaf` split per sequence: a LoDTensor's rows (see `_leaf_level`), or
+  an array's leading axis of `count` entries; `None` when `leaf` is not per
+  sequence."""
   if isinstance(leaf, LoDTensor):
+    lvl = _leaf_level(leaf, level, count)
+    if lvl is None:
+      return None
     values = np.asarray(leaf.values)
-    lvl = level if -leaf.num_levels <= level < leaf.num_levels else -1
     return [values[s:e] for s, e in _rows(leaf, lvl)]
   array = np.asarray(leaf)
   if array.ndim and array.shape[0] == count:
@@ -93,8 +106,8 @@ def _cotangent(out: Any, level: int, count: int, skip: int, seed: int) -> Any:
     if isinstance(leaf, LoDTensor):
       dtype = leaf.values.dtype
       ct = np.zeros(leaf.values.shape, np.float32)
-      lvl = level if -leaf.num_levels <= level < leaf.num_levels else -1
-      for j, (s, e) in enumerate(_rows(leaf, lvl)):
+      lvl = _leaf_level(leaf, level, count)
+      for j, (s, e) in enumerate(_rows(leaf, lvl) if lvl is not None else ()):
         if j != skip:
           ct[s:e] = rng.normal(size=ct[s:e].shape)
       zero = jax.tree.map(_zero_ct, leaf)
@@ -143,11 +156,14 @@ def check_independent(
   of `fn` whose cotangent is zero on sequence ``i``'s outputs).
 
   Per-sequence outputs are found in the pytree ``fn(x)``: a LoDTensor leaf
-  is split by its offsets at `level` (its last level if it has fewer), and an
-  array leaf with leading axis ``count_capacity`` (``len(x.offsets[level]) -
-  1``), e.g. final carries ``[count_capacity, *features]``, by that axis.
-  Other leaves (a batch-wide loss) are not compared: return only what is
-  per sequence.
+  is split by its offsets at `level` counted from the outside (its last
+  level if it has fewer; an output with more levels, such as hypotheses per
+  source, nests them in each sequence), when that level holds
+  ``count_capacity`` (``len(x.offsets[level]) - 1``) sequences; an array
+  leaf with leading axis ``count_capacity``, e.g. final carries
+  ``[count_capacity, *features]``, is split by that axis. Other leaves (a
+  batch-wide loss, a time-major buffer) are not compared: return only what
+  is per sequence, with the sequences first.
 
   Args:
     fn: ``fn(x) -> outputs``, a pytree of LoDTensors and arrays; it may be
@@ -186,7 +202,7 @@ def check_independent(
   if not isinstance(x, LoDTensor):
     raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
   check_unstacked(x, "x")
-  check_level(x, level, "level")
+  depth = check_level(x, level, "level")  # `level` made non-negative
   perturbations = check_sequence(perturbations, "perturbations", "a sequence of str")
   for kind in perturbations:
     if not isinstance(kind, str) or kind not in PERTURBATIONS:
@@ -217,7 +233,7 @@ def check_independent(
       return call(dataclasses.replace(x, values=vals))
 
     out, pullback = jax.vjp(of_values, jnp.asarray(v))
-    return np.asarray(pullback(_cotangent(out, level, count, skip, seed))[0])
+    return np.asarray(pullback(_cotangent(out, depth, count, skip, seed))[0])
 
   clean = jax.tree_util.tree_flatten_with_path(run(values), is_leaf=_is_lod)[0]
   for i, (start, end) in enumerate(spans):
@@ -229,7 +245,7 @@ def check_independent(
       where = f"Perturbing sequence {i} (level {level}) with {kind!r}"
       out = jax.tree_util.tree_flatten_with_path(run(changed), is_leaf=_is_lod)[0]
       for (path, a), (_, b) in zip(clean, out, strict=True):
-        pa, pb = _pieces(a, level, count), _pieces(b, level, count)
+        pa, pb = _pieces(a, depth, count), _pieces(b, depth, count)
         if pa is None:
           continue
         for j, (ra, rb) in enumerate(zip(pa, pb, strict=True)):

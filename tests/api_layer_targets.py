@@ -78,7 +78,14 @@ def layer(
 
 
 def linen_init(module: nn.Module, **kwargs: Any) -> Any:
-  return module.init(jax.random.key(0), **kwargs)
+  """The outputs of a Linen module's first call, as it initializes."""
+  return module.init_with_output(jax.random.key(0), **kwargs)[0]
+
+
+def fresh_rngs(cls: type) -> Callable[..., Any]:
+  """Builds the NNX layer `cls` with a new ``nnx.Rngs(0)`` each time (an
+  `nnx.Rngs` belongs to the trace that made it)."""
+  return lambda **kwargs: cls(**kwargs, rngs=nnx.Rngs(0))
 
 
 def nnx_call(module: nnx.Module, **kwargs: Any) -> Any:
@@ -281,7 +288,7 @@ for name, extra in (("MinGRU", {}), ("RGLRU", {"c": arg(8.0, "float32>0")})):
   layer(
     f"nnx.{name}",
     (cls.__init__, cls.__call__),
-    functools.partial(cls, rngs=nnx.Rngs(0)),
+    fresh_rngs(cls),
     nnx_call,
     {
       "in_features": arg(2, "size>=1"),
@@ -328,7 +335,7 @@ for name, linen_ctor, nnx_ctor in (
   )
   cls = getattr(nnx_layers, name)
   takes_rngs = "rngs" in inspect.signature(cls.__init__).parameters
-  build = functools.partial(cls, rngs=nnx.Rngs(0)) if takes_rngs else cls
+  build = fresh_rngs(cls) if takes_rngs else cls
   layer(
     f"nnx.{name}",
     (cls.__init__, cls.__call__),
