@@ -195,3 +195,38 @@ def test_rg_lru_coefficients_gradients_away_from_edge():
     check_grads(
       lambda g, a: rg_lru_coefficients(g, a, 8.0)[1], (g, a), order=2, modes=("rev",)
     )
+
+
+@pytest.mark.parametrize("scale", [60.0, 200.0])
+def test_rg_lru_gradients_are_finite_where_the_gate_saturates(scale):
+  """float32 inputs of scale 60 and 200 saturate the recurrence gate (its
+  sigmoid underflows to 0): outputs and every gradient stay finite, in
+  both twins."""
+  from flax import nnx
+
+  import jaxlod.nn.nnx as twin
+
+  x = _x([5, 0, 3, 4], np.float32, seed=2)
+  x = x.with_values(x.values * scale)
+  weights = jnp.cos(jnp.arange(x.capacity.tokens * HIDDEN)).reshape(-1, HIDDEN)
+
+  layer = linen.RGLRU(HIDDEN)
+  params = layer.init(jax.random.key(0), x)
+
+  def linen_loss(params, values):
+    return jnp.sum(layer.apply(params, x.with_values(values)).values * weights)
+
+  model = twin.RGLRU(FEATURES, HIDDEN, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+
+  def nnx_loss(state, values):
+    out = nnx.merge(graphdef, state)(x.with_values(values))
+    return jnp.sum(out.values * weights)
+
+  for loss, variables in ((linen_loss, params), (nnx_loss, state)):
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+      variables, x.values
+    )
+    assert np.isfinite(value)
+    for leaf in jax.tree.leaves(grads):
+      assert np.all(np.isfinite(np.asarray(leaf)))
