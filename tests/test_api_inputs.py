@@ -59,7 +59,6 @@ EXEMPT = {
   "(tests/interop/test_torch.py)",
   "jaxlod.interop.to_packed_sequence": "returns a torch PackedSequence "
   "(tests/interop/test_torch.py)",
-  "jaxlod.testing.PERTURBATIONS": "a tuple of the perturbations' names",
   "jaxlod.testing.IndependenceError": "an AssertionError that check_independent raises",
   # Abstract: subclasses define `scores`.
   "jaxlod.nn.Attention": "the attentions' abstract base",

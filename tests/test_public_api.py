@@ -63,6 +63,8 @@ FOUNDATION = {
   "jaxlod.parallel": {"data_parallel", "shard_batch"},
   # Converters to other frameworks' formats (a contract).
   "jaxlod.interop": {"from_packed_sequence", "to_packed_sequence"},
+  # Checks for users' own step functions, cells and ops (a contract).
+  "jaxlod.testing": {"check_independent", "IndependenceError"},
 }
 
 # Modules whose examples need an optional dependency: skipped without it.

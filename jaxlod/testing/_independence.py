@@ -1,9 +1,5 @@
-"""Testing helpers for users writing their own step functions, cells and ops.
-
-`check_independent` checks that the sequences of a LoDTensor stay
-independent through a function: changing one sequence, even to ``inf``,
-``NaN`` or ``1e30``, changes no other sequence's outputs or gradients.
-"""
+"""`check_independent`: the sequences of a LoDTensor stay independent
+through a function."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ from jaxlod._checks import (
 )
 from jaxlod._lod_checks import check_level, check_unstacked
 
-__all__ = ["PERTURBATIONS", "IndependenceError", "check_independent"]
-
+# The changes `check_independent` makes to a sequence's rows.
 PERTURBATIONS = ("random", "large", "inf", "nan")
 
 
@@ -170,7 +165,7 @@ def check_independent(
       jitted.
     x: a concrete LoDTensor ``values: [token_capacity, *features]``.
     level: the LoD level whose sequences are perturbed, one at a time.
-    perturbations: a subset of `PERTURBATIONS`.
+    perturbations: a subset of ``("random", "large", "inf", "nan")``.
     grads: check gradients; by default when ``x.values`` is floating.
     jit: wrap `fn` in `jax.jit`.
     rtol: relative tolerance of the comparisons (0: bitwise, NaN aside).
@@ -196,7 +191,7 @@ def check_independent(
     >>> check_independent(leaky, x)
     Traceback (most recent call last):
     ...
-    jaxlod.testing.IndependenceError: ...
+    jaxlod.testing._independence.IndependenceError: ...
   """
   check_callable(fn, "fn")
   if not isinstance(x, LoDTensor):
