@@ -38,8 +38,8 @@ def test_independent_functions_pass(jit):
 def test_linear_scan_and_the_layers_over_it_pass():
   x = _x()
   a = x.with_values(np.full((7, 3), 0.5, np.float32))
-  check_independent(lambda b: ops.linear_scan(a, b), x)
-  check_independent(lambda a_: ops.linear_scan(a_, x), a)
+  check_independent(lambda b: ops.linear_scan(a, b), x, jit=True)
+  check_independent(lambda a_: ops.linear_scan(a_, x), a, jit=True)
   layer = linen.MinGRU(4)
   params = layer.init(jax.random.key(0), x)
   check_independent(lambda x: layer.apply(params, x), x, jit=True)

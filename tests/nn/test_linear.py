@@ -101,11 +101,14 @@ def test_layers_equal_their_dynamic_rnn_reference_steps(name, reverse):
       count = x.capacity.sequences[-1]
       carry = np.random.default_rng(2).normal(size=(count, HIDDEN))
       ours, reference, params = _both(name, reverse, x, carry)
-      got, want = ours(params, x.values, carry), reference(params, x.values, carry)
+      args = (params, x.values, carry)
+      got, want = jax.jit(ours)(*args), jax.jit(reference)(*args)
       for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, **TIGHT)
       grads = [
-        jax.grad(_loss(fn), argnums=(0, 1, 2))(params, x.values, jnp.asarray(carry))
+        jax.jit(jax.grad(_loss(fn), argnums=(0, 1, 2)))(
+          params, x.values, jnp.asarray(carry)
+        )
         for fn in (ours, reference)
       ]
       for g, w in zip(*(jax.tree.leaves(gr) for gr in grads), strict=True):
@@ -119,7 +122,9 @@ def test_float32_default_zero_carry_and_padding_rows(name):
   params = cls(HIDDEN).init(jax.random.key(0), x)
   out = jax.jit(cls(HIDDEN).apply)(params, x)
   zeros = np.zeros((x.capacity.sequences[-1], HIDDEN), np.float32)
-  want, _ = dynamic_rnn(step_of(params["params"]), x, init_carry=zeros)
+  want, _ = jax.jit(
+    lambda p, x: dynamic_rnn(step_of(p["params"]), x, init_carry=zeros)
+  )(params, x)
   # float32: the reference's sqrt(1 - a**2) cancels near a = 1 (the layer's
   # expm1 does not), about 2e-5 apart.
   np.testing.assert_allclose(out.values, want.values, rtol=1e-4, atol=1e-5)
