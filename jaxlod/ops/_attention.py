@@ -100,6 +100,11 @@ def as_memory(
     keys: precomputed keys ``[b, source_capacity, units]``, or a LoDTensor
       with `memory`'s LoD; `None` when there are none.
 
+  Returns:
+    A `Memory`. Under `jit`, a length outside ``[0, source_capacity]`` gives
+    values all NaN and every length ``source_capacity``, so that every
+    context over it is NaN.
+
   Raises:
     ValueError: for a missing or redundant `lengths`, a LoDTensor with more
       than one level or rows that are not vectors, or an array of the
@@ -108,7 +113,13 @@ def as_memory(
   memory, fits = memory_and_fits(memory, lengths, keys)
   if fits is True:
     return memory
-  return memory._replace(values=nan_unless(fits, memory.values))
+  # A failed check: NaN values over every slot, each one real, so that every
+  # context over this memory is NaN (an attention never reads padding slots).
+  capacity = memory.values.shape[1]
+  return memory._replace(
+    values=nan_unless(fits, memory.values),
+    lengths=jnp.where(fits, memory.lengths, capacity).astype(memory.lengths.dtype),
+  )
 
 
 def memory_and_fits(
@@ -290,7 +301,8 @@ def masked_attention(
 
   The memory is an encoder's output as a decoder step sees it (a LoDTensor
   static input of `dynamic_rnn` arrives padded): row ``i`` has
-  ``lengths[i]`` real slots. Padding slots get weight exactly 0; a row with
+  ``lengths[i]`` real slots. Padding slots get weight exactly 0 and their
+  values never reach the context (an inf or NaN there included); a row with
   an empty memory gets zero weights and a zero context, never NaN, and no
   gradient flows through its scores.
 
@@ -356,6 +368,10 @@ def _masked_attention(
   exp = jnp.where(real, jnp.exp(jnp.where(real, scores - top, 0.0)), 0.0)
   total = jnp.sum(exp, axis=1, keepdims=True)
   weights = exp / jnp.where(total > 0, total, 1.0)
+  # Padding slots are selected out, not multiplied by their zero weight: an
+  # inf or NaN there (whatever a padded memory holds past its lengths) would
+  # turn the context NaN.
+  memory = jnp.where(real[:, :, None], memory, jnp.zeros((), memory.dtype))
   context = jnp.einsum("bs,bsf->bf", weights, memory)
   return nan_unless(fits, (context, weights))
 

@@ -402,3 +402,32 @@ def test_layer_dtypes_must_be_float(layer, kwargs, match):
   )
   with pytest.raises(TypeError, match=match):
     module.init(jax.random.key(0), jnp.ones((2, 3)), memory)
+
+
+@pytest.mark.parametrize("poison", [np.inf, -np.inf, np.nan, 1e30])
+@pytest.mark.parametrize("kind", sorted(ATTENTIONS))
+def test_values_past_the_lengths_never_reach_the_results(kind, poison):
+  """A padded memory holding inf, NaN or 1e30 past its lengths gives the
+  results and the gradients on its real slots of zeros there (a zero weight
+  times NaN was NaN)."""
+  attention, params = _init(kind)
+  padded, lengths, _ = _memory()
+  query = _query(kind)
+  past = np.arange(SOURCE)[None, :] >= np.asarray(lengths)[:, None]
+  poisoned = np.where(past[:, :, None], poison, np.asarray(padded)).astype(np.float32)
+
+  def loss(memory):
+    context, weights = attention.apply(params, query, memory, lengths)
+    return jnp.sum(jnp.sin(context)) + jnp.sum(jnp.cos(weights)), (context, weights)
+
+  run = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (_, want), want_grad = run(jnp.asarray(padded))
+  (_, got), got_grad = run(jnp.asarray(poisoned))
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  real = ~past
+  np.testing.assert_array_equal(np.asarray(got_grad)[real], np.asarray(want_grad)[real])
+  scores = np.zeros(past.shape, np.float32)
+  context, weights = masked_attention(scores, poisoned, lengths)
+  assert np.all(np.isfinite(np.asarray(context)))
+  assert np.all(np.asarray(weights)[past] == 0.0)
