@@ -61,6 +61,19 @@ def _named(message: str, fields: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in fields.items() if k in names}
 
 
+def nan_where(bad: Any, leaf: Any) -> Any:
+  """A float array `leaf` NaN where the bool `bad` is True, `bad` covering
+  its leading axes (a scalar: all of it); other dtypes are returned as they
+  are. Under `jit`, where a value check cannot raise, a result that a failed
+  check touched is loud in any loss rather than finite and wrong."""
+  leaf = jnp.asarray(leaf)
+  if not is_float_dtype(leaf.dtype):
+    return leaf
+  bad = jnp.asarray(bad)
+  bad = bad.reshape(bad.shape + (1,) * (leaf.ndim - bad.ndim))
+  return jnp.where(bad, jnp.asarray(jnp.nan, leaf.dtype), leaf)
+
+
 def require(ok: Any, message: str, *, traced: str | None = None, **fields: Any):
   """Every item of `ok` must be True: eagerly a `ValueError`, under `jit` a
   `jax.experimental.checkify` check.

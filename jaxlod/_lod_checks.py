@@ -22,8 +22,8 @@ from jaxlod._checks import (
   check_index_leaves,
   check_sequence,
   is_concrete,
-  is_float_dtype,
   is_integer_dtype,
+  nan_where,
   require,
   static_int,
   value_text,
@@ -74,10 +74,7 @@ def nan_if_cut(padded: jax.Array, lengths: jax.Array, time: int) -> jax.Array:
   `time` all NaN (float values; others are returned as they are): under
   `jit`, where `check_lengths_fit` cannot raise, a sequence cut short is
   loud rather than silently truncated."""
-  if not is_float_dtype(padded.dtype):
-    return padded
-  cut = (jnp.asarray(lengths) > time).reshape((-1,) + (1,) * (padded.ndim - 1))
-  return jnp.where(cut, jnp.asarray(jnp.nan, padded.dtype), padded)
+  return nan_where(jnp.asarray(lengths) > time, padded)
 
 
 def check_level(x: Any, level: int, name: str) -> int:

@@ -13,6 +13,7 @@ cell differs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -28,8 +29,8 @@ from jaxlod._checks import (
   check_callable,
   check_integer,
   is_concrete,
-  is_float_dtype,
   leaf_name,
+  nan_where,
   require,
   static_int,
 )
@@ -323,13 +324,7 @@ def nan_where_unsound(tree: Any, x: LoDTensor, shape: Layout, time: bool = True)
   if time:
     bad = bad[None] if shape.time_major else bad[..., None]
 
-  def poison(leaf: jax.Array) -> jax.Array:
-    if not is_float_dtype(leaf.dtype):
-      return leaf
-    where = bad.reshape(bad.shape + (1,) * (leaf.ndim - bad.ndim))
-    return jnp.where(where, jnp.asarray(jnp.nan, leaf.dtype), leaf)
-
-  return jax.tree.map(poison, tree)
+  return jax.tree.map(functools.partial(nan_where, bad), tree)
 
 
 def zero_past(outputs: Any, seq_lengths: Any, time_major: bool) -> Any:

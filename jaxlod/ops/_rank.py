@@ -17,6 +17,7 @@ from jaxlod._checks import (
   check_sequence,
   is_concrete,
   is_float_dtype,
+  nan_where,
   require,
   static_float,
   static_int,
@@ -361,7 +362,7 @@ def nan_unless(ok: Any, tree: Any) -> Any:
       return a.with_values(poison(a.values))
     if not is_float_dtype(jnp.result_type(a)):
       return a
-    return jnp.where(ok, a, jnp.asarray(jnp.nan, jnp.result_type(a)))
+    return nan_where(~jnp.asarray(ok), a)
 
   return jax.tree.map(poison, tree, is_leaf=lambda a: isinstance(a, LoDTensor))
 
