@@ -61,6 +61,16 @@ def _named(message: str, fields: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in fields.items() if k in names}
 
 
+def all_hold(*outcomes: Any) -> Any:
+  """The conjunction of `require` outcomes: `True` when each is `True`
+  (eagerly, or static), else a bool scalar under `jit`."""
+  held = True
+  for outcome in outcomes:
+    if outcome is not True:
+      held = outcome if held is True else held & outcome
+  return held
+
+
 def nan_where(bad: Any, leaf: Any) -> Any:
   """A float array `leaf` NaN where the bool `bad` is True, `bad` covering
   its leading axes (a scalar: all of it); other dtypes are returned as they

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._checks import (
+  all_hold,
   check_dtype,
   check_index_leaves,
   check_sequence,
@@ -75,6 +76,47 @@ def nan_if_cut(padded: jax.Array, lengths: jax.Array, time: int) -> jax.Array:
   `jit`, where `check_lengths_fit` cannot raise, a sequence cut short is
   loud rather than silently truncated."""
   return nan_where(jnp.asarray(lengths) > time, padded)
+
+
+def check_same_lod(x: Any, y: Any, x_name: str, y_name: str, where: str) -> Any:
+  """`y` has the LoD of `x`, two LoDTensors that an op reads row by row
+  together: the same token and sequence capacities (static, a
+  `ValueError`; the time capacities may differ) and the same offsets at
+  every level (`require`: eagerly a `ValueError`, under `jit` a
+  `checkify` check).
+
+  Args:
+    x, y: LoDTensors.
+    x_name, y_name: the arguments they were given as, e.g. ``"b"`` or
+      ``"inputs[1]"``.
+    where: the op, named in the traced message.
+
+  Returns:
+    Whether the offsets agree (`require`'s outcome), for the op to poison
+    its result and record `jaxlod.Fault.INPUT`.
+  """
+  sizes = {"x": (x.capacity.tokens, x.capacity.sequences)}
+  sizes["y"] = (y.capacity.tokens, y.capacity.sequences)
+  if sizes["x"] != sizes["y"]:
+    raise ValueError(
+      f"Expected `{y_name}` to have the LoD of `{x_name}`; `{x_name}` has "
+      f"capacity {x.capacity}, `{y_name}` {y.capacity} (tokens and sequences "
+      "must agree)."
+    )
+  return all_hold(
+    *(
+      require(
+        jnp.array_equal(a, b),
+        f"Expected `{y_name}` to have the LoD of `{x_name}`; at level {level} "
+        f"`{y_name}` has offsets {{b}}, `{x_name}` {{a}}.",
+        traced=f"{where}: Expected `{y_name}` to have the LoD of `{x_name}`; they "
+        f"differ at level {level}.",
+        a=a,
+        b=b,
+      )
+      for level, (a, b) in enumerate(zip(x.offsets, y.offsets, strict=True))
+    )
+  )
 
 
 def check_level(x: Any, level: int, name: str) -> int:

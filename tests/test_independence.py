@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from jaxlod import LoDTensor, testing
+from jaxlod.testing import _independence
 from tests import api_layer_targets, api_targets
 from tests.api_catalogue import Target, ids, linen_params, lod
 
@@ -177,8 +178,8 @@ def _per_sequence(out: Any, x: LoDTensor, level: int) -> bool:
   """Whether `check_independent` compares some leaf of `out` per sequence."""
   level %= x.num_levels
   count = len(np.asarray(x.offsets[level])) - 1
-  leaves = jax.tree.leaves(out, is_leaf=testing._is_lod)
-  return any(testing._pieces(leaf, level, count) is not None for leaf in leaves)
+  leaves = jax.tree.leaves(out, is_leaf=_independence._is_lod)
+  return any(_independence._pieces(leaf, level, count) is not None for leaf in leaves)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

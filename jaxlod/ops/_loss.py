@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import optax
 
 from jaxlod._checks import (
+  all_hold,
   check_float,
   check_integer,
-  require,
   require_each,
   static_float,
 )
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._lod_checks import check_same_lod
 
 
 def sequence_cross_entropy(
@@ -100,10 +101,7 @@ def _check_rows(logits: LoDTensor, labels: LoDTensor) -> Any:
       f"values [token_capacity] or [token_capacity, 1], got {labels.capacity} and "
       f"values of shape {tuple(labels.values.shape)}."
     )
-  same = [jnp.all(a == b) for a, b in zip(logits.offsets, labels.offsets, strict=True)]
-  same = require(
-    jnp.all(jnp.stack(same)), "Expected `labels` to have the LoD of `logits`."
-  )
+  same = check_same_lod(logits, labels, "logits", "labels", "sequence_cross_entropy")
   classes = logits.values.shape[1]
   bad = logits.row_mask() & ((values < 0) | (values >= classes))
   known = require_each(
@@ -112,11 +110,4 @@ def _check_rows(logits: LoDTensor, labels: LoDTensor) -> Any:
     "at row {i}.",
     value=values,
   )
-  return values, _both(same, known)
-
-
-def _both(a: Any, b: Any) -> Any:
-  """``a & b`` of two `require` outcomes, `True` when both are."""
-  if a is True:
-    return b
-  return a if b is True else a & b
+  return values, all_hold(same, known)

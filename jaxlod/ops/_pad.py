@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxlod._buckets import Buckets, Capacity
 from jaxlod._checks import (
+  all_hold,
   check_dtype,
   check_integer,
   is_concrete,
@@ -168,7 +169,7 @@ def _check_unpad_lengths(lengths: jax.Array, time: int, num: Any) -> Any:
     length=lengths,
     num=num,
   )
-  return in_range if empty_past is True else in_range & empty_past
+  return all_hold(in_range, empty_past)
 
 
 def _unpad_lengths(lengths: Any, count: int, num: Any) -> jax.Array:

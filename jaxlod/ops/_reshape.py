@@ -14,7 +14,7 @@ from jaxlod._checks import is_concrete
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod._lod_checks import check_offsets, lengths_to_offsets
+from jaxlod._lod_checks import check_offsets, check_same_lod, lengths_to_offsets
 from jaxlod.ops import _segment
 from jaxlod.ops._rank import nan_unless
 
@@ -196,13 +196,7 @@ def sequence_scatter(
   x = as_array(x, "x")
   ids, rows = _check_scatter_args(x, index, updates)
   _check_count(x, index)
-  same = _checks.require_each(
-    index.offsets[0] != updates.offsets[0],
-    "sequence_scatter: `index` and `updates` have different LoDs: offset {i} is "
-    "{got_index} in `index`, {got_updates} in `updates`.",
-    got_index=index.offsets[0],
-    got_updates=updates.offsets[0],
-  )
+  same = check_same_lod(index, updates, "index", "updates", "sequence_scatter")
   n, width = x.shape[:2]
   layout = _segment.rows(index)
   outside = layout.valid & ((ids < 0) | (ids >= width))
@@ -218,7 +212,7 @@ def sequence_scatter(
   target = jnp.where(keep, layout.segment * width + ids.astype(jnp.int32), n * width)
   flat = x.reshape(n * width, *x.shape[2:])
   out = flat.at[target].add(rows, mode="drop").reshape(x.shape)
-  return nan_unless(inside if same is True else same & inside, out)
+  return nan_unless(_checks.all_hold(same, inside), out)
 
 
 # -- lod_reset -----------------------------------------------------------------------

@@ -9,16 +9,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod._checks import (
+  all_hold,
   check_bools,
   check_callable,
   check_step_out,
   is_float_dtype,
-  require,
 )
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows
 from jaxlod._lod import LoDTensor, is_lod
-from jaxlod._lod_checks import check_unstacked
+from jaxlod._lod_checks import check_same_lod, check_unstacked
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _loop, _loop_plan, _packed
 from jaxlod.ops._array import permute_rows
@@ -44,23 +44,12 @@ def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any, Any]:
     )
   for x in leaves:
     check_unstacked(x, "inputs")
-  first, same = leaves[0], True
-  for i, x in enumerate(leaves[1:], 1):
-    if x.capacity != first.capacity:
-      raise ValueError(
-        f"Expected every input to have the same LoD; input 0 has capacity "
-        f"{first.capacity}, input {i} has {x.capacity}."
-      )
-    for level, (a, b) in enumerate(zip(first.offsets, x.offsets, strict=True)):
-      equal = require(
-        jnp.array_equal(a, b),
-        f"Expected every input to have the same LoD; input {i} differs from "
-        f"input 0 at level {level}: {{b}} vs {{a}}.",
-        traced=f"dynamic_rnn: input {i} has a different LoD.",
-        a=a,
-        b=b,
-      )
-      same = equal if same is True else same & equal
+  same = all_hold(
+    *(
+      check_same_lod(leaves[0], x, "inputs[0]", f"inputs[{i}]", "dynamic_rnn")
+      for i, x in enumerate(leaves[1:], 1)
+    )
+  )
   return leaves, tree, same
 
 
@@ -352,9 +341,7 @@ def dynamic_rnn(
   # A table of another batch, or inputs whose LoDs differ, under `jit`
   # (without `checkify`) give wrong carries: NaN float results and a faulted
   # output make that loud.
-  sound = (
-    ranked if same_lod is True else same_lod if ranked is True else ranked & same_lod
-  )
+  sound = all_hold(ranked, same_lod)
   final_carry = nan_unless(sound, jax.tree.unflatten(carry_tree, final))
   if not return_sequences:
     return final_carry

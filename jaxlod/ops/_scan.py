@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlod._checks import check_bool, is_float_dtype, require
+from jaxlod._checks import check_bool, is_float_dtype
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod._lod_checks import check_unstacked
+from jaxlod._lod_checks import check_same_lod, check_unstacked
 from jaxlod.ops._rank import nan_unless
 
 
@@ -210,21 +210,7 @@ def linear_scan(
   same = True
   if isinstance(a, LoDTensor):
     check_unstacked(a, "a")
-    if a.capacity != b.capacity:
-      raise ValueError(
-        f"Expected `a` to have `b`'s LoD; `a` has capacity {a.capacity}, `b` "
-        f"{b.capacity}."
-      )
-    for level, (x, y) in enumerate(zip(a.offsets, b.offsets, strict=True)):
-      equal = require(
-        jnp.array_equal(x, y),
-        f"Expected `a` to have `b`'s LoD; they differ at level {level}: "
-        "{x} vs {y}.",
-        traced="linear_scan: `a` has another LoD than `b`.",
-        x=x,
-        y=y,
-      )
-      same = equal if same is True else same & equal
+    same = check_same_lod(b, a, "b", "a", "linear_scan")
     a_values = a.values
   else:
     a_values = as_array(a, "a", "a LoDTensor or an array")

@@ -299,8 +299,7 @@ def test_scatter_value_errors_eager_and_checkify():
           np.ones(3, np.float32), [[1, 2]], buckets=buckets
         )
       },
-      r"sequence_scatter: `index` and `updates` have different LoDs: offset 1 is 2 "
-      r"in `index`, 1 in `updates`\.",
+      r"Expected `updates` to have the LoD of `index`",
     ),
   ]
   fn = checkify.checkify(_jit_scatter)

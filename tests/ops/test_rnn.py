@@ -511,12 +511,13 @@ def test_error_inputs_with_different_lods():
 
   with pytest.raises(
     ValueError,
-    match=r"input 1 differs from input 0 at level 0: "
-    r"\[0, 2, 4, 4, 4\] vs \[0, 3, 4, 4, 4\]",
+    match=r"Expected `inputs\[1\]` to have the LoD of `inputs\[0\]`; at level 0 "
+    r"`inputs\[1\]` has offsets \[0, 2, 4, 4, 4\], `inputs\[0\]` \[0, 3, 4, 4, 4\]",
   ):
     dynamic_rnn(step, (a, b), init_carry=jnp.zeros((4, 1)))
   with pytest.raises(
-    ValueError, match=r"input 0 has capacity .*tokens=8.* input 1 has .*tokens=16"
+    ValueError,
+    match=r"`inputs\[0\]` has capacity .*tokens=8.* `inputs\[1\]` .*tokens=16",
   ):
     dynamic_rnn(step, [a, c], init_carry=jnp.zeros((4, 1)))
 
@@ -526,7 +527,10 @@ def test_error_inputs_with_different_lods():
     return dynamic_rnn(step, (a, b), init_carry=jnp.zeros((4, 1)))
 
   err, _ = under_jit(a, b)
-  with pytest.raises(checkify.JaxRuntimeError, match="input 1 has a different LoD"):
+  with pytest.raises(
+    checkify.JaxRuntimeError,
+    match=r"dynamic_rnn: Expected `inputs\[1\]` to have the LoD of `inputs\[0\]`",
+  ):
     err.throw()
 
 

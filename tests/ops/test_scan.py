@@ -176,7 +176,7 @@ def test_errors():
   with pytest.raises(TypeError, match="`reverse`"):
     linear_scan(a, b, reverse=1)
   other = LoDTensor.from_lengths(np.ones(5, np.float32), [[3, 2]], buckets=BUCKETS)
-  with pytest.raises(ValueError, match="`a` to have `b`'s LoD"):
+  with pytest.raises(ValueError, match="`a` to have the LoD of `b`"):
     linear_scan(other, b.with_values(np.ones(24, np.float32)))
   # Under jit another LoD poisons the states and records the fault.
   out = jax.jit(linear_scan)(other, b.with_values(np.ones(24, np.float32)))
