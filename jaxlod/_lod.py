@@ -26,6 +26,7 @@ from jaxlod._lod_checks import (
   check_fields,
   check_intact,
   check_lengths_fit,
+  check_level,
   check_offsets,
   check_pad_value,
   check_padded,
@@ -454,14 +455,6 @@ class LoDTensor:
     check_sound(self)
     check_intact(self)
 
-  def _level(self, level: int) -> int:
-    level = static_int(level, "level")
-    if not -self.num_levels <= level < self.num_levels:
-      raise ValueError(
-        f"Expected `level` in [{-self.num_levels}, {self.num_levels}), got {level}."
-      )
-    return level % self.num_levels
-
   # -- jittable accessors ---------------------------------------------------------
 
   def lengths(self, level: int = -1) -> jax.Array:
@@ -472,7 +465,7 @@ class LoDTensor:
     faulted tensor (see `faults`).
     """
     self._check_readable()
-    return jnp.diff(self.offsets[self._level(level)])
+    return jnp.diff(self.offsets[check_level(self, level, "level")])
 
   def num_sequences(self, level: int = -1) -> jax.Array:
     """Real number of sequences at `level` (int32 scalar). Jittable.
@@ -486,7 +479,7 @@ class LoDTensor:
       >>> int(x.num_sequences()), int(x.num_sequences(0))
       (3, 2)
     """
-    level = self._level(level)
+    level = check_level(self, level, "level")
     self._check_readable()
     if level == 0:
       return jnp.asarray(self.num_outer)

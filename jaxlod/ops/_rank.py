@@ -24,7 +24,7 @@ from jaxlod._checks import (
 )
 from jaxlod._faults import check_sound
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod._lod_checks import check_unstacked, is_array
+from jaxlod._lod_checks import check_level, check_unstacked, is_array
 
 
 def default_ladder(
@@ -261,7 +261,7 @@ def rank_table(
     >>> rank_table(x, level=0).items()  # outer sequences by sub-sequences
     [(1, 2), (0, 1)]
   """
-  level = check_lod(x, "x")._level(level)
+  level = check_level(check_lod(x, "x"), level, "level")
   offsets = x.offsets[level]
   count_capacity = x.capacity.sequences[level]
   ladder = normalize_ladder(count_capacity, ladder)

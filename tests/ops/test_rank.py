@@ -200,9 +200,15 @@ def test_items_fails_under_jit():
 
 def test_level_errors():
   x = _lod([[1, 2], [5, 1, 1]])
-  with pytest.raises(ValueError, match=r"Expected `level` in \[-2, 2\), got 2\."):
+  with pytest.raises(
+    ValueError,
+    match=r"Expected `level` in \[-2, 2\) \(the LoD levels of the tensor\), got 2\.",
+  ):
     rank_table(x, level=2)
-  with pytest.raises(ValueError, match=r"Expected `level` in \[-2, 2\), got -3\."):
+  with pytest.raises(
+    ValueError,
+    match=r"Expected `level` in \[-2, 2\) \(the LoD levels of the tensor\), got -3\.",
+  ):
     rank_table(x, level=-3)
 
 
