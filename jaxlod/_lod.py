@@ -19,7 +19,13 @@ import numpy as np
 
 from jaxlod import _buckets, _lod_checks, _serial
 from jaxlod._buckets import Buckets, Capacity
-from jaxlod._checks import check_dtype, check_sequence, is_concrete, static_int
+from jaxlod._checks import (
+  check_dtype,
+  check_sequence,
+  is_concrete,
+  nan_where,
+  static_int,
+)
 from jaxlod._faults import check_sound, concrete_faults, describe_faults
 from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod_checks import (
@@ -38,7 +44,6 @@ from jaxlod._lod_checks import (
   check_values,
   is_array,
   lengths_to_offsets,
-  nan_if_cut,
 )
 
 
@@ -614,7 +619,9 @@ class LoDTensor:
       return jnp.full(shape, pad), lengths
     rows = self.values[jnp.clip(index, 0, tokens - 1)]
     mask = mask.reshape(mask.shape + (1,) * len(self.feature_shape))
-    return nan_if_cut(jnp.where(mask, rows, pad), lengths, time), lengths
+    # Under `jit` a sequence cut short is NaN, not silently truncated.
+    cut = jnp.asarray(lengths) > time
+    return nan_where(cut, jnp.where(mask, rows, pad)), lengths
 
   def to_segment_ids(self) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The last level as packed rows with segment ids and positions. Jittable.

@@ -1,7 +1,7 @@
 """The LoD checks: the rows, sequences, offsets, lengths and row splits given
 to `LoDTensor`'s builders, the LoD stored in a built `LoDTensor`, padded
-batches and segment ids turned into LoD, and the state of a LoDTensor read
-back by `flax.serialization`.
+batches and segment ids turned into LoD, two tensors of one LoD, and the
+state of a LoDTensor read back by `flax.serialization`.
 
 Paddle's CheckLoD on host data raises `TypeError` or `ValueError` naming the
 level, the index and both values; the per-sequence arguments and fills of
@@ -24,7 +24,6 @@ from jaxlod._checks import (
   check_sequence,
   is_concrete,
   is_integer_dtype,
-  nan_where,
   require,
   static_int,
   value_text,
@@ -70,34 +69,14 @@ def check_lengths_fit(
   )
 
 
-def nan_if_cut(padded: jax.Array, lengths: jax.Array, time: int) -> jax.Array:
-  """`padded` ``[count, time, *features]`` with every sequence longer than
-  `time` all NaN (float values; others are returned as they are): under
-  `jit`, where `check_lengths_fit` cannot raise, a sequence cut short is
-  loud rather than silently truncated."""
-  return nan_where(jnp.asarray(lengths) > time, padded)
-
-
 def check_same_lod(x: Any, y: Any, x_name: str, y_name: str, where: str) -> Any:
-  """`y` has the LoD of `x`, two LoDTensors that an op reads row by row
-  together: the same token and sequence capacities (static, a
-  `ValueError`; the time capacities may differ) and the same offsets at
-  every level (`require`: eagerly a `ValueError`, under `jit` a
-  `checkify` check).
-
-  Args:
-    x, y: LoDTensors.
-    x_name, y_name: the arguments they were given as, e.g. ``"b"`` or
-      ``"inputs[1]"``.
-    where: the op, named in the traced message.
-
-  Returns:
-    Whether the offsets agree (`require`'s outcome), for the op to poison
-    its result and record `jaxlod.Fault.INPUT`.
-  """
-  sizes = {"x": (x.capacity.tokens, x.capacity.sequences)}
-  sizes["y"] = (y.capacity.tokens, y.capacity.sequences)
-  if sizes["x"] != sizes["y"]:
+  """`y` has the LoD of `x` (LoDTensors an op reads row by row together):
+  the same token and sequence capacities (static; a `ValueError`) and the
+  same offsets at every level (`require`). `x_name` and `y_name` are the
+  arguments, `where` the op. Returns `require`'s outcome, for the op to
+  poison its result and record `jaxlod.Fault.INPUT`."""
+  sizes = [(t.capacity.tokens, t.capacity.sequences) for t in (x, y)]
+  if sizes[0] != sizes[1]:
     raise ValueError(
       f"Expected `{y_name}` to have the LoD of `{x_name}`; `{x_name}` has "
       f"capacity {x.capacity}, `{y_name}` {y.capacity} (tokens and sequences "

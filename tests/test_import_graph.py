@@ -211,3 +211,17 @@ def test_no_file_of_the_package_is_over_800_lines():
   }
   long = {module: n for module, n in sizes.items() if n > FILE_LINES}
   assert not long, f"over {FILE_LINES} lines: {long}"
+
+
+def test_the_ops_import_nothing_from_flax():
+  """`jaxlod.ops` is pure JAX: the layers over Flax live in `jaxlod.nn`."""
+  found = {}
+  for module, file in modules(ROOT).items():
+    if module != "jaxlod.ops" and not module.startswith("jaxlod.ops."):
+      continue
+    tree = ast.parse(file.read_text(), filename=str(file))
+    for node in ast.walk(tree):
+      for name in _imported(node, module, file.name == "__init__.py"):
+        if name == "flax" or name.startswith("flax."):
+          found[module] = node.lineno
+  assert not found, f"modules of jaxlod.ops importing flax (line): {found}"

@@ -21,6 +21,7 @@ from jaxlod._checks import (
   check_integer,
   is_concrete,
   is_integer_dtype,
+  nan_where,
   require_each,
   static_int,
 )
@@ -30,7 +31,6 @@ from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._lod_checks import (
   check_lengths_fit,
   check_pad_value,
-  nan_if_cut,
   per_sequence,
 )
 from jaxlod.ops._array import gather, permutation_gather
@@ -121,7 +121,8 @@ def sequence_pad(
   flat = gather(x.values, cell_row, cell_valid, row_cell, row_valid)
   mask = cell_valid.reshape((-1,) + (1,) * len(x.feature_shape))
   padded = jnp.where(mask, flat, pad).reshape(count, time, *x.feature_shape)
-  return nan_if_cut(padded, lengths, time), lengths
+  # Under `jit` a sequence cut short is NaN, not silently truncated.
+  return nan_where(jnp.asarray(lengths) > time, padded), lengths
 
 
 def _num_sequences(num_sequences: Any, count: int) -> Any:
