@@ -83,7 +83,9 @@ def own_hidden(carry):
 def separable() -> ops.Separable:
   """A simple cell of 2 features and hidden size 2, as `lod` feeds it."""
   w = np.ones((2, 2), np.float32)
-  return ops.Separable(w, None, w, None, 0, simple_gates, own_hidden, 1)
+  return ops.Separable(
+    w_in=w, b_in=None, w_rec=w, gates=simple_gates, hidden=own_hidden, parts=1
+  )
 
 
 SETTINGS = ops.DecodeSettings(bos_id=0, eos_id=4, max_length=3, beam_size=2)

@@ -115,44 +115,40 @@ def _cat(params: Any, prefix: str, gates: str, leaf: str) -> jax.Array:
 def _linen_lstm(cell: nn.Module, p: Any) -> Separable:
   # Flax adds the recurrent bias to the sum: it joins the input projection.
   return Separable(
-    _cat(p, "i", "ifgo", "kernel"),
-    _cat(p, "h", "ifgo", "bias"),
-    _cat(p, "h", "ifgo", "kernel"),
-    None,
-    0,
-    _lstm(cell.gate_fn, cell.activation_fn),
-    _lstm_hidden,
-    4,
-    cell.dtype,
+    w_in=_cat(p, "i", "ifgo", "kernel"),
+    b_in=_cat(p, "h", "ifgo", "bias"),
+    w_rec=_cat(p, "h", "ifgo", "kernel"),
+    gates=_lstm(cell.gate_fn, cell.activation_fn),
+    hidden=_lstm_hidden,
+    parts=4,
+    dtype=cell.dtype,
   )
 
 
 def _linen_gru(cell: nn.Module, p: Any) -> Separable:
   # `hn`'s bias sits inside the reset gate's product: it stays in the loop.
   return Separable(
-    _cat(p, "i", "rzn", "kernel"),
-    _cat(p, "i", "rzn", "bias"),
-    _cat(p, "h", "rzn", "kernel"),
-    p["hn"]["bias"],
-    p["hn"]["kernel"].shape[-1],
-    _gru(cell.gate_fn, cell.activation_fn),
-    _own_hidden,
-    3,
-    cell.dtype,
+    w_in=_cat(p, "i", "rzn", "kernel"),
+    b_in=_cat(p, "i", "rzn", "bias"),
+    w_rec=_cat(p, "h", "rzn", "kernel"),
+    b_rec=p["hn"]["bias"],
+    probe=p["hn"]["kernel"].shape[-1],
+    gates=_gru(cell.gate_fn, cell.activation_fn),
+    hidden=_own_hidden,
+    parts=3,
+    dtype=cell.dtype,
   )
 
 
 def _linen_simple(cell: nn.Module, p: Any) -> Separable:
   return Separable(
-    p["i"]["kernel"],
-    p["i"]["bias"],
-    p["h"]["kernel"],
-    None,
-    0,
-    _simple(cell.activation_fn, cell.residual),
-    _own_hidden,
-    1,
-    cell.dtype,
+    w_in=p["i"]["kernel"],
+    b_in=p["i"]["bias"],
+    w_rec=p["h"]["kernel"],
+    gates=_simple(cell.activation_fn, cell.residual),
+    hidden=_own_hidden,
+    parts=1,
+    dtype=cell.dtype,
   )
 
 
@@ -160,15 +156,15 @@ def _linen_mgu(cell: nn.Module, p: Any) -> Separable:
   # With the reset gate, `hn` (and its bias) is scaled by the forget gate.
   reset = cell.reset_gate
   return Separable(
-    _cat(p, "i", "fn", "kernel"),
-    _cat(p, "i", "fn", "bias"),
-    _cat(p, "h", "fn", "kernel"),
-    p["hn"]["bias"] if reset else None,
-    p["hn"]["kernel"].shape[-1] if reset else 0,
-    _mgu(cell.gate_fn, cell.activation_fn, reset),
-    _own_hidden,
-    2,
-    cell.dtype,
+    w_in=_cat(p, "i", "fn", "kernel"),
+    b_in=_cat(p, "i", "fn", "bias"),
+    w_rec=_cat(p, "h", "fn", "kernel"),
+    b_rec=p["hn"]["bias"] if reset else None,
+    probe=p["hn"]["kernel"].shape[-1] if reset else 0,
+    gates=_mgu(cell.gate_fn, cell.activation_fn, reset),
+    hidden=_own_hidden,
+    parts=2,
+    dtype=cell.dtype,
   )
 
 
@@ -252,16 +248,14 @@ def _nnx_lstm(cell: nnx.Module) -> Separable:
     inputs, recurrent = ("ii", "if_", "ig", "io"), ("hi", "hf", "hg", "ho")
   dtype, precision = _linear_settings(cell, inputs + recurrent)
   return Separable(
-    _values(cell, inputs, "kernel"),
-    _values(cell, recurrent, "bias"),
-    _values(cell, recurrent, "kernel"),
-    None,
-    0,
-    _lstm(cell.gate_fn, cell.activation_fn),
-    _lstm_hidden,
-    4,
-    dtype,
-    precision,
+    w_in=_values(cell, inputs, "kernel"),
+    b_in=_values(cell, recurrent, "bias"),
+    w_rec=_values(cell, recurrent, "kernel"),
+    gates=_lstm(cell.gate_fn, cell.activation_fn),
+    hidden=_lstm_hidden,
+    parts=4,
+    dtype=dtype,
+    precision=precision,
   )
 
 
@@ -269,32 +263,29 @@ def _nnx_gru(cell: nnx.Module) -> Separable:
   # NNX's GRU has no recurrent bias: only the input projection's.
   dtype, precision = _linear_settings(cell, ("dense_i", "dense_h"))
   return Separable(
-    cell.dense_i.kernel[...],
-    cell.dense_i.bias[...],
-    cell.dense_h.kernel[...],
-    None,
-    cell.hidden_features,
-    _gru(cell.gate_fn, cell.activation_fn),
-    _own_hidden,
-    3,
-    dtype,
-    precision,
+    w_in=cell.dense_i.kernel[...],
+    b_in=cell.dense_i.bias[...],
+    w_rec=cell.dense_h.kernel[...],
+    probe=cell.hidden_features,
+    gates=_gru(cell.gate_fn, cell.activation_fn),
+    hidden=_own_hidden,
+    parts=3,
+    dtype=dtype,
+    precision=precision,
   )
 
 
 def _nnx_simple(cell: nnx.Module) -> Separable:
   dtype, precision = _linear_settings(cell, ("dense_i", "dense_h"))
   return Separable(
-    cell.dense_i.kernel[...],
-    cell.dense_i.bias[...],
-    cell.dense_h.kernel[...],
-    None,
-    0,
-    _simple(cell.activation_fn, cell.residual),
-    _own_hidden,
-    1,
-    dtype,
-    precision,
+    w_in=cell.dense_i.kernel[...],
+    b_in=cell.dense_i.bias[...],
+    w_rec=cell.dense_h.kernel[...],
+    gates=_simple(cell.activation_fn, cell.residual),
+    hidden=_own_hidden,
+    parts=1,
+    dtype=dtype,
+    precision=precision,
   )
 
 

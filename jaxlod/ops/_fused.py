@@ -48,7 +48,7 @@ from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.ops._rank import RankTable, check_pair, nan_unless, rank_table
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Separable:
   """A recurrent cell as an input projection and a recurrent step.
 
@@ -76,11 +76,11 @@ class Separable:
   w_in: jax.Array
   b_in: jax.Array | None
   w_rec: jax.Array
-  b_rec: jax.Array | None
-  probe: int
   gates: Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]]
   hidden: Callable[[Any], jax.Array]
   parts: int
+  b_rec: jax.Array | None = None
+  probe: int = 0
   dtype: Any = None
   precision: Any = None
 
