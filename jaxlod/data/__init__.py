@@ -13,8 +13,8 @@ first used.
 """
 
 from jaxlod.data._batcher import Batcher
+from jaxlod.data._capacities import Candidate, CapacityPlan, plan_capacities
 from jaxlod.data._packing import Batch
-from jaxlod.data._plan import Candidate, CapacityPlan, plan_capacities
 
 __all__ = [
   "Batch",

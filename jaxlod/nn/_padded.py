@@ -43,7 +43,7 @@ from jaxlod.ops._pad import sequence_pad, sequence_unpad
 from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 
 
-class Loop(NamedTuple):
+class LoopSettings(NamedTuple):
   """The loop settings `run_cell` reads from a layer (see `DynamicRNN`)."""
 
   cell: Any
@@ -261,7 +261,7 @@ def run_padded(
   initial_carry: Any,
   seq_lengths: Any,
   flags: dict[str, bool | None],
-  run: Callable[[Loop, LoDTensor, Any], Any],
+  run: Callable[[LoopSettings, LoDTensor, Any], Any],
   default_carry: Callable[[tuple[int, ...]], Any],
 ) -> Any:
   """The drop-in `RNN`'s call body, both twins: `inputs` padded (packed onto
@@ -287,7 +287,7 @@ def run_padded(
   )
   plan = unrolled(layer.plan, layer.ladder, layer.unroll)
   broadcast = getattr(layer, "broadcast_rngs", None)
-  loop = Loop(
+  loop = LoopSettings(
     layer.cell, reverse, return_carry, layer.remat, layer.ladder, plan, broadcast
   )
   if is_lod(inputs):

@@ -73,7 +73,7 @@ def run_linen(
 ) -> Any:
   """`DynamicRNN`'s body: ``layer.cell`` over the last level of `x` with the
   layer's loop settings (`reverse`, `return_carry`, `remat`, `ladder`,
-  `plan`); `RNN` calls it with a `Loop`."""
+  `plan`); `RNN` calls it with a `LoopSettings`."""
   x = check_lod(x, "x")
   count = x.capacity.sequences[-1]
   if initial_carry is None:

@@ -45,7 +45,7 @@ from jaxlod.ops._decode import DecodeSettings, check_settings, checked_step
 from jaxlod.ops._rnn import prepare_statics
 
 
-class _Loop(NamedTuple):
+class _InFlight(NamedTuple):
   """The slots in flight, the step each source is at, and their memories
   (apart: a chunk reads them and leaves them in place)."""
 
@@ -108,7 +108,7 @@ def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
 
   # The loop's buffers (the memories of every slot's beams) are donated: an
   # insert or a chunk updates them in place instead of copying them.
-  def insert(loop: _Loop, new: _search.State, rows: jax.Array, dest: jax.Array):
+  def insert(loop: _InFlight, new: _search.State, rows: jax.Array, dest: jax.Array):
     """`new`'s sources `rows` into the slots `dest` (out of range: none)."""
     if mesh is not None:  # this device's slots only
       count = loop.t.shape[0]
@@ -120,7 +120,7 @@ def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
 
     state = jax.tree.map(put, loop.state, new._replace(statics=()))
     statics = jax.tree.map(put, loop.statics, new.statics)
-    return _Loop(state, loop.t.at[dest].set(0, mode="drop"), statics)
+    return _InFlight(state, loop.t.at[dest].set(0, mode="drop"), statics)
 
   def advance(step_fn, core: tuple[_search.State, jax.Array], statics: Any):
     step = checked(step_fn)
@@ -365,7 +365,7 @@ def _decode(
           empty = jax.tree.map(
             lambda a: jnp.zeros((slots,) + a.shape[1:], a.dtype), pending
           )
-          loop = _Loop(
+          loop = _InFlight(
             empty._replace(statics=(), done=jnp.ones((slots,), bool)),
             jnp.zeros((slots,), jnp.int32),
             empty.statics,

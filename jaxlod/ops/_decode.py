@@ -347,7 +347,9 @@ def _results(
   return Hypotheses(ids, scores)
 
 
-def _loop_plan(settings: DecodeSettings, count: int) -> tuple[tuple[int, ...], int]:
+def _ladder_and_chunk(
+  settings: DecodeSettings, count: int
+) -> tuple[tuple[int, ...], int]:
   """The loop's ladder of source counts and its steps per iteration, from
   `settings.ladder` and `settings.plan` (the backend's at trace time when
   `None`; see `DecodeSettings`)."""
@@ -511,7 +513,7 @@ def beam_search(
     update = functools.partial(
       _search.beam_update, eos_id=eos_id, alpha=alpha, num_results=settings.results
     )
-  ladder, chunk = _loop_plan(settings, count)
+  ladder, chunk = _ladder_and_chunk(settings, count)
   state = _search.run(state, step, update, ladder, settings.max_length, chunk)
   final = _search.scores(state.slots, alpha)
   hyps = _results(state.slots, final, settings.results, n)

@@ -12,7 +12,7 @@ The backward pass runs the phases in reverse, each stepping ``t`` downward and
 calling the VJP of the step, summing the gradients of parameters and static
 inputs across steps. With ``remat=False`` the forward pass saves the step's
 VJP residuals, each in the place its `Slot` names (the static plan of what
-is stored is `jaxlod.ops._loop_plan`): those that depend on the carry or the
+is stored is `jaxlod.ops._loop_spec`): those that depend on the carry or the
 step input are stored per step in the schedule layout of
 `jaxlod.ops._packed`, those that depend only on parameters and static inputs
 (a concatenated kernel, say) are computed once per phase, so nothing of size
@@ -39,15 +39,15 @@ from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jaxlod._vma import vary, varying_axes
-from jaxlod.ops._loop_plan import (
+from jaxlod.ops._loop_spec import (
   Leaves,
   LoopSpec,
   Phase,
-  SavePlan,
+  Residuals,
   Where,
   by_row,
-  make_plans,
   merge,
+  phase_residuals,
   residual_leaves,
   row_groups,
   split,
@@ -277,7 +277,7 @@ def _load(
 def _forward_phase(
   spec: LoopSpec,
   phase: Phase,
-  plan: SavePlan | None,
+  plan: Residuals | None,
   row_layout: bool,
   data: _PhaseData,
   values: Leaves,
@@ -346,7 +346,7 @@ def _accumulate(
 def _backward_phase(
   spec: LoopSpec,
   phase: Phase,
-  plan: SavePlan,
+  plan: Residuals,
   row_layout: bool,
   data: _PhaseData,
   saved: _Saved,
@@ -398,7 +398,7 @@ def _backward_phase(
 def _invariant_residuals(
   spec: LoopSpec,
   phase: Phase,
-  plan: SavePlan,
+  plan: Residuals,
   carry: Leaves,
   values: Leaves,
   data: _PhaseData,
@@ -414,7 +414,7 @@ def _invariant_residuals(
   return [leaf for leaf, p in zip(leaves, plan.per_step, strict=True) if not p]
 
 
-def _buffers(spec: LoopSpec, plan: SavePlan, row_layout: bool) -> Leaves:
+def _buffers(spec: LoopSpec, plan: Residuals, row_layout: bool) -> Leaves:
   # Row layout: one buffer per row shape (see `row_groups`), each leaf at its
   # own index, so a step's store is one contiguous row copy per leaf. Packing
   # the leaves side by side along the features fused a concatenate into every
@@ -430,7 +430,7 @@ def _buffers(spec: LoopSpec, plan: SavePlan, row_layout: bool) -> Leaves:
 
 def _forward(
   spec: LoopSpec,
-  plans: list[SavePlan] | None,
+  plans: list[Residuals] | None,
   carry: Leaves,
   values: Leaves,
   statics: Leaves,
@@ -476,7 +476,7 @@ def _fill(grads: Leaves, mask: Sequence[bool]) -> list[jax.Array | None]:
 
 def _backward(
   spec: LoopSpec,
-  plans: list[SavePlan],
+  plans: list[Residuals],
   saved: list[_Saved],
   primals: tuple[Leaves, Leaves, Leaves, Leaves, Bounds],
   g_ys: Leaves,
@@ -533,10 +533,10 @@ class _Perturbed:
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class _Plans:
-  """The forward pass's `SavePlan`s, a static pytree node: the backward pass
+  """The forward pass's `Residuals`s, a static pytree node: the backward pass
   reuses them rather than tracing the step again for each phase."""
 
-  plans: tuple[SavePlan, ...]
+  plans: tuple[Residuals, ...]
 
 
 class _Residuals(NamedTuple):
@@ -612,7 +612,7 @@ def _loop_fwd(spec: LoopSpec, *args: Any) -> tuple[tuple[Leaves, Leaves], _Resid
   flags = tuple(flags[: len(flags) - len(jax.tree.leaves(bounds))])
   local = _differentiated(spec, flags)
   _check_consts_vary(local, consts)
-  plans = make_plans(local, carry, values, statics, consts)
+  plans = phase_residuals(local, carry, values, statics, consts)
   ys, final, saved = _forward(local, plans, carry, values, statics, consts, bounds)
   primals = (carry, values, statics, consts, bounds)
   return (ys, final), _Residuals(

@@ -20,7 +20,7 @@ from jaxlod._host import as_array, check_rows
 from jaxlod._lod import LoDTensor, is_lod
 from jaxlod._lod_checks import check_same_lod, check_unstacked
 from jaxlod._vma import vary, varying_axes
-from jaxlod.ops import _loop, _loop_plan, _packed
+from jaxlod.ops import _loop, _loop_spec, _packed
 from jaxlod.ops._array import permute_rows
 from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._rank import (
@@ -147,14 +147,14 @@ def _convert_phases(step_fn, carry, x_tree, values, statics, ladder):
         index[id(c)] = len(consts)
         consts.append(c)
     span = tuple(index[id(c)] for c in phase_consts)
-    phases.append(_loop_plan.Phase(size=b, fn=flat, consts=span))
+    phases.append(_loop_spec.Phase(size=b, fn=flat, consts=span))
   # A Python scalar the step closes over (a weight `w` under `jax.grad`) is
   # a constant too: as an array it has a shape and a dtype like the others.
   return phases, [jnp.asarray(c) for c in consts], y_tails, y_tree
 
 
 def _float_flags(leaves: list) -> tuple[bool, ...]:
-  return tuple(_loop_plan.is_float(a) for a in leaves)
+  return tuple(_loop_spec.is_float(a) for a in leaves)
 
 
 def dynamic_rnn(
@@ -295,7 +295,7 @@ def dynamic_rnn(
     carry, values, statics = vary((carry, values, statics), vma)
     phases, consts, y_tails, y_tree = convert()
   static_leaves = jax.tree.leaves(statics)
-  spec = _loop_plan.LoopSpec(
+  spec = _loop_spec.LoopSpec(
     phases=tuple(phases),
     count=count,
     rows=x0.capacity.tokens + count,

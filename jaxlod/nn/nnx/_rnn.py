@@ -118,7 +118,7 @@ def run_nnx(
 ) -> Any:
   """`DynamicRNN`'s body: ``layer.cell`` over the last level of `x` with the
   layer's loop settings (`reverse`, `return_carry`, `remat`, `ladder`,
-  `plan`); `RNN` calls it with a `Loop`."""
+  `plan`); `RNN` calls it with a `LoopSettings`."""
   x = check_lod(x, "x")
   if initial_carry is None:
     shape = (x.capacity.sequences[-1], *x.feature_shape)

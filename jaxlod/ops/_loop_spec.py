@@ -1,7 +1,7 @@
 """The static side of the phased loop (`jaxlod.ops._loop`): what it is, and
 what its forward pass stores for the backward pass.
 
-`Phase` and `LoopSpec` describe the loop; `SavePlan` is, per phase, what the
+`Phase` and `LoopSpec` describe the loop; `Residuals` is, per phase, what the
 forward pass keeps per step, decided from abstract shapes only: with
 ``remat=False`` the place (`Slot`) of each residual leaf of the step's VJP,
 found by a dependency walk over its jaxpr (`step_slots`), and with
@@ -240,7 +240,7 @@ class LoopSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class SavePlan:
+class Residuals:
   """How a phase stores its per-step data for the backward pass.
 
   Row layout (`by_row`): every stored leaf is ``[size, *tail]`` and goes to
@@ -329,9 +329,9 @@ def _input_positions(spec: LoopSpec) -> tuple[int, ...]:
   return tuple(position[num_carry + k] for k in range(len(spec.x_float)))
 
 
-def _residual_plan(
+def _residuals(
   spec: LoopSpec, phase: Phase, avals: tuple, inputs: tuple[int, ...]
-) -> SavePlan:
+) -> Residuals:
   """The plan of a phase that saves residuals (``remat=False``)."""
   fn = residual_leaves(spec, phase)
   slots = step_slots(fn, 2, *avals, reloadable=inputs)
@@ -343,26 +343,26 @@ def _residual_plan(
     return jax.vjp(f, args[0], args[2], has_aux=True)[1]
 
   tree = jax.tree.structure(jax.eval_shape(vjp_tree, *avals))
-  return SavePlan(slots, tree, shapes)
+  return Residuals(slots, tree, shapes)
 
 
-def make_plans(
+def phase_residuals(
   spec: LoopSpec, carry: Leaves, values: Leaves, statics: Leaves, consts: Leaves
-) -> list[SavePlan]:
+) -> list[Residuals]:
   """Per phase: what to store per step (from abstract shapes only)."""
   inputs = _input_positions(spec)
   plans = []
   for phase in spec.phases:
     if spec.remat:
       shapes = tuple(((phase.size, *c.shape[1:]), c.dtype) for c in carry)
-      plans.append(SavePlan(None, None, shapes))
+      plans.append(Residuals(None, None, shapes))
       continue
     avals = _phase_avals(spec, phase, carry, values, statics, consts)
-    plans.append(_residual_plan(spec, phase, avals, inputs))
+    plans.append(_residuals(spec, phase, avals, inputs))
   return plans
 
 
-def by_row(spec: LoopSpec, plans: Sequence[SavePlan]) -> bool:
+def by_row(spec: LoopSpec, plans: Sequence[Residuals]) -> bool:
   """True when every phase stores leaves ``[size_k, *tail]`` of equal tails."""
   first = plans[0]
   for phase, plan in zip(spec.phases, plans, strict=True):
@@ -374,7 +374,7 @@ def by_row(spec: LoopSpec, plans: Sequence[SavePlan]) -> bool:
   return True
 
 
-def row_groups(plan: SavePlan, rows: int) -> tuple[Where, list[ShapeDtype]]:
+def row_groups(plan: Residuals, rows: int) -> tuple[Where, list[ShapeDtype]]:
   """Row layout: the stored leaves of one row shape and dtype share a buffer.
 
   Returns per stored leaf ``(buffer, index in it)`` and per buffer its shape
