@@ -193,32 +193,12 @@ def check_independent(
     ...
     jaxlod.testing._independence.IndependenceError: ...
   """
-  check_callable(fn, "fn")
-  if not isinstance(x, LoDTensor):
-    raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
-  check_unstacked(x, "x")
-  depth = check_level(x, level, "level")  # `level` made non-negative
-  perturbations = check_sequence(perturbations, "perturbations", "a sequence of str")
-  for kind in perturbations:
-    if not isinstance(kind, str) or kind not in PERTURBATIONS:
-      raise ValueError(
-        f"Expected each of `perturbations` in {PERTURBATIONS}, got {kind!r}."
-      )
+  call, depth, perturbations, grads, seed = _checked(
+    fn, x, level, perturbations, grads, jit, rtol, atol, seed
+  )
   values = np.asarray(x.values)
-  floating = bool(np.issubdtype(values.dtype, np.floating))
-  grads = floating if grads is None else check_bool(grads, "grads")
-  if grads and not floating:
-    raise ValueError(
-      f"Expected `grads` False or None for `x.values` of {values.dtype.name}"
-      f" (gradients are of floating values), got {grads}."
-    )
-  call = jax.jit(fn) if check_bool(jit, "jit") else fn
-  for name, tolerance in (("rtol", rtol), ("atol", atol)):
-    if not static_float(tolerance, name) >= 0:
-      raise ValueError(f"Expected `{name}` >= 0, got {tolerance}.")
-  seed = static_int(seed, "seed", minimum=0, device=False)
-  count = len(np.asarray(x.offsets[level])) - 1
-  spans = _rows(x, level)
+  count = len(np.asarray(x.offsets[depth])) - 1
+  spans = _rows(x, depth)
 
   def run(v: np.ndarray) -> Any:
     return call(dataclasses.replace(x, values=jnp.asarray(v)))
@@ -230,7 +210,10 @@ def check_independent(
     out, pullback = jax.vjp(of_values, jnp.asarray(v))
     return np.asarray(pullback(_cotangent(out, depth, count, skip, seed))[0])
 
-  clean = jax.tree_util.tree_flatten_with_path(run(values), is_leaf=_is_lod)[0]
+  def flat(out: Any) -> list:
+    return jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_lod)[0]
+
+  clean = flat(run(values))
   for i, (start, end) in enumerate(spans):
     if start == end:
       continue
@@ -238,23 +221,59 @@ def check_independent(
     for kind in perturbations:
       changed = _perturb(values, start, end, kind, seed + i)
       where = f"Perturbing sequence {i} (level {level}) with {kind!r}"
-      out = jax.tree_util.tree_flatten_with_path(run(changed), is_leaf=_is_lod)[0]
-      for (path, a), (_, b) in zip(clean, out, strict=True):
-        pa, pb = _pieces(a, depth, count), _pieces(b, depth, count)
-        if pa is None:
-          continue
-        for j, (ra, rb) in enumerate(zip(pa, pb, strict=True)):
-          if j != i and not _same(ra, rb, rtol, atol):
-            raise IndependenceError(
-              f"{where} changed output {jax.tree_util.keystr(path) or '<root>'}"
-              f" of sequence {j}: {ra!r} became {rb!r}."
-            )
+      for (path, a), (_, b) in zip(clean, flat(run(changed)), strict=True):
+        name = jax.tree_util.keystr(path) or "<root>"
+        pieces = (_pieces(a, depth, count), _pieces(b, depth, count))
+        if pieces[0] is not None:
+          _compare(pieces, i, rtol, atol, f"{where} changed output {name}")
       if grads:
         grad = vjp(changed, i)
-        for j, (s, e) in enumerate(spans):
-          if j != i and not _same(clean_grad[s:e], grad[s:e], rtol, atol):
-            raise IndependenceError(
-              f"{where} changed the gradient of `x.values` on sequence {j}"
-              f" (rows {s}:{e}) of the other sequences' loss:"
-              f" {clean_grad[s:e]!r} became {grad[s:e]!r}."
-            )
+        pieces = ([clean_grad[s:e] for s, e in spans], [grad[s:e] for s, e in spans])
+        what = f"{where} changed the gradient of `x.values` (the other sequences' loss)"
+        _compare(pieces, i, rtol, atol, what)
+
+
+def _compare(pieces: tuple[list, list], skip: int, rtol, atol, what: str) -> None:
+  """Every sequence's piece but `skip`'s is the same before and after.
+
+  Raises:
+    IndependenceError: ``"{what} of sequence {j}: {before} became {after}."``
+  """
+  for j, (before, after) in enumerate(zip(*pieces, strict=True)):
+    if j != skip and not _same(before, after, rtol, atol):
+      raise IndependenceError(f"{what} of sequence {j}: {before!r} became {after!r}.")
+
+
+def _checked(fn, x, level, perturbations, grads, jit, rtol, atol, seed) -> tuple:
+  """`check_independent`'s arguments checked: ``(call, level made
+  non-negative, perturbations, grads, seed)``, `call` `fn` jitted with
+  `jit`.
+
+  Raises:
+    TypeError, ValueError: as `check_independent`, naming the argument.
+  """
+  check_callable(fn, "fn")
+  if not isinstance(x, LoDTensor):
+    raise TypeError(f"Expected `x` to be a LoDTensor, got {type(x).__name__}.")
+  check_unstacked(x, "x")
+  depth = check_level(x, level, "level")
+  perturbations = check_sequence(perturbations, "perturbations", "a sequence of str")
+  for kind in perturbations:
+    if not isinstance(kind, str) or kind not in PERTURBATIONS:
+      raise ValueError(
+        f"Expected each of `perturbations` in {PERTURBATIONS}, got {kind!r}."
+      )
+  dtype = np.asarray(x.values).dtype
+  floating = bool(np.issubdtype(dtype, np.floating))
+  grads = floating if grads is None else check_bool(grads, "grads")
+  if grads and not floating:
+    raise ValueError(
+      f"Expected `grads` False or None for `x.values` of {dtype.name}"
+      f" (gradients are of floating values), got {grads}."
+    )
+  call = jax.jit(fn) if check_bool(jit, "jit") else fn
+  for name, tolerance in (("rtol", rtol), ("atol", atol)):
+    if not static_float(tolerance, name) >= 0:
+      raise ValueError(f"Expected `{name}` >= 0, got {tolerance}.")
+  seed = static_int(seed, "seed", minimum=0, device=False)
+  return call, depth, perturbations, grads, seed
