@@ -81,6 +81,22 @@ def register_state(
     }
 
   def from_state(target: Any, state: dict[str, Any]) -> Any:
+    """`target` with its data fields restored from `state`.
+
+    Args:
+      target: an instance of `cls` whose static fields and leaf shapes the
+        restored value keeps.
+      state: a state dict of `cls`, as `to_state` gives it.
+
+    Returns:
+      A copy of `target` whose data fields hold `state`'s values.
+
+    Raises:
+      ValueError: for a `state` whose fields are not `cls`'s, saved static
+        fields or leaf shapes that differ from `target`'s, or values that
+        `check_restored` rejects; each message starts with the state-dict
+        path.
+    """
     path = serialization.current_path()
     where = f"Restoring a {cls.__name__} at state-dict path {path!r}: "
     data, static = _field_names(target)

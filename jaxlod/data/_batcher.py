@@ -166,6 +166,15 @@ class Batcher:
     process_index: int | None = None,
     process_count: int | None = None,
   ):
+    """Checks the arguments (see the class docstring) and packs every field.
+
+    Each field's examples are packed once on the host, with its buckets and
+    rank-table ladder; the token budget defaults to the smallest token
+    capacity, and every example is checked to fit a batch.
+
+    Raises:
+      TypeError, ValueError: as the class docstring lists.
+    """
     self._window = check_int("window", window, 1)
     self._prefetch = check_int("prefetch", prefetch, 0)
     self._seed = check_int("seed", seed, 0)

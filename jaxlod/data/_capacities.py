@@ -155,6 +155,24 @@ def _batch_sizes(
 def _measure(
   name: str, policy: Buckets | None, sizes: list[np.ndarray], budget: int
 ) -> Candidate:
+  """One capacity policy measured on a sample's batches.
+
+  Args:
+    name: the candidate's name (``"fixed"``, ``"pow2"``, ``"geometric(r)"``).
+    policy: the `Buckets` of every field, or `None` for `Buckets.fixed` at
+      the largest sizes of the batches, field by field.
+    sizes: per batch, int ``[F, 3]``: each field's tokens, sequences and
+      longest sequence (as `_batch_sizes` gives them).
+    budget: the batches' token budget.
+
+  Returns:
+    The `Candidate`: its buckets, the distinct capacities the batches take
+    (all fields together), and the real and padded rows over the batches.
+
+  Raises:
+    ValueError: for a size that no capacity of the policy holds, or a
+      capacity beyond int32.
+  """
   num_fields = sizes[0].shape[0]
   if policy is None:  # fixed, at the largest sizes of the sample's batches
     top = np.max(np.stack(sizes), axis=0)

@@ -263,6 +263,17 @@ class LoDBatchDataset(grain.IterDataset):
     tables: bool | Sequence[bool] = True,
     shards: int | None = None,
   ):
+    """Checks the parent and the settings (see the class docstring) and
+    keeps the checked batching policy; a ``MapDataset`` parent is wrapped
+    as the examples of its epochs (the slice `mp_prefetch` gives a worker).
+
+    Raises:
+      TypeError: for a parent that is not a Grain dataset, or a setting of
+        the wrong type.
+      ValueError: for an empty or endless ``MapDataset``, `num_epochs` over
+        an ``IterDataset``, buckets that are not fixed, or a setting out of
+        range.
+    """
     if isinstance(parent, grain.MapDataset):
       if len(parent) == 0:
         raise ValueError("Expected `parent` to hold at least one example, got none.")

@@ -386,6 +386,22 @@ def hoisted_rnn(
     xs += (x.with_values(jnp.zeros((*xp.shape[:-1], cell.probe), dtype)),)
 
   def run(w_rec, b_rec, xs, init, table):
+    """`dynamic_rnn` of the cell's recurrent step over the projected inputs.
+
+    Args:
+      w_rec: the recurrent kernels, ``[hidden, width]``.
+      b_rec: the probe columns' bias, ``[probe]``, or `None`.
+      xs: LoDTensors with `x`'s LoD: the input projection, ``values
+        [token_capacity, *batch, width]``, and with a probe zeros
+        ``[token_capacity, *batch, probe]`` added to the probe columns of
+        the recurrent product (their cotangent is those columns').
+      init: the initial carry, leaves ``[count_capacity, ...]``.
+      table: `x`'s rank table, or `None`.
+
+    Returns:
+      ``(outputs, final_carry)`` as `dynamic_rnn` returns them.
+    """
+
     def step(carry, x_t, _):
       h, w, b = promote_dtype(cell.hidden(carry), w_rec, b_rec, dtype=cell.dtype)
       hp = jax.lax.dot_general(

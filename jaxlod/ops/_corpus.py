@@ -82,6 +82,27 @@ def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
 
   @jax.jit
   def start(step_fn, init_carry, statics, max_lengths, n, first):
+    """The search states of a batch of newly encoded sources.
+
+    Args:
+      step_fn: the step function, a `jax.tree_util.Partial`.
+      init_carry: the encoded initial carries, leaves ``[refill, ...]``.
+      statics: the prepared static inputs, leaves ``[refill, ...]``.
+      max_lengths: int32 ``[refill]``, each source's max length.
+      n: the real sources of the batch (the rows past them are padding).
+      first: the corpus index of row 0.
+
+    Returns:
+      A `_search.State` of ``refill`` sources: each carry broadcast to the
+      ``beam_size`` beams (leaves ``[refill, k, ...]``), the statics one
+      copy a source, slot 0 of each real source live, the padding rows done
+      and their ``source`` -1 (else ``first + row``).
+
+    Raises:
+      ValueError, TypeError: for step outputs that `checked_step` rejects,
+        or a length penalty that is inf at ``settings.max_length`` in the
+        scores' dtype.
+    """
     step = checked(step_fn)
     count = jax.tree.leaves((init_carry, statics))[0].shape[0]
 
@@ -325,6 +346,38 @@ def decode_corpus(
 def _decode(
   step_fn, encode_fn, iterator, settings, slots, refill, chunk, stats, mesh, axis
 ):
+  """The generator behind `decode_corpus`, over its checked arguments.
+
+  Between chunks, fills every free slot with the next encoded sources
+  (encoding `refill` more from `iterator` when none are left), runs one
+  chunk of `chunk` steps of every slot, and takes the results of the
+  sources that finished; it ends when the corpus is read and every slot is
+  free.
+
+  Args:
+    step_fn: as `decode_corpus`'s (wrapped in a `jax.tree_util.Partial`
+      when it is not one).
+    encode_fn: as `decode_corpus`'s.
+    iterator: an iterator over the corpus's sources.
+    settings: the checked `DecodeSettings`.
+    slots: the sources in flight over all devices, an int >= 1.
+    refill: the sources encoded at once, an int in ``[1, slots]``.
+    chunk: the search steps between two refills, an int >= 1.
+    stats: a dict to fill with ``slot_steps``, ``source_steps``,
+      ``occupancy`` and ``chunks`` after every chunk, or `None`.
+    mesh, axis: as `decode_corpus`'s: the one-axis mesh the slots are
+      sharded over, or `None`.
+
+  Yields:
+    Per source, in the corpus's order: ``(ids, scores)``, the hypotheses
+    best first (``ids[j]`` int32 ``[length]``, ``scores`` ``[n]``).
+
+  Raises:
+    TypeError, ValueError: for `encode_fn` outputs whose leaves do not
+      have `refill` rows, max lengths that are not int ``[refill]`` or a
+      source's outside ``[1, settings.max_length]`` (naming its index in
+      the corpus), or step outputs that the search rejects.
+  """
   if not isinstance(step_fn, Partial):
     step_fn = Partial(step_fn)
   start, insert, advance, harvest = _programs(settings, chunk, mesh, axis)

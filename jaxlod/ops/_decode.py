@@ -129,6 +129,13 @@ class DecodeSettings:
   plan: LoopPlan | None = None
 
   def __post_init__(self):
+    """Checks the settings (see the class docstring) and stores them in
+    normal form: the ints as Python ints, the length penalty as a float and
+    the ladder as a tuple of sizes.
+
+    Raises:
+      TypeError, ValueError: as the class docstring lists.
+    """
     set_ = functools.partial(object.__setattr__, self)
     set_("bos_id", static_int(self.bos_id, "bos_id", minimum=0))
     set_("eos_id", static_int(self.eos_id, "eos_id", minimum=0))

@@ -85,6 +85,18 @@ class Separable:
   precision: Any = None
 
   def __post_init__(self):
+    """Checks the fields and stores the weights and biases as arrays.
+
+    Raises:
+      TypeError: for weights or biases that are not arrays, a `probe` or
+        `parts` that is not a static int, or `gates` or `hidden` that is not
+        callable.
+      ValueError: for `w_in` or `w_rec` that is not a matrix, a `w_rec` of
+        another width than `w_in`, a `probe` outside ``[0, width]``, `parts`
+        that do not divide the width into blocks the probe columns fill
+        whole, or a `b_in` that is not ``[width]`` or a `b_rec` that is not
+        ``[probe]`` (or given with ``probe=0``).
+    """
     w_in, w_rec = as_array(self.w_in, "w_in"), as_array(self.w_rec, "w_rec")
     for name, w, rows in (("w_in", w_in, "features"), ("w_rec", w_rec, "hidden")):
       if w.ndim != 2:
@@ -290,10 +302,37 @@ def _columns(ref: Any, rows: Any, parts: int, size: int) -> tuple[jax.Array, ...
 def _forward_kernel(
   cell: Separable, treedef: Any, tile: int, compute: Any, resident: bool
 ):
+  """The forward Pallas kernel of `fused_loop`: one program per tile.
+
+  Args:
+    cell: the separable cell.
+    treedef: the pytree structure of the carry (its leaves come as refs).
+    tile: the sequences (rows) of one program.
+    compute: the operand dtype of the recurrent products, or `None`.
+    resident: read the recurrent weights once per program and keep them for
+      all its steps (else at every step).
+
+  Returns:
+    ``kernel(lengths, steps, starts, xp, w, b, *init, y, *saved, *final)``,
+    a kernel over refs for `pl.pallas_call` (see its docstring).
+  """
   leaves, parts = treedef.num_leaves, cell.parts
   size = cell.w_rec.shape[1] // parts
 
   def kernel(lengths_ref, steps_ref, starts_ref, xp_ref, w_ref, b_ref, *refs):
+    """One grid step: the whole time loop of tile ``i`` (``pl.program_id``).
+
+    Reads ``lengths_ref`` int32 ``[tiles * tile]`` (the lengths in rank
+    order), ``steps_ref`` and ``starts_ref`` int32 ``[tiles]`` (each tile's
+    steps and first slot), ``xp_ref [slots, width]`` (the projected
+    inputs), ``w_ref [hidden, width]``, ``b_ref [1, width]`` (the recurrent
+    bias) and the initial carry's leaf refs ``[tiles * tile, size]``
+    (`refs` first). Runs the tile's ``steps_ref[i]`` steps; a row past its
+    length keeps its carry. Writes ``y_ref [slots, out]`` (each step's
+    outputs, zero for ended rows), one ``[slots, size]`` ref per carry leaf
+    (the carry after each step) and the final carry's leaf refs
+    ``[tiles * tile, size]``, all at the tile's own slots and rows.
+    """
     init_refs, y_ref = refs[:leaves], refs[leaves]
     saved_refs, final_refs = refs[leaves + 1 : 2 * leaves + 1], refs[2 * leaves + 1 :]
     i = pl.program_id(0)
@@ -328,10 +367,40 @@ def _forward_kernel(
 def _backward_kernel(
   cell: Separable, treedef: Any, tile: int, compute: Any, resident: bool
 ):
+  """The backward Pallas kernel of `fused_loop`: one program per tile,
+  running its steps in reverse.
+
+  Args:
+    cell: the separable cell.
+    treedef: the pytree structure of the carry (its leaves come as refs).
+    tile: the sequences (rows) of one program.
+    compute: the operand dtype of the recurrent products, or `None`.
+    resident: read the recurrent weights once per program and keep them for
+      all its steps (else at every step).
+
+  Returns:
+    ``kernel(lengths, steps, starts, xp, w, b, *init, *saved, dy, *dfinal,
+    dxp, dhp, *dinit)``, a kernel over refs for `pl.pallas_call` (see its
+    docstring).
+  """
   leaves, parts = treedef.num_leaves, cell.parts
   size = cell.w_rec.shape[1] // parts
 
   def kernel(lengths_ref, steps_ref, starts_ref, xp_ref, w_ref, b_ref, *refs):
+    """One grid step: the reverse time loop of tile ``i``
+    (``pl.program_id``).
+
+    Reads ``lengths_ref`` int32 ``[tiles * tile]``, ``steps_ref`` and
+    ``starts_ref`` int32 ``[tiles]``, ``xp_ref [slots, width]``, ``w_ref
+    [hidden, width]`` and ``b_ref [1, width]`` as the forward kernel does;
+    then from `refs`: the initial carry's leaves ``[tiles * tile, size]``,
+    the saved carries ``[slots, size]`` (the forward kernel's, one per
+    leaf), the outputs' cotangent ``dy_ref [slots, out]`` and the final
+    carry's cotangents ``[tiles * tile, size]``. Writes, at the tile's own
+    slots, ``dxp_ref`` and ``dhp_ref [slots, width]`` (the cotangents of the
+    projected inputs and of the recurrent products, zero for ended rows),
+    and the initial carry's cotangents ``[tiles * tile, size]`` at its rows.
+    """
     init_refs, saved_refs = refs[:leaves], refs[leaves : 2 * leaves]
     dy_ref, dfinal_refs = refs[2 * leaves], refs[2 * leaves + 1 : 3 * leaves + 1]
     dxp_ref, dhp_ref = refs[3 * leaves + 1], refs[3 * leaves + 2]
@@ -346,6 +415,18 @@ def _backward_kernel(
     dcarry = treedef.unflatten([ref[rows, :] for ref in dfinal_refs])
 
     def body(k, dcarry):
+      """Step ``t = steps - 1 - k`` of the tile, backwards.
+
+      Takes the step's number `k` (0 first: the tile's last step) and
+      `dcarry`, the cotangent of the carry after step ``t`` (leaves
+      ``[tile, size]``). Rebuilds the carry before the step (the saved
+      carry of step ``t - 1``, or the initial carry at ``t = 0``), recomputes
+      the step under `jax.vjp`, and writes the cotangents of its projected
+      input and recurrent product (``[tile, width // parts]`` a part) to
+      ``dxp_ref`` and ``dhp_ref`` at the step's slots, zero for rows past
+      their length. Returns the cotangent of the carry before the step,
+      unchanged for those rows.
+      """
       t = steps - 1 - k
       at = pl.ds(base + t * tile, tile)
       before = pl.ds(jnp.maximum(base + (t - 1) * tile, 0), tile)
@@ -488,6 +569,22 @@ def fused_loop(
     return (y, final), (w_rec, bias, xp, leaves, saved, where)
 
   def loop_bwd(res, g):
+    """`loop`'s backward rule: the backward kernel, then the weight
+    gradients as products over all slots.
+
+    Args:
+      res: `loop_fwd`'s residuals ``(w_rec, bias, xp, leaves, saved,
+        where)``; `saved` the carry after each slot's step, leaves
+        ``[slots, size]``.
+      g: ``(dy [slots, out], dfinal)``, the cotangents of the outputs and of
+        the final carry (leaves ``[tiles * tile, size]``).
+
+    Returns:
+      The cotangents of `loop`'s arguments: ``w_rec`` ``[hidden, width]``
+      (``h_prev.T @ d_hp``), ``bias`` ``[1, width]``, ``xp`` ``[slots,
+      width]`` (zero at unused slots), the initial carry's leaves, and
+      `None` for each array of `where`.
+    """
     w_rec, bias, xp, leaves, saved, where = res
     slot_valid, previous = where[3:]
     dy, dfinal = g

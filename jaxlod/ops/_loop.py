@@ -201,6 +201,24 @@ def _phase_data(
   consts: Leaves,
   bounds: Bounds,
 ) -> _PhaseData:
+  """Phase `k`'s traced operands.
+
+  Args:
+    spec: the loop's static description.
+    phase: the phase, of batch size ``phase.size``.
+    k: the phase's index.
+    statics: the static leaves, ``[count_capacity, ...]`` each in rank order.
+    consts: the constant leaves shared by every phase.
+    bounds: ``(step_offsets [time], saved_offsets [time], lengths
+      [count_capacity], phase_starts [phases], phase_ends [phases])``.
+
+  Returns:
+    The `_PhaseData`: the phase's invariant leaves (the first
+    ``phase.size`` rows of each static leaf, then the constants the phase
+    reads) split into float and other leaves, the step offsets, the first
+    ``phase.size`` lengths and the phase's steps ``[phase_starts[k],
+    phase_ends[k])``.
+  """
   step_offsets, saved_offsets, lengths, phase_starts, phase_ends = bounds
   b = phase.size
   inv = [s[:b] for s in statics] + [consts[i] for i in phase.consts]
@@ -289,6 +307,16 @@ def _forward_phase(
   where = row_groups(plan, spec.stored_rows)[0] if row_layout else None
 
   def body(i: jax.Array, state: _ForwardState) -> _ForwardState:
+    """Step ``t = data.first + i`` of the phase, forward.
+
+    Reads each input's slab ``[size, ...]`` at the step's time-major offset
+    and runs the step on the carry (under `jax.vjp` when residuals are
+    stored). Stores the step's residuals (or, to recompute, its carry) at
+    the step's schedule row, keeps the carry of rows past their length,
+    and with `return_sequences` writes the outputs' slab to `ys`. A step
+    past the phase's end (``chunk > 1``) has no active row. Returns the
+    updated `_ForwardState`.
+    """
     c, ys, buffers = state
     t = data.first + i
     at = data.cells(t) if spec.chunk == 1 else data.masked_cells(spec, b, t)
@@ -365,6 +393,16 @@ def _backward_phase(
   y_zeros, const_slots = _y_zeros(spec, phase), _const_slots(spec, phase)
 
   def body(i: jax.Array, state: _BackwardState) -> _BackwardState:
+    """Step ``t = data.last - 1 - i`` of the phase, backward.
+
+    Loads the step's stored leaves and gets its VJP: recomputed from the
+    stored carry, or rebuilt from the stored residuals. Pulls back the
+    carry's cotangents and the outputs' cotangent slab (zero for inactive
+    rows) and, for the active rows, updates the carry's cotangents and
+    writes the inputs' cotangents into their slab of `g_values`; the
+    cotangents of the static and constant leaves are summed. Returns the
+    updated `_BackwardState`.
+    """
     g_c, g_values, g_statics, g_consts = state
     t = data.last - 1 - i
     t, active, offset, saved_at = (

@@ -71,6 +71,15 @@ def functional_call(
   }
 
   def call(*args, **kwargs):
+    """``module.<method>(*args, **kwargs)`` on a fresh copy of the snapshot.
+
+    Returns:
+      The method's outputs.
+
+    Raises:
+      ValueError: if the method updated any state but the RNG streams of
+        `broadcast`, naming the state it updated.
+    """
     copy = nnx.merge(graphdef, state, copy=True)
     out = getattr(copy, method)(*args, **kwargs)
     after = jax.tree_util.tree_leaves_with_path(nnx.state(copy))
@@ -292,6 +301,16 @@ class RNN(nnx.Module):
     ladder: Sequence[int] | None = None,
     plan: LoopPlan | None = None,
   ):
+    """Checks the arguments (see the class docstring) and keeps them, with
+    the default carry's RNG stream taken from `rngs` (`carry_stream`).
+
+    Raises:
+      TypeError, ValueError: for a `cell` that is not callable, a flag that
+        is not a bool, an `unroll` that is not an int >= 1, a bad `ladder`
+        or `plan` (or a `ladder` with a plan that sets its `bodies`),
+        `buckets` that is not a `Buckets`, or `rngs` that is neither an
+        ``nnx.Rngs`` nor a bool.
+    """
     check_cell(cell)
     _checks.check_bools(
       time_major=time_major,
@@ -414,6 +433,16 @@ class Bidirectional(nnx.Module):
     return_carry: bool = False,
     rngs: nnx.Rngs | nnx.RngStream | bool = True,
   ):
+    """Checks the arguments (see the class docstring) and keeps them: an
+    ``nnx.RngStream`` `rngs` as given, else its carry stream
+    (`carry_stream`).
+
+    Raises:
+      TypeError, ValueError: for a layer that is not an NNX layer over
+        LoDTensors, a `merge_fn` that is not callable, a flag that is not a
+        bool, or `rngs` that is none of an ``nnx.Rngs``, an
+        ``nnx.RngStream`` or a bool.
+    """
     check_rnn_layer(forward_rnn, "forward_rnn", self)
     check_rnn_layer(backward_rnn, "backward_rnn", self)
     if merge_fn is not None:

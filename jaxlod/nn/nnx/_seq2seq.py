@@ -107,6 +107,19 @@ class Seq2Seq(nnx.Module):
     deterministic: bool = True,
     rngs: nnx.Rngs,
   ):
+    """Checks the arguments (see the class docstring) and builds the
+    layers: the dropout, the source and target embeddings, the carry
+    bridge (with `bridge`; from the encoder's `features` to the decoder
+    cell's carry) and the output projection from the decoder's outputs and
+    attention context (``hidden_features + features``) to `tgt_vocab`.
+
+    Raises:
+      TypeError, ValueError: for sizes that are not ints >= 1, an `encoder`
+        that is not an NNX layer over LoDTensors, a `decoder` that is not an
+        NNX `AttentionDecoder`, a non-bool `bridge` or `deterministic`, a
+        `dropout` outside ``[0, 1)``, or a decoder cell without an int
+        ``hidden_features``.
+    """
     check_seq2seq(
       src_vocab,
       tgt_vocab,
