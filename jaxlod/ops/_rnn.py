@@ -157,6 +157,72 @@ def _float_flags(leaves: list) -> tuple[bool, ...]:
   return tuple(_loop_spec.is_float(a) for a in leaves)
 
 
+def _ranked(lods: list, table: RankTable, init_carry: Any, static_inputs: Any) -> tuple:
+  """The loop's data in rank order: ``(lods, table, carry leaves, carry
+  treedef, statics, vma)``, the carry's and static inputs' rows (checked:
+  ``[count_capacity, ...]``) permuted by `table`. Under `shard_map`
+  everything varies over the axes that any of it varies over (`vma`, see
+  `jaxlod._vma`)."""
+  count = table.count_capacity
+  check_rows(init_carry, count, "init_carry")
+  statics = prepare_statics(static_inputs, count)
+  carry, carry_tree = jax.tree.flatten(init_carry)
+  data = (lods, table, [jnp.asarray(c) for c in carry], statics)
+  vma = varying_axes(data)
+  lods, table, carry, statics = vary(data, vma)
+  carry = permute_rows(carry, table.order, table.ranks, "init_carry")
+  statics = permute_rows(statics, table.order, table.ranks, "static_inputs")
+  return lods, table, carry, carry_tree, statics, vma
+
+
+def _spec(
+  phases: list,
+  x0: LoDTensor,
+  table: RankTable,
+  ladder: tuple[int, ...],
+  leaves: tuple[list, list, list, list],
+  y_tails: list,
+  **settings: Any,
+) -> _loop_spec.LoopSpec:
+  """The phased loop's static description for a batch like `x0` ranked by
+  `table` on `ladder`; `leaves` are ``(carry, values, static_leaves,
+  consts)``, whose float flags it records, and `settings` the rest of its
+  fields (`return_sequences`, `remat`, `chunk`, `vma`)."""
+  carry, values, statics, consts = leaves
+  count = table.count_capacity
+  return _loop_spec.LoopSpec(
+    phases=tuple(phases),
+    count=count,
+    rows=x0.capacity.tokens + count,
+    saved_rows=_packed.schedule_rows(x0.capacity.tokens, table.time_capacity, ladder),
+    time=table.time_capacity,
+    carry_float=_float_flags(carry),
+    x_float=_float_flags(values),
+    static_float=_float_flags(statics),
+    const_float=_float_flags(consts),
+    y_float=tuple(is_float_dtype(d) for _, d in y_tails),
+    y_tails=y_tails,
+    **settings,
+  )
+
+
+def _bounds(layout: Any, table: RankTable, ladder: tuple[int, ...]) -> tuple:
+  """The loop's per-step and per-phase index arrays: ``(step_offsets,
+  schedule_offsets, lengths, phase_starts, phase_ends)`` for `ladder` (the
+  table's own phases when it is the table's ladder)."""
+  if ladder == table.ladder:
+    starts, ends = table.phase_starts, table.phase_ends
+  else:
+    starts, ends = phase_bounds(jnp, table.lengths, ladder)
+  return (
+    layout.step_offsets,
+    _packed.schedule_offsets(table.time_capacity, ladder, starts, ends),
+    jnp.asarray(table.lengths),
+    jnp.asarray(starts),
+    jnp.asarray(ends),
+  )
+
+
 def dynamic_rnn(
   step_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
   inputs: Any,
@@ -264,77 +330,33 @@ def dynamic_rnn(
   # No sequences (a count capacity of 0): no step runs; the step is traced
   # at batch 0 for the shapes of its outputs.
   loop_ladder = plan.ladder(count, table.ladder) if count else (0,)
-  check_rows(init_carry, count, "init_carry")
-  statics = prepare_statics(static_inputs, count)
-  carry_leaves, carry_tree = jax.tree.flatten(init_carry)
-  carry_leaves = [jnp.asarray(c) for c in carry_leaves]
-  # Under `shard_map`, everything the loop carries varies over the axes that
-  # any of it varies over (see `jaxlod._vma`).
-  data = (lods, table, carry_leaves, statics)
-  vma = varying_axes(data)
-  lods, table, carry_leaves, statics = vary(data, vma)
+  lods, table, carry, carry_tree, statics, vma = _ranked(
+    lods, table, init_carry, static_inputs
+  )
   x0 = lods[0]
-  carry = permute_rows(carry_leaves, table.order, table.ranks, "init_carry")
-  statics = permute_rows(statics, table.order, table.ranks, "static_inputs")
   layout = _packed.time_major(x0, table, reverse)
   values = [_packed.pack(x.values, layout) for x in lods]
 
-  def convert():
-    return _convert_phases(
-      step_fn,
-      jax.tree.unflatten(carry_tree, carry),
-      x_tree,
-      values,
-      statics,
-      loop_ladder,
+  while True:
+    phases, consts, y_tails, y_tree = _convert_phases(
+      step_fn, carry_tree.unflatten(carry), x_tree, values, statics, loop_ladder
     )
-
-  phases, consts, y_tails, y_tree = convert()
-  if varying_axes(consts) - vma:  # parameters that vary where the data does not
+    if not varying_axes(consts) - vma:
+      break
+    # Parameters that vary where the data does not: the data varies with them.
     vma |= varying_axes(consts)
     carry, values, statics = vary((carry, values, statics), vma)
-    phases, consts, y_tails, y_tree = convert()
   static_leaves = jax.tree.leaves(statics)
-  spec = _loop_spec.LoopSpec(
-    phases=tuple(phases),
-    count=count,
-    rows=x0.capacity.tokens + count,
-    saved_rows=_packed.schedule_rows(
-      x0.capacity.tokens, table.time_capacity, loop_ladder
-    ),
-    time=table.time_capacity,
-    carry_float=_float_flags(carry),
-    x_float=_float_flags(values),
-    static_float=_float_flags(static_leaves),
-    const_float=_float_flags(consts),
-    y_float=tuple(is_float_dtype(d) for _, d in y_tails),
-    y_tails=y_tails,
-    return_sequences=return_sequences,
-    remat=remat,
-    chunk=plan.chunk,
-    vma=vma,
+  leaves = (carry, values, static_leaves, consts)
+  settings = dict(
+    return_sequences=return_sequences, remat=remat, chunk=plan.chunk, vma=vma
   )
-  if loop_ladder == table.ladder:
-    starts, ends = table.phase_starts, table.phase_ends
-  else:
-    starts, ends = phase_bounds(jnp, table.lengths, loop_ladder)
-  bounds = vary(
-    (
-      layout.step_offsets,
-      _packed.schedule_offsets(table.time_capacity, loop_ladder, starts, ends),
-      jnp.asarray(table.lengths),
-      jnp.asarray(starts),
-      jnp.asarray(ends),
-    ),
-    vma,
-  )
+  spec = _spec(phases, x0, table, loop_ladder, leaves, y_tails, **settings)
+  bounds = vary(_bounds(layout, table, loop_ladder), vma)
   if table.time_capacity == 0 or count == 0:
-    # No sequence, or every sequence empty, and no step can run (a loop body would index
-    # per-step arrays of length 0): outputs are zeros, carries stay as given.
-    ys = (
-      [spec.zeros((spec.rows, *t), d) for t, d in y_tails] if return_sequences else []
-    )
-    final = carry
+    # No sequence, or every sequence empty, and no step can run (a loop body would
+    # index per-step arrays of length 0): outputs are zeros, carries as given.
+    ys, final = [spec.zeros((spec.rows, *t), d) for t, d in spec.y_tails], carry
   else:
     ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
   final = permute_rows(final, table.ranks, table.order, "final_carry")
