@@ -54,34 +54,62 @@ class _InFlight(NamedTuple):
   statics: Any  # the search's statics, leaves [slots, ...] (not per beam)
 
 
-@functools.cache
-def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str):
-  """The jitted programs, each taking the step function as a pytree (a
-  `jax.tree_util.Partial`) argument: `start` (new sources as search
-  states), `insert` (into freed slots), `advance` (`chunk` steps of every
-  slot) and `harvest` (every slot's best results). Cached per settings and
-  chunk, they compile once per step function and sizes across calls.
+class _Programs:
+  """The corpus decoder's jitted programs for one settings, chunk and mesh,
+  each taking the step function as a pytree (a `jax.tree_util.Partial`)
+  argument: `start` (new sources as search states), `insert` (into freed
+  slots), `advance` (`chunk` steps of every slot) and `harvest` (every
+  slot's best results). Built once per settings and chunk (`_programs`),
+  they compile once per step function and sizes across calls.
 
   With a `mesh`, the slots are sharded over `axis` and each device runs the
   chunks of its own slots (`jax.shard_map`); the encoded sources are
   replicated, and `insert` moves each into the device that owns its slot.
+  The loop's buffers (the memories of every slot's beams) are donated: an
+  insert or a chunk updates them in place instead of copying them.
   """
-  k, cap = settings.beam_size, settings.max_length
-  if k == 1:
-    update = functools.partial(_search.greedy_update, eos_id=settings.eos_id)
-  else:
-    update = functools.partial(
-      _search.beam_update,
-      eos_id=settings.eos_id,
-      alpha=settings.length_penalty,
-      num_results=settings.results,
-    )
 
-  def checked(step_fn: Callable) -> Callable:
-    return checked_step(step_fn, settings.bos_id, settings.eos_id, cap)
+  def __init__(
+    self, settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
+  ):
+    self.settings, self.chunk, self.mesh, self.axis = settings, chunk, mesh, axis
+    self.k, self.cap = settings.beam_size, settings.max_length
+    if self.k == 1:
+      self.update = functools.partial(_search.greedy_update, eos_id=settings.eos_id)
+    else:
+      self.update = functools.partial(
+        _search.beam_update,
+        eos_id=settings.eos_id,
+        alpha=settings.length_penalty,
+        num_results=settings.results,
+      )
+    insert, advance = self._insert, self._advance
+    if mesh is not None:  # each device its own slots
+      insert = jax.shard_map(
+        insert,
+        mesh=mesh,
+        in_specs=(P(axis), P(), P(), P()),
+        out_specs=P(axis),
+        check_vma=False,
+      )
+      advance = jax.shard_map(
+        advance,
+        mesh=mesh,
+        in_specs=(P(), P(axis), P(axis)),
+        out_specs=P(axis),
+        check_vma=False,
+      )
+    self.start = jax.jit(self._start)
+    self.insert = jax.jit(insert, donate_argnums=0)
+    self.advance = jax.jit(advance, donate_argnums=1)
+    self.harvest = jax.jit(self._harvest)
 
-  @jax.jit
-  def start(step_fn, init_carry, statics, max_lengths, n, first):
+  def _checked(self, step_fn: Callable) -> Callable:
+    """`step_fn` with its outputs checked (`checked_step`)."""
+    s = self.settings
+    return checked_step(step_fn, s.bos_id, s.eos_id, self.cap)
+
+  def _start(self, step_fn, init_carry, statics, max_lengths, n, first):
     """The search states of a batch of newly encoded sources.
 
     Args:
@@ -100,26 +128,28 @@ def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
 
     Raises:
       ValueError, TypeError: for step outputs that `checked_step` rejects,
-        or a length penalty that is inf at ``settings.max_length`` in the
-        scores' dtype.
+        or a length penalty that is inf at ``settings.max_length`` in the scores'
+        dtype.
     """
-    step = checked(step_fn)
+    step = self._checked(step_fn)
     count = jax.tree.leaves((init_carry, statics))[0].shape[0]
 
     def beams(a):
-      return jnp.broadcast_to(a[:, None], (count, k) + a.shape[1:])
+      return jnp.broadcast_to(a[:, None], (count, self.k) + a.shape[1:])
 
     carry, beamed = jax.tree.map(beams, (init_carry, statics))
     flat = jax.tree.map(
-      lambda a: a.reshape((count * k,) + a.shape[2:]), (carry, beamed)
+      lambda a: a.reshape((count * self.k,) + a.shape[2:]), (carry, beamed)
     )
-    rows = jnp.zeros((count * k,), jnp.int32)
+    rows = jnp.zeros((count * self.k,), jnp.int32)
     probe = jax.eval_shape(step, flat[0], rows, flat[1], jnp.ones_like(rows, bool))
     dtype = probe[1].dtype
-    _search.check_penalty(settings.length_penalty, cap, dtype)
+    _search.check_penalty(self.settings.length_penalty, self.cap, dtype)
     real = jnp.arange(count) < n
     return _search.State(
-      slots=_search.initial_slots(count, k, cap, n, settings.bos_id, dtype),
+      slots=_search.initial_slots(
+        count, self.k, self.cap, n, self.settings.bos_id, dtype
+      ),
       carry=carry,
       statics=statics,  # one copy a source: a chunk broadcasts it to the beams
       done=~real,
@@ -127,13 +157,13 @@ def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
       source=jnp.where(real, first + jnp.arange(count, dtype=jnp.int32), -1),
     )
 
-  # The loop's buffers (the memories of every slot's beams) are donated: an
-  # insert or a chunk updates them in place instead of copying them.
-  def insert(loop: _InFlight, new: _search.State, rows: jax.Array, dest: jax.Array):
+  def _insert(
+    self, loop: _InFlight, new: _search.State, rows: jax.Array, dest: jax.Array
+  ):
     """`new`'s sources `rows` into the slots `dest` (out of range: none)."""
-    if mesh is not None:  # this device's slots only
+    if self.mesh is not None:  # this device's slots only
       count = loop.t.shape[0]
-      dest = dest - lax.axis_index(axis) * count
+      dest = dest - lax.axis_index(self.axis) * count
       dest = jnp.where((dest >= 0) & (dest < count), dest, count)
 
     def put(a, b):
@@ -143,52 +173,45 @@ def _programs(settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
     statics = jax.tree.map(put, loop.statics, new.statics)
     return _InFlight(state, loop.t.at[dest].set(0, mode="drop"), statics)
 
-  def advance(step_fn, core: tuple[_search.State, jax.Array], statics: Any):
-    step = checked(step_fn)
+  def _advance(self, step_fn, core: tuple[_search.State, jax.Array], statics: Any):
+    """`chunk` steps of every slot: ``(state, t)`` after them, each slot's
+    beams reading its `statics` (leaves ``[slots, ...]``)."""
+    step = self._checked(step_fn)
 
     slots = core[1].shape[0]
     beamed = jax.tree.map(
-      lambda a: jnp.broadcast_to(a[:, None], (slots, k) + a.shape[1:]), statics
+      lambda a: jnp.broadcast_to(a[:, None], (slots, self.k) + a.shape[1:]), statics
     )
 
     def one(_, core):
       state, t = core
       active = ~state.done
-      state = _search.advance_sources(state._replace(statics=beamed), t, step, update)
+      state = _search.advance_sources(
+        state._replace(statics=beamed), t, step, self.update
+      )
       return state._replace(statics=()), t + active.astype(t.dtype)
 
     # Unrolled: as a while loop, XLA copies the loop-invariant memories into
     # the loop's state at every call (about 1.5 ms of a 4.6 ms step here).
-    return lax.fori_loop(0, chunk, one, core, unroll=True)
+    return lax.fori_loop(0, self.chunk, one, core, unroll=True)
 
-  if mesh is not None:  # each device its own slots
-    insert = jax.shard_map(
-      insert,
-      mesh=mesh,
-      in_specs=(P(axis), P(), P(), P()),
-      out_specs=P(axis),
-      check_vma=False,
-    )
-    advance = jax.shard_map(
-      advance,
-      mesh=mesh,
-      in_specs=(P(), P(axis), P(axis)),
-      out_specs=P(axis),
-      check_vma=False,
-    )
-  insert = jax.jit(insert, donate_argnums=0)
-  advance = jax.jit(advance, donate_argnums=1)
-
-  @jax.jit
-  def harvest(slots: _search.Slots):
+  def _harvest(self, slots: _search.Slots):
+    """Every slot's best results: ``(tokens [slots, results, max_length],
+    lengths [slots, results], scores [slots, results])``."""
     best, index = lax.top_k(
-      _search.scores(slots, settings.length_penalty), settings.results
+      _search.scores(slots, self.settings.length_penalty), self.settings.results
     )
     tokens = jnp.take_along_axis(slots.tokens, index[..., None], axis=1)
     lengths = jnp.take_along_axis(slots.length, index, axis=1)
     return tokens, lengths, best
 
-  return start, insert, advance, harvest
+
+@functools.cache
+def _programs(
+  settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
+) -> _Programs:
+  """The `_Programs` of these settings, chunk and mesh, built once."""
+  return _Programs(settings, chunk, mesh, axis)
 
 
 def _check_max_lengths(max_lengths: Any, batch: int, refill: int, cap: int, first: int):
@@ -380,7 +403,9 @@ def _decode(
   """
   if not isinstance(step_fn, Partial):
     step_fn = Partial(step_fn)
-  start, insert, advance, harvest = _programs(settings, chunk, mesh, axis)
+  programs = _programs(settings, chunk, mesh, axis)
+  start, insert, advance = programs.start, programs.insert, programs.advance
+  harvest = programs.harvest
   cap = settings.max_length
   occupied = np.zeros((slots,), bool)
   index_of = np.full((slots,), -1)

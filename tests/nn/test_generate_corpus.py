@@ -103,10 +103,15 @@ def test_a_corpus_far_larger_than_the_slots():
   assert stats["occupancy"] > 0.8, stats
 
 
+def programs(p):
+  """The compiled entries of the corpus decoder's four programs."""
+  return [f._cache_size() for f in (p.start, p.insert, p.advance, p.harvest)]
+
+
 def test_the_programs_compile_once_across_calls():
   corpus = [[1, 2, 3], [], [4]]
   linen_corpus(corpus, BEAM, slots=2, refill=1, chunk=2)
-  sizes = [f._cache_size() for f in _corpus._programs(BEAM, 2, None, "data")]
+  sizes = programs(_corpus._programs(BEAM, 2, None, "data"))
   encode = _encoder_decoder._encode_corpus._cache_size()
   other = jax.tree.map(lambda a: a * 1.5, params(4))
   list(
@@ -121,7 +126,7 @@ def test_the_programs_compile_once_across_calls():
       chunk=2,
     )
   )
-  assert [f._cache_size() for f in _corpus._programs(BEAM, 2, None, "data")] == sizes
+  assert programs(_corpus._programs(BEAM, 2, None, "data")) == sizes
   assert _encoder_decoder._encode_corpus._cache_size() == encode
 
 

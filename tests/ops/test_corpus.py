@@ -165,7 +165,7 @@ def test_a_step_without_static_inputs_and_a_partial_step():
 
   corpus = [np.asarray(s, np.int32) for s in ([2, 3], [4], [], [5, 6, 2])]
   config = CONFIGS["beam"]
-  advance = _corpus._programs(config, 4, None, "data")[2]
+  advance = _corpus._programs(config, 4, None, "data").advance
   runs, sizes = [], []
   for out in (OUT, OUT * 2):
     step_fn = jax.tree_util.Partial(bare, out=out)
