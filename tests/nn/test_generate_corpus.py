@@ -15,10 +15,10 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.decode_corpus import xla_compiles
 from jaxlod import Buckets, LoDTensor
-from jaxlod.nn import _encoder_decoder, ensemble_generate, ensemble_generate_corpus
+from jaxlod.nn import ensemble_generate, ensemble_generate_corpus
 from jaxlod.nn import nnx as twin
-from jaxlod.ops import _corpus
 from tests.nn.test_generate import BEAM, GREEDY, MAX_LENGTH
 from tests.nn.test_seq2seq import SRC_VOCAB, TGT_VOCAB, _seq2seq, _seq2seq_params
 
@@ -103,31 +103,37 @@ def test_a_corpus_far_larger_than_the_slots():
   assert stats["occupancy"] > 0.8, stats
 
 
-def programs(p):
-  """The compiled entries of the corpus decoder's four programs."""
-  return [f._cache_size() for f in (p.start, p.insert, p.advance, p.harvest)]
-
-
 def test_the_programs_compile_once_across_calls():
+  """A second corpus of the same sizes, with other parameters, compiles
+  nothing: not the encoder, nor the decoder's four programs."""
   corpus = [[1, 2, 3], [], [4]]
   linen_corpus(corpus, BEAM, slots=2, refill=1, chunk=2)
-  sizes = programs(_corpus._programs(BEAM, 2, None, "data"))
-  encode = _encoder_decoder._encode_corpus._cache_size()
   other = jax.tree.map(lambda a: a * 1.5, params(4))
-  list(
-    _seq2seq().apply(
-      other,
-      corpus[::-1],
-      BEAM,
-      method="generate_corpus",
-      src_capacity=CAPACITY,
-      slots=2,
-      refill=1,
-      chunk=2,
-    )
-  )
-  assert programs(_corpus._programs(BEAM, 2, None, "data")) == sizes
-  assert _encoder_decoder._encode_corpus._cache_size() == encode
+  loaded = []  # programs another worker compiled, read from the disk cache
+
+  def listener(event, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+      loaded.append(event)
+
+  jax.monitoring.register_event_listener(listener)
+  try:
+    with xla_compiles() as compiles:
+      list(
+        _seq2seq().apply(
+          other,
+          corpus[::-1],
+          BEAM,
+          method="generate_corpus",
+          src_capacity=CAPACITY,
+          slots=2,
+          refill=1,
+          chunk=2,
+          max_length_fn=max_length,
+        )
+      )
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  assert not compiles and not loaded, (compiles, loaded)
 
 
 def test_an_ensemble_of_two_members():
