@@ -25,11 +25,11 @@ from jaxlod._checks import check_rate
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_rnn_layer, split_pair
-from jaxlod.nn._hoist import Separable, hoisted_rnn
+from jaxlod.ops._fused import Separable
 from jaxlod.ops._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type, sequence_pool
 from jaxlod.ops._rank import RankTable
-from jaxlod.ops._rnn import dynamic_rnn
+from jaxlod.ops._recurrence import recurrence
 from jaxlod.ops._scan import linear_scan
 
 
@@ -140,7 +140,7 @@ def run_cell(
 ) -> Any:
   """`DynamicRNN`'s loop: `step` over the last level of `x` with the layer's
   `ladder`, `remat` and `plan`; the outputs, or ``(carry, outputs)``. A
-  `Separable` cell (the layer's plan hoists) runs through `hoisted_rnn`."""
+  `Separable` cell (the layer's plan hoists) runs hoisted (`recurrence`)."""
   reverse, return_carry = override(layer, reverse=reverse, return_carry=return_carry)
   _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=layer.remat)
   settings = {
@@ -151,10 +151,7 @@ def run_cell(
     "remat": layer.remat,
     "plan": layer.plan,
   }
-  if isinstance(step, Separable):
-    outputs, carry = hoisted_rnn(step, x, **settings)
-  else:
-    outputs, carry = dynamic_rnn(lambda c, x_t, _: step(c, x_t), x, **settings)
+  outputs, carry = recurrence(step, x, **settings)
   return (carry, outputs) if return_carry else outputs
 
 

@@ -163,7 +163,7 @@ def dense(
 ) -> jax.Array:
   """Flax's ``Dense`` (and ``nnx.Linear``): ``x [..., in] @ kernel [in, out]
   + bias [out]`` after ``promote_dtype``; ``[..., out]``."""
-  dtype = _result_dtype(x, kernel, bias, dtype=dtype)
+  dtype = result_dtype(x, kernel, bias, dtype=dtype)
   x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
   bias = None if bias is None else jnp.asarray(bias, dtype)
   y = jax.lax.dot_general(
@@ -258,7 +258,7 @@ def slot_count(tokens: int, time_capacity: int, tile: int) -> int:
 RESIDENT_BYTES = 96 * 1024
 
 
-def _result_dtype(*arrays: Any, dtype: Any = None) -> Any:
+def result_dtype(*arrays: Any, dtype: Any = None) -> Any:
   """The dtype a Flax ``Dense`` computes in: `dtype` when given, else the
   arrays' promoted dtype (`None` entries aside), float32 or wider when they
   are integers (as ``flax.linen.dtypes.canonicalize_dtype``)."""
@@ -273,7 +273,7 @@ def _result_dtype(*arrays: Any, dtype: Any = None) -> Any:
 def _product(h: jax.Array, w: jax.Array, cell: Separable, compute: Any) -> jax.Array:
   """``h [tile, hidden] @ w [hidden, width]`` as the cell's Dense computes
   it, or with operands in `compute` (bfloat16) and a wider result."""
-  dtype = _result_dtype(h, w, dtype=cell.dtype)
+  dtype = result_dtype(h, w, dtype=cell.dtype)
   operand = dtype if compute is None else compute
   return jax.lax.dot_general(
     h.astype(operand),
@@ -521,7 +521,7 @@ def fused_loop(
   slots, width = xp.shape
   grid = (layout.tile_steps.shape[0],)
   w_rec = cell.w_rec
-  bias = jnp.zeros((1, width), _result_dtype(xp, w_rec, dtype=cell.dtype))
+  bias = jnp.zeros((1, width), result_dtype(xp, w_rec, dtype=cell.dtype))
   if cell.b_rec is not None:
     bias = bias.at[0, width - cell.probe :].set(cell.b_rec.astype(bias.dtype))
   resident = w_rec.size * w_rec.dtype.itemsize <= RESIDENT_BYTES

@@ -17,8 +17,8 @@ from jax.test_util import check_grads
 import jaxlod.nn.nnx as twin
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import DynamicRNN
-from jaxlod.nn._hoist import previous_hidden
 from jaxlod.ops import LoopPlan
+from jaxlod.ops._recurrence import previous_hidden
 from tests.helpers import assert_close
 from tests.ops.test_rnn import masked_scan
 
