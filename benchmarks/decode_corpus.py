@@ -40,8 +40,6 @@ stderr.
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import statistics
 import sys
 import time
@@ -51,7 +49,12 @@ import jax
 import numpy as np
 
 from benchmarks.g2p_options import per_batch_decoder, pretrain
-from benchmarks.timing import machine_info, measure_interleaved, write_report
+from benchmarks.timing import (
+  machine_info,
+  measure_interleaved,
+  write_report,
+  xla_compiles,
+)
 from examples.g2p import data
 from examples.g2p import model as m
 from jaxlod.data import Batcher
@@ -66,23 +69,6 @@ TARGETS = {"speedup_over_compaction": 1.3, "occupancy": 0.9, "compile_ratio": 1.
 
 def _log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def xla_compiles():
-  """XLA compilations inside the block, by the jitted function's name."""
-  names: collections.Counter = collections.Counter()
-
-  def listener(event: str, duration: float, **kwargs: Any) -> None:
-    del duration
-    if event == "/jax/core/compile/backend_compile_duration":
-      names[kwargs.get("fun_name", "?")] += 1
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield names
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _hypotheses(batches: list, outputs: list, words: int) -> list:

@@ -113,7 +113,6 @@ to stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import inspect
 import json
@@ -134,7 +133,7 @@ import jaxlod
 import jaxlod.nn
 import jaxlod.ops
 from benchmarks.timing import machine_info as _machine_info
-from benchmarks.timing import measure_interleaved, write_report
+from benchmarks.timing import measure_interleaved, write_report, xla_compiles
 
 try:
   import torch
@@ -659,22 +658,6 @@ def reference_of(arm: Arm, params: Any) -> dict[str, Any]:
 # -- compile count ----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def count_xla_compiles():
-  """Counts XLA backend compilations (of anything) inside the block."""
-  count = {"compiles": 0}
-
-  def listener(event: str, duration: float, **kwargs: Any) -> None:
-    del duration, kwargs
-    count["compiles"] += event == "/jax/core/compile/backend_compile_duration"
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield count
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def compile_check(w: Workload, arm: Arm, params: Any, batch: Batch, train_s: float):
   """Traces of the jaxlod train step over 100 distinct fixed-capacity batches.
 
@@ -687,7 +670,7 @@ def compile_check(w: Workload, arm: Arm, params: Any, batch: Batch, train_s: flo
   rows = np.asarray(batch.lod.values)
   seen, longest = {tuple(batch.lengths)}, {batch.longest}
   start = time.perf_counter()
-  with count_xla_compiles() as xla:
+  with xla_compiles() as xla:
     while len(seen) < COMPILE_CHECK_BATCHES:
       lengths = w.sample_lengths(rng, w.batch)
       if tuple(lengths) in seen:
@@ -705,7 +688,7 @@ def compile_check(w: Workload, arm: Arm, params: Any, batch: Batch, train_s: flo
   return {
     "jaxlod_train_fixed_capacity_100_batches": arm.traces["train"],
     "jaxlod_train_cache_size": arm.train._cache_size(),
-    "xla_compiles_during_other_99_batches": xla["compiles"],
+    "xla_compiles_during_other_99_batches": sum(xla.values()),
     "method": "jit call on each batch" if call else "lower() on each batch",
     "distinct_batches": len(seen),
     "check_s": time.perf_counter() - start,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import jax
 
 try:
   import resource
@@ -127,3 +131,21 @@ def write_report(report: dict[str, Any], path: Any = None) -> None:
   print(text)
   if path is not None:
     Path(path).write_text(text + "\n")
+
+
+@contextlib.contextmanager
+def xla_compiles() -> Iterator[collections.Counter]:
+  """XLA backend compilations inside the block, by the jitted function's
+  name (``sum(counter.values())`` for all of them)."""
+  names: collections.Counter = collections.Counter()
+
+  def listener(event: str, duration: float, **kwargs: Any) -> None:
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      names[kwargs.get("fun_name", "?")] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

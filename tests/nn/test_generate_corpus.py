@@ -15,7 +15,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.decode_corpus import xla_compiles
+from benchmarks.timing import xla_compiles
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import ensemble_generate, ensemble_generate_corpus
 from jaxlod.nn import nnx as twin

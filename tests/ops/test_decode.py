@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from benchmarks.decode_corpus import xla_compiles
+from benchmarks.timing import xla_compiles
 from jaxlod import Buckets, LoDTensor
 from jaxlod.ops import (
   DecodeSettings,

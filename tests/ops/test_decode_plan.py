@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.decode_corpus import xla_compiles
+from benchmarks.timing import xla_compiles
 from jaxlod.ops import DecodeSettings, LoopPlan, beam_search, default_plan
 from tests.ops.test_decode import BOS, EOS, eos_shy, sources, step
 
