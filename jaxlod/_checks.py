@@ -76,10 +76,9 @@ def nan_where(bad: Any, leaf: Any) -> Any:
   its leading axes (a scalar: all of it); other dtypes are returned as they
   are. Under `jit`, where a value check cannot raise, a result that a failed
   check touched is loud in any loss rather than finite and wrong."""
-  leaf = jnp.asarray(leaf)
-  if not is_float_dtype(leaf.dtype):
+  if not is_float_dtype(jnp.result_type(leaf)):
     return leaf
-  bad = jnp.asarray(bad)
+  leaf, bad = jnp.asarray(leaf), jnp.asarray(bad)
   bad = bad.reshape(bad.shape + (1,) * (leaf.ndim - bad.ndim))
   return jnp.where(bad, jnp.asarray(jnp.nan, leaf.dtype), leaf)
 

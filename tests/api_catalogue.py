@@ -502,6 +502,10 @@ class Target:
   call: Callable[..., Any]
   unchecked: dict[str, str]
 
+  def valid(self) -> dict[str, Any]:
+    """Every argument's valid value, made afresh."""
+    return {name: a.valid() for name, a in self.args.items()}
+
   def parameters(self) -> list[str]:
     """The arguments of `signatures`, keyed as `args` keys them."""
     names = []

@@ -28,7 +28,7 @@ import pytest
 
 from jaxlod import Fault, parallel
 from tests import api_layer_targets, api_targets
-from tests.api_catalogue import FromValid, Target, linen_params
+from tests.api_catalogue import FromValid, linen_params
 from tests.helpers import PUBLIC_MODULES
 
 TARGETS = api_targets.TARGETS + api_layer_targets.TARGETS
@@ -111,13 +111,9 @@ def _names(name: str) -> str:
   return rf"`{re.escape(name)}(\[[^`\]]*\]|\.\w+)*`"
 
 
-def _valid(t: Target) -> dict[str, Any]:
-  return {name: a.valid() for name, a in t.args.items()}
-
-
 @pytest.mark.parametrize(("t", "name", "bad"), list(_cases()))
 def test_a_wrong_input_raises_naming_the_argument(t, name, bad):
-  kwargs = _valid(t)
+  kwargs = t.valid()
   from_valid = isinstance(bad, FromValid)
   kwargs[name] = bad.make(kwargs[name]) if from_valid else bad()
   with pytest.raises((TypeError, ValueError)) as info:
@@ -156,7 +152,7 @@ QUICK = [t for t in TARGETS if t.name not in DECODING | CORPUS]
 @pytest.mark.parametrize("t", QUICK, ids=[t.name for t in QUICK])
 def test_the_valid_inputs_are_valid(t):
   """Each case's error comes from its one wrong input."""
-  t.call(**_valid(t))
+  t.call(**t.valid())
 
 
 # -- the table is complete ------------------------------------------------------------
@@ -245,7 +241,7 @@ FAULTS = [
 def test_under_jit_a_decoding_check_is_recorded_in_faults(name, argument, bad):
   (t,) = [t for t in TARGETS if t.name == name]
   linen_params()  # made eagerly: cached, they must not be made under `jit`
-  kwargs = _valid(t)
+  kwargs = t.valid()
   wrong = bad(kwargs[argument])
   hyps = jax.jit(lambda value: t.call(**{**kwargs, argument: value}))(wrong)
   for tensor in hyps:
@@ -257,7 +253,7 @@ def test_under_jit_a_decoding_check_is_recorded_in_faults(name, argument, bad):
 def test_parallel_generate_records_its_decoding_faults():
   """`parallel.generate` decodes under `map_shards`, traced: the same record."""
   (t,) = [t for t in TARGETS if t.name == "parallel.generate"]
-  kwargs = _valid(t)
+  kwargs = t.valid()
   limits = parallel.shard_batch(np.array([[4, 3]]), kwargs["mesh"])
   for hyps in t.call(**{**kwargs, "max_lengths": limits}):
     for tensor in hyps:

@@ -96,10 +96,6 @@ class Case:
     return self.name
 
 
-def _valid(t: Target) -> dict[str, Any]:
-  return {name: a.valid() for name, a in t.args.items()}
-
-
 def _perturbations(x: LoDTensor, key: tuple[str, str]) -> tuple[str, ...]:
   if np.issubdtype(np.asarray(x.values).dtype, np.floating):
     return FLOAT
@@ -108,7 +104,7 @@ def _perturbations(x: LoDTensor, key: tuple[str, str]) -> tuple[str, ...]:
 
 def _argument_case(t: Target, name: str) -> Case:
   def fn(x):
-    return t.call(**{**_valid(t), name: x})
+    return t.call(**{**t.valid(), name: x})
 
   x = t.args[name].valid
   return Case(f"{t.name}-{name}", t, x, fn, _perturbations(x(), (t.name, name)))
@@ -118,7 +114,7 @@ def _list_case(t: Target, name: str, k: int) -> Case:
   """Item `k` of a list of LoDTensors (`sequence_concat`'s `xs`)."""
 
   def fn(x):
-    valid = _valid(t)
+    valid = t.valid()
     items = list(valid[name])
     items[k] = x
     return t.call(**{**valid, name: items})
@@ -133,7 +129,7 @@ def _method_case(t: Target) -> Case:
   make, attr = METHODS[t.name]
 
   def fn(x):
-    return getattr(x, attr)(**_valid(t))
+    return getattr(x, attr)(**t.valid())
 
   return Case(t.name, t, make, fn, _perturbations(make(), (t.name, "self")))
 
@@ -144,7 +140,7 @@ def _is_method(t: Target) -> bool:
 
 
 def _lod_arguments(t: Target) -> list[tuple[str, Any]]:
-  return [(name, value) for name, value in _valid(t).items() if _holds_lod(value)]
+  return [(name, value) for name, value in t.valid().items() if _holds_lod(value)]
 
 
 def _holds_lod(value: Any) -> bool:

@@ -16,7 +16,6 @@ from jaxlod._checks import (
   check_index_leaves,
   check_sequence,
   is_concrete,
-  is_float_dtype,
   nan_where,
   require,
   static_float,
@@ -360,8 +359,6 @@ def nan_unless(ok: Any, tree: Any) -> Any:
   def poison(a):
     if isinstance(a, LoDTensor):
       return a.with_values(poison(a.values))
-    if not is_float_dtype(jnp.result_type(a)):
-      return a
     return nan_where(~jnp.asarray(ok), a)
 
   return jax.tree.map(poison, tree, is_leaf=lambda a: isinstance(a, LoDTensor))
