@@ -27,7 +27,7 @@ from jaxlod.nn._decoding import (
 from jaxlod.nn._recurrent import example_row
 from jaxlod.nn._rnn import pure_method
 from jaxlod.ops import _attention as core
-from jaxlod.ops._plan import LoopPlan
+from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable
 
 

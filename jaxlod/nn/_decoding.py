@@ -22,7 +22,7 @@ from jaxlod.nn._checks import check_attention_layer, check_counts, check_targets
 from jaxlod.nn._recurrent import count_steps
 from jaxlod.ops import _attention as core
 from jaxlod.ops._attention import Memory, check_memory_lod
-from jaxlod.ops._plan import LoopPlan, plan_with_ladder, resolve_plan
+from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder, resolve_plan
 from jaxlod.ops._rank import RankTable, nan_unless
 
 

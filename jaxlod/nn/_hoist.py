@@ -1,7 +1,7 @@
 """Flax's separable cells read into `jaxlod.ops.Separable`, for hoisting.
 
 A plan with ``hoist=True`` (`jaxlod.ops.LoopPlan`) runs the recurrent layers
-of both twins as cuDNN runs its RNNs (`jaxlod.ops._recurrence`). A separable
+of both twins as cuDNN runs its RNNs (`jaxlod.ops._loop._hoisted`). A separable
 cell (``LSTMCell``, ``OptimizedLSTMCell``, ``GRUCell``, ``SimpleCell``,
 ``MGUCell``, Linen and NNX) computes ``x @ w_in`` and ``h @ w_rec`` and
 mixes them in its gates; `separate_linen` and `separate_nnx` give its
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from jaxlod.ops._fused import Separable
+from jaxlod.ops._loop._hoisted import Separable
 
 # -- the gate math of each cell, as Flax writes it -----------------------------------
 

@@ -25,11 +25,11 @@ from jaxlod._checks import check_rate
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_rnn_layer, split_pair
-from jaxlod.ops._fused import Separable
-from jaxlod.ops._plan import LoopPlan, plan_with_ladder
+from jaxlod.ops._loop._dispatch import dynamic_rnn
+from jaxlod.ops._loop._hoisted import Separable
+from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type, sequence_pool
 from jaxlod.ops._rank import RankTable
-from jaxlod.ops._recurrence import recurrence
 from jaxlod.ops._scan import linear_scan
 
 
@@ -129,6 +129,11 @@ def loop_plan(layer: Any) -> LoopPlan:
   return plan_with_ladder(layer.plan, layer.ladder)
 
 
+def _without_statics(step: Callable[[Any, jax.Array], tuple[Any, jax.Array]]):
+  """`step(carry, x_t)` as `dynamic_rnn`'s ``step_fn(carry, x_t, static)``."""
+  return lambda carry, x_t, _: step(carry, x_t)
+
+
 def run_cell(
   layer: Any,
   step: Callable[[Any, jax.Array], tuple[Any, jax.Array]] | Separable,
@@ -140,7 +145,8 @@ def run_cell(
 ) -> Any:
   """`DynamicRNN`'s loop: `step` over the last level of `x` with the layer's
   `ladder`, `remat` and `plan`; the outputs, or ``(carry, outputs)``. A
-  `Separable` cell (the layer's plan hoists) runs hoisted (`recurrence`)."""
+  `Separable` cell (the layer's plan hoists) runs hoisted or fused, as
+  `jaxlod.ops.dynamic_rnn` picks from the plan."""
   reverse, return_carry = override(layer, reverse=reverse, return_carry=return_carry)
   _checks.check_bools(reverse=reverse, return_carry=return_carry, remat=layer.remat)
   settings = {
@@ -151,7 +157,9 @@ def run_cell(
     "remat": layer.remat,
     "plan": layer.plan,
   }
-  outputs, carry = recurrence(step, x, **settings)
+  if not isinstance(step, Separable):
+    step = _without_statics(step)
+  outputs, carry = dynamic_rnn(step, x, **settings)
   return (carry, outputs) if return_carry else outputs
 
 

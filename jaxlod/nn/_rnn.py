@@ -31,7 +31,7 @@ from jaxlod.nn._recurrent import (
   run_stack,
   stack_rates,
 )
-from jaxlod.ops._plan import LoopPlan
+from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, check_table
 
 

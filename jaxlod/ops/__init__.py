@@ -37,7 +37,10 @@ from jaxlod.ops._expand import (
   sequence_expand_as,
   sequence_slice,
 )
-from jaxlod.ops._fused import Separable, fused_rnn
+from jaxlod.ops._loop._dispatch import dynamic_rnn
+from jaxlod.ops._loop._fused import fused_rnn
+from jaxlod.ops._loop._hoisted import Separable
+from jaxlod.ops._loop._plan import LoopPlan, default_plan
 from jaxlod.ops._loss import sequence_cross_entropy
 from jaxlod.ops._pad import (
   sequence_mask,
@@ -45,7 +48,6 @@ from jaxlod.ops._pad import (
   sequence_reverse,
   sequence_unpad,
 )
-from jaxlod.ops._plan import LoopPlan, default_plan
 from jaxlod.ops._pool import (
   sequence_first_step,
   sequence_last_step,
@@ -54,7 +56,6 @@ from jaxlod.ops._pool import (
 )
 from jaxlod.ops._rank import RankTable, default_ladder, normalize_ladder, rank_table
 from jaxlod.ops._reshape import lod_reset, sequence_reshape, sequence_scatter
-from jaxlod.ops._rnn import dynamic_rnn
 from jaxlod.ops._scan import linear_scan
 from jaxlod.ops._search import length_normalized
 from jaxlod.ops._window import sequence_conv, sequence_enumerate

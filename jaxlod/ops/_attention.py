@@ -31,9 +31,9 @@ from jaxlod._checks import (
 )
 from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.ops._plan import LoopPlan
+from jaxlod.ops._loop._dispatch import dynamic_rnn
+from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, nan_unless
-from jaxlod.ops._rnn import dynamic_rnn
 
 COSINE_EPS = 1e-8
 

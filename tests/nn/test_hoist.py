@@ -18,7 +18,7 @@ import jaxlod.nn.nnx as twin
 from jaxlod import Buckets, LoDTensor
 from jaxlod.nn import DynamicRNN
 from jaxlod.ops import LoopPlan
-from jaxlod.ops._recurrence import previous_hidden
+from jaxlod.ops._loop._hoisted import previous_hidden
 from tests.helpers import assert_close
 from tests.ops.test_rnn import masked_scan
 

@@ -1,13 +1,13 @@
-"""The residual slots of the phased loop (`jaxlod.ops._loop_spec`) and the
-static flags of its custom VJP (`jaxlod.ops._loop`)."""
+"""The residual slots of the phased loop (`jaxlod.ops._loop._spec`) and the
+static flags of its custom VJP (`jaxlod.ops._loop._phased`)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jaxlod.ops import _loop, _loop_spec
-from jaxlod.ops._loop_spec import Slot, SlotKind
+from jaxlod.ops._loop import _phased, _spec
+from jaxlod.ops._loop._spec import Slot, SlotKind
 
 
 def _fn(step, inv):
@@ -20,7 +20,7 @@ def _fn(step, inv):
 
 def test_step_slots_names_each_kind():
   step = [jnp.zeros((2, 3)), jnp.zeros((2, 3))]
-  slots = _loop_spec.step_slots(_fn, 1, step, [jnp.zeros((3, 3))], reloadable=(1,))
+  slots = _spec.step_slots(_fn, 1, step, [jnp.zeros((3, 3))], reloadable=(1,))
   assert slots == (
     Slot(SlotKind.SAVED, 0),
     Slot(SlotKind.INPUT, 0),
@@ -32,10 +32,10 @@ def test_step_slots_names_each_kind():
 
 
 def test_save_plan_stores_each_saved_value_once_and_reassembles():
-  slots = _loop_spec.step_slots(
+  slots = _spec.step_slots(
     _fn, 1, [jnp.zeros((2, 3))] * 2, [jnp.zeros((3, 3))], reloadable=(1,)
   )
-  plan = _loop_spec.Residuals(slots, None, (((2, 3), jnp.float32),) * 2)
+  plan = _spec.Residuals(slots, None, (((2, 3), jnp.float32),) * 2)
   leaves = [jnp.full((2, 3), float(i)) for i in range(5)]
   stacked = plan.stacked(leaves)
   assert [int(a[0, 0]) for a in stacked] == [0, 4]
@@ -47,7 +47,7 @@ def test_save_plan_stores_each_saved_value_once_and_reassembles():
 
 
 def test_perturbed_flags_are_static_structure():
-  perturbed = _loop._Perturbed((True, False))
+  perturbed = _phased._Perturbed((True, False))
   leaves, tree = jax.tree.flatten(perturbed)
   assert leaves == []
   assert jax.tree.unflatten(tree, []) == perturbed

@@ -247,7 +247,7 @@ def test_bad_plan_arguments_raise():
 def test_an_explicit_ladder_runs_under_the_default_plan():
   """A layer's or caller's ladder is honoured whatever the backend: the
   default plan's bodies give way to it."""
-  from jaxlod.ops._plan import plan_with_ladder
+  from jaxlod.ops._loop._plan import plan_with_ladder
 
   assert plan_with_ladder(None, (8, 4)).bodies is None
   assert plan_with_ladder(None, (8, 4)).chunk == default_plan().chunk

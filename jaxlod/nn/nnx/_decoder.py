@@ -22,7 +22,7 @@ from jaxlod.nn._decoding import (
 )
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
 from jaxlod.ops import _attention as core
-from jaxlod.ops._plan import LoopPlan
+from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, check_ladder
 
 

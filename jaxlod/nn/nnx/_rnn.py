@@ -32,7 +32,7 @@ from jaxlod.nn._recurrent import (
   run_stack,
   stack_rates,
 )
-from jaxlod.ops._plan import LoopPlan, plan_with_ladder
+from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type
 from jaxlod.ops._rank import RankTable, check_ladder, check_table
 

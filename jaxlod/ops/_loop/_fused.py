@@ -34,142 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxlod._checks import check_bool, check_callable, static_int
+from jaxlod._checks import check_bool, static_int
 from jaxlod._faults import Fault, fault_unless, with_faults
-from jaxlod._host import as_array, check_rows
+from jaxlod._host import check_rows
 from jaxlod._lod import LoDTensor, check_lod
+from jaxlod.ops._loop._hoisted import Separable, dense, result_dtype
 from jaxlod.ops._rank import RankTable, check_pair, nan_unless, rank_table
-
-
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Separable:
-  """A recurrent cell as an input projection and a recurrent step.
-
-  Attributes:
-    w_in: the input kernels side by side, ``[features, width]`` (``width``:
-      gates times hidden size, in Flax's gate order).
-    b_in: the biases added to the input projection, ``[width]``, or `None`.
-    w_rec: the recurrent kernels side by side, ``[hidden, width]``.
-    b_rec: the bias of the last `probe` columns of the recurrent product,
-      ``[probe]``, or `None`.
-    probe: the number of last columns of the recurrent product that a gate
-      scales before the input projection is added (0: none).
-    gates: ``gates(carry, xp, hp) -> (carry, h)``: a step from the projected
-      input and the recurrent product, each given as its `parts` (a tuple
-      of ``[b, width // parts]`` arrays, gate by gate).
-    hidden: ``hidden(carry) -> h [b, hidden]``, the state ``w_rec`` reads.
-    parts: the number of equal column blocks (gates) of ``width``: 4 for an
-      LSTM, 3 for a GRU, 2 for an MGU, 1 for a simple cell. The fused kernel
-      computes each block apart (Pallas's GPU backend neither slices nor
-      joins arrays in registers).
-    dtype: the Dense layers' computation dtype (`None`: inferred).
-    precision: the Dense layers' ``precision``.
-  """
-
-  w_in: jax.Array
-  b_in: jax.Array | None
-  w_rec: jax.Array
-  gates: Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]]
-  hidden: Callable[[Any], jax.Array]
-  parts: int
-  b_rec: jax.Array | None = None
-  probe: int = 0
-  dtype: Any = None
-  precision: Any = None
-
-  def __post_init__(self):
-    """Checks the fields and stores the weights and biases as arrays.
-
-    Raises:
-      TypeError: for weights or biases that are not arrays, a `probe` or
-        `parts` that is not a static int, or `gates` or `hidden` that is not
-        callable.
-      ValueError: for `w_in` or `w_rec` that is not a matrix, a `w_rec` of
-        another width than `w_in`, a `probe` outside ``[0, width]``, `parts`
-        that do not divide the width into blocks the probe columns fill
-        whole, or a `b_in` that is not ``[width]`` or a `b_rec` that is not
-        ``[probe]`` (or given with ``probe=0``).
-    """
-    w_in, w_rec = as_array(self.w_in, "w_in"), as_array(self.w_rec, "w_rec")
-    for name, w, rows in (("w_in", w_in, "features"), ("w_rec", w_rec, "hidden")):
-      if w.ndim != 2:
-        raise ValueError(
-          f"Expected `{name}` to be a matrix [{rows}, width], got shape {w.shape}."
-        )
-    width = w_in.shape[1]
-    if w_rec.shape[1] != width:
-      raise ValueError(
-        f"Expected `w_rec` to have the width of `w_in` ({width} columns), got "
-        f"shape {w_rec.shape}."
-      )
-    probe = static_int(self.probe, "probe", minimum=0)
-    if probe > width:
-      raise ValueError(f"Expected `probe` in [0, {width}] (the width), got {probe}.")
-    parts = static_int(self.parts, "parts", minimum=1)
-    if width % parts or probe % max(width // parts, 1):
-      raise ValueError(
-        f"Expected `parts` to divide the width {width} into blocks that the "
-        f"probe columns ({probe}) fill whole, got {parts}."
-      )
-    biases = {}
-    for name, size in (("b_in", width), ("b_rec", probe)):
-      value = getattr(self, name)
-      if value is None:
-        biases[name] = None
-        continue
-      value = as_array(value, name)
-      if value.shape != (size,) or (name == "b_rec" and not probe):
-        raise ValueError(
-          f"Expected `{name}` to have shape ({size},), got {value.shape}"
-          + (" with probe=0 (no probe columns)." if not probe else ".")
-        )
-      biases[name] = value
-    check_callable(self.gates, "gates")
-    check_callable(self.hidden, "hidden")
-    for name, value in (
-      ("w_in", w_in),
-      ("w_rec", w_rec),
-      ("probe", probe),
-      *biases.items(),
-    ):
-      object.__setattr__(self, name, value)
-
-  def split(self, a: jax.Array) -> tuple[jax.Array, ...]:
-    """``a [..., width]`` as its `parts`, gate by gate: ``parts`` arrays
-    ``[..., width // parts]``.
-
-    Raises:
-      TypeError, ValueError: for an `a` that is not an array whose last axis
-        is the width.
-    """
-    a = as_array(a, "a")
-    width = self.w_rec.shape[1]
-    if a.ndim < 1 or a.shape[-1] != width:
-      raise ValueError(
-        f"Expected `a` to have the width {width} on its last axis, got shape {a.shape}."
-      )
-    return tuple(jnp.split(a, self.parts, axis=-1))
-
-
-def dense(
-  x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any, precision: Any
-) -> jax.Array:
-  """Flax's ``Dense`` (and ``nnx.Linear``): ``x [..., in] @ kernel [in, out]
-  + bias [out]`` after ``promote_dtype``; ``[..., out]``."""
-  dtype = result_dtype(x, kernel, bias, dtype=dtype)
-  x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
-  bias = None if bias is None else jnp.asarray(bias, dtype)
-  y = jax.lax.dot_general(
-    x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision
-  )
-  return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,18 +132,6 @@ def slot_count(tokens: int, time_capacity: int, tile: int) -> int:
 # Recurrent weights up to this size are read once per program and kept on
 # chip for all its steps; larger ones are read at every step (from L2).
 RESIDENT_BYTES = 96 * 1024
-
-
-def result_dtype(*arrays: Any, dtype: Any = None) -> Any:
-  """The dtype a Flax ``Dense`` computes in: `dtype` when given, else the
-  arrays' promoted dtype (`None` entries aside), float32 or wider when they
-  are integers (as ``flax.linen.dtypes.canonicalize_dtype``)."""
-  if dtype is not None:
-    return jnp.dtype(dtype)
-  result = jnp.result_type(*(a for a in arrays if a is not None))
-  if jnp.issubdtype(result, jnp.inexact):
-    return result
-  return jnp.promote_types(jnp.float32, result)
 
 
 def _product(h: jax.Array, w: jax.Array, cell: Separable, compute: Any) -> jax.Array:

@@ -12,7 +12,7 @@ The backward pass runs the phases in reverse, each stepping ``t`` downward and
 calling the VJP of the step, summing the gradients of parameters and static
 inputs across steps. With ``remat=False`` the forward pass saves the step's
 VJP residuals, each in the place its `Slot` names (the static plan of what
-is stored is `jaxlod.ops._loop_spec`): those that depend on the carry or the
+is stored is `jaxlod.ops._loop._spec`): those that depend on the carry or the
 step input are stored per step in the schedule layout of
 `jaxlod.ops._packed`, those that depend only on parameters and static inputs
 (a concatenated kernel, say) are computed once per phase, so nothing of size
@@ -39,7 +39,7 @@ from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jaxlod._vma import vary, varying_axes
-from jaxlod.ops._loop_spec import (
+from jaxlod.ops._loop._spec import (
   Leaves,
   LoopSpec,
   Phase,

@@ -1,4 +1,5 @@
-"""dynamic_rnn: Fluid's DynamicRNN over a LoDTensor, as a phased loop."""
+"""The phased loop's driver for a step function (`phased_rnn`, run by
+`jaxlod.ops.dynamic_rnn`): Fluid's DynamicRNN over a LoDTensor."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import jax.numpy as jnp
 from jaxlod._checks import (
   all_hold,
   check_bools,
-  check_callable,
   check_step_out,
   is_float_dtype,
 )
@@ -20,9 +20,10 @@ from jaxlod._host import as_array, check_rows
 from jaxlod._lod import LoDTensor, is_lod
 from jaxlod._lod_checks import check_same_lod, check_unstacked
 from jaxlod._vma import vary, varying_axes
-from jaxlod.ops import _loop, _loop_spec, _packed
+from jaxlod.ops import _packed
 from jaxlod.ops._array import permute_rows
-from jaxlod.ops._plan import LoopPlan, plan_with_ladder
+from jaxlod.ops._loop import _phased, _spec
+from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._rank import (
   RankTable,
   check_pair,
@@ -147,14 +148,14 @@ def _convert_phases(step_fn, carry, x_tree, values, statics, ladder):
         index[id(c)] = len(consts)
         consts.append(c)
     span = tuple(index[id(c)] for c in phase_consts)
-    phases.append(_loop_spec.Phase(size=b, fn=flat, consts=span))
+    phases.append(_spec.Phase(size=b, fn=flat, consts=span))
   # A Python scalar the step closes over (a weight `w` under `jax.grad`) is
   # a constant too: as an array it has a shape and a dtype like the others.
   return phases, [jnp.asarray(c) for c in consts], y_tails, y_tree
 
 
 def _float_flags(leaves: list) -> tuple[bool, ...]:
-  return tuple(_loop_spec.is_float(a) for a in leaves)
+  return tuple(_spec.is_float(a) for a in leaves)
 
 
 def _ranked(lods: list, table: RankTable, init_carry: Any, static_inputs: Any) -> tuple:
@@ -175,7 +176,7 @@ def _ranked(lods: list, table: RankTable, init_carry: Any, static_inputs: Any) -
   return lods, table, carry, carry_tree, statics, vma
 
 
-def _spec(
+def _description(
   phases: list,
   x0: LoDTensor,
   table: RankTable,
@@ -183,14 +184,14 @@ def _spec(
   leaves: tuple[list, list, list, list],
   y_tails: list,
   **settings: Any,
-) -> _loop_spec.LoopSpec:
+) -> _spec.LoopSpec:
   """The phased loop's static description for a batch like `x0` ranked by
   `table` on `ladder`; `leaves` are ``(carry, values, static_leaves,
   consts)``, whose float flags it records, and `settings` the rest of its
   fields (`return_sequences`, `remat`, `chunk`, `vma`)."""
   carry, values, statics, consts = leaves
   count = table.count_capacity
-  return _loop_spec.LoopSpec(
+  return _spec.LoopSpec(
     phases=tuple(phases),
     count=count,
     rows=x0.capacity.tokens + count,
@@ -223,7 +224,7 @@ def _bounds(layout: Any, table: RankTable, ladder: tuple[int, ...]) -> tuple:
   )
 
 
-def dynamic_rnn(
+def phased_rnn(
   step_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
   inputs: Any,
   *,
@@ -236,91 +237,13 @@ def dynamic_rnn(
   remat: bool = False,
   plan: LoopPlan | None = None,
 ) -> Any:
-  """Runs a recurrent step over every sequence of a LoDTensor, padding-free.
+  """The phased loop over every sequence of a LoDTensor: `step_fn` run in
+  phases of static batch sizes, each a `lax.while_loop` over exactly the
+  steps whose active batch fits it, with a custom VJP.
 
-  Fluid's DynamicRNN (``while`` + ``while_grad``). Sequences are ranked by
-  length; the loop runs in phases, each a `lax.while_loop` at a static batch
-  size from the ladder, over exactly the steps whose active batch fits it.
-  The work is close to ``sum(lengths)`` rather than ``batch x longest``, and
-  a jitted caller compiles once per capacity whatever the lengths.
-
-  The step sees rank-ordered batches: row ``i`` of every argument belongs to
-  the same sequence, and rows past the active batch hold finished (or
-  padding) sequences whose results are discarded. `step_fn` must treat rows
-  independently.
-
-  Args:
-    step_fn: ``step_fn(carry, x_t, static) -> (new_carry, y_t)``. Every leaf
-      has leading dimension ``b``, the phase's static batch size. Arrays it
-      closes over (model parameters) receive gradients.
-    inputs: a LoDTensor ``values [token_capacity, *features]``, or a pytree of
-      LoDTensors with the same LoD; ``x_t`` has the same structure with
-      leaves ``[b, *features]``.
-    init_carry: pytree of ``[count_capacity, ...]`` leaves in the caller's
-      (original) order (Fluid's ``memory(init=..., need_reorder=True)``).
-    static_inputs: pytree of arrays ``[count_capacity, ...]``, or of
-      LoDTensors holding one sequence per input sequence (an encoder's
-      outputs); a LoDTensor reaches the step as ``(padded [b, source_capacity,
-      ...], lengths [b])``. Default `None`.
-    reverse: run each sequence from its own last row to its first.
-    table: a precomputed `rank_table` of the inputs' last level (the data
-      pipeline builds it on the host); built here when `None`.
-    ladder: static batch sizes of the phases (see `rank_table`).
-    return_sequences: when `False`, return only the final carry and skip
-      writing outputs.
-    remat: save only the carries for the backward pass and recompute each
-      step (less memory for long sequences); by default the step's VJP
-      residuals are saved: the outputs of its matrix products and
-      transcendental functions (an LSTM: its carries and five activations
-      per row), with cheap elementwise ops recomputed and the step input
-      read again. Recomputing costs one more forward step per step but
-      fills a smaller buffer; for LSTM and GRU cells on CPU the two modes
-      measure within noise of each other (see ``benchmarks/rnn.py``).
-    plan: how the loop runs (a `jaxlod.ops.LoopPlan`): its bodies (the
-      ladder, or one or a few sizes where rows are nearly free) and the
-      steps per `lax.while_loop` iteration. `None`: `default_plan()` of
-      the backend at trace time, with a given `ladder` taking the place
-      of its `bodies`. A plan with `bodies` set takes its own sizes
-      whatever the table's ladder, and conflicts with `ladder`.
-
-  Returns:
-    ``(outputs, final_carry)``: `outputs` has the structure of ``y_t`` with
-    LoDTensor leaves (the inputs' LoD, original order, ``values
-    [token_capacity, *y_features]``); `final_carry` has the structure of
-    `init_carry`, each sequence's state after its own last step, original
-    order (an empty sequence keeps its `init_carry`). Only `final_carry` when
-    `return_sequences` is `False`. Under `jit`, a `table` that does not rank
-    the inputs turns the float leaves of both NaN and sets
-    `jaxlod.Fault.TABLE` in the outputs' ``faults``; inputs whose offsets
-    differ turn the float leaves of `final_carry` NaN and set
-    `jaxlod.Fault.INPUT` in the outputs' ``faults``.
-
-  Raises:
-    ValueError: at trace time, for inputs with different LoDs, a `ladder`
-      with a `plan` whose `bodies` is set, an
-      `init_carry` or static input with the wrong leading dimension, a step
-      that changes a carry leaf's shape or dtype, or outputs whose shape
-      changes with the batch size; eagerly, for inputs whose offsets differ
-      or a `table` that does not rank them (under `jit` these are
-      `jax.experimental.checkify` checks, and the results are poisoned as
-      above).
-
-  Differentiable in reverse mode (`jax.grad`, `jax.vjp`) through a custom
-  VJP; forward mode (`jax.jvp`) is not supported.
-
-  Example:
-    >>> import numpy as np, jax.numpy as jnp
-    >>> from jaxlod import LoDTensor
-    >>> from jaxlod.ops import dynamic_rnn
-    >>> x = LoDTensor.from_sequences([np.ones((3, 2)), np.ones((1, 2))])
-    >>> def step(h, x_t, _):
-    ...   h = h + x_t.sum(-1)
-    ...   return h, h
-    >>> ys, h = dynamic_rnn(step, x, init_carry=jnp.zeros(2))
-    >>> h.tolist(), ys.to_list()[0].tolist()
-    ([6.0, 2.0], [2.0, 4.0, 6.0])
+  `jaxlod.ops.dynamic_rnn` with a step function: its arguments, results and
+  errors are `dynamic_rnn`'s (the front door, which checks `step_fn`).
   """
-  check_callable(step_fn, "step_fn")
   lods, x_tree, same_lod = _flatten_inputs(inputs)
   x0 = lods[0]
   check_bools(reverse=reverse, return_sequences=return_sequences, remat=remat)
@@ -351,14 +274,14 @@ def dynamic_rnn(
   settings = dict(
     return_sequences=return_sequences, remat=remat, chunk=plan.chunk, vma=vma
   )
-  spec = _spec(phases, x0, table, loop_ladder, leaves, y_tails, **settings)
+  spec = _description(phases, x0, table, loop_ladder, leaves, y_tails, **settings)
   bounds = vary(_bounds(layout, table, loop_ladder), vma)
   if table.time_capacity == 0 or count == 0:
     # No sequence, or every sequence empty, and no step can run (a loop body would
     # index per-step arrays of length 0): outputs are zeros, carries as given.
     ys, final = [spec.zeros((spec.rows, *t), d) for t, d in spec.y_tails], carry
   else:
-    ys, final = _loop.make_loop(spec)(carry, values, static_leaves, consts, bounds)
+    ys, final = _phased.make_loop(spec)(carry, values, static_leaves, consts, bounds)
   final = permute_rows(final, table.ranks, table.order, "final_carry")
   # A table of another batch, or inputs whose LoDs differ, under `jit`
   # (without `checkify`) give wrong carries: NaN float results and a faulted
