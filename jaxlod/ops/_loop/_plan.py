@@ -56,7 +56,8 @@ class LoopPlan:
       default on every backend: it ships as a default only where the
       benchmark shows it faster (``benchmarks/hoist.py``).
     fused: the recurrent layers of `jaxlod.nn` run those separable cells
-      through `jaxlod.ops.fused_rnn`: the input projection and the weight
+      (and `jaxlod.ops.dynamic_rnn` a `jaxlod.ops.Separable` step, which
+      it otherwise runs hoisted) through `jaxlod.ops.fused_rnn`: the input projection and the weight
       gradients as with `hoist`, and the whole time loop, forward and
       backward, as one Pallas kernel launch each (in interpret mode on a
       CPU). `False` by default on every backend, until the benchmark
