@@ -228,6 +228,63 @@ def _forward_kernel(
   return kernel
 
 
+def _backward_step(
+  cell: Separable,
+  compute: Any,
+  prev: Any,
+  xp: tuple,
+  w: tuple,
+  bias: tuple,
+  dcarry: Any,
+  dy: jax.Array,
+  live: jax.Array,
+) -> tuple[Any, list, list]:
+  """One step of the backward kernel on a tile's rows, recomputed under
+  `jax.vjp`.
+
+  Args:
+    cell: the separable cell.
+    compute: the operand dtype of the recurrent products, or `None`.
+    prev: the carry before the step, leaves ``[tile, size]``.
+    xp: the step's projected inputs, ``[tile, width // parts]`` a part.
+    w: the recurrent weights, ``[hidden, width // parts]`` a part.
+    bias: the recurrent bias, ``[1, width // parts]`` a part.
+    dcarry: the cotangent of the carry after the step, leaves ``[tile, size]``.
+    dy: the cotangent of the step's outputs, ``[tile, out]``.
+    live: bool ``[tile, 1]``, whether each row is within its length.
+
+  Returns:
+    ``(dcarry, d_xp, d_hp)``: the cotangent of the carry before the step
+    (unchanged for rows past their length), and the cotangents of the
+    projected input and of the recurrent product, ``[tile, width // parts]``
+    a part (zero for rows past their length).
+  """
+  h, hidden_vjp = jax.vjp(cell.hidden, prev)
+  hp = _recurrent(h, w, bias, cell, compute)
+  (new, y), step_vjp = jax.vjp(cell.gates, prev, xp, hp)
+  cot = jax.tree.map(lambda d, n: d.astype(n.dtype), dcarry, new)
+  d_prev, d_xp, d_hp = step_vjp((cot, dy.astype(y.dtype)))
+  d_xp = [jnp.where(live, d, 0) for d in d_xp]
+  d_hp = [jnp.where(live, d, 0) for d in d_hp]
+  operand = h.dtype if compute is None else compute
+  d_h = sum(
+    jax.lax.dot_general(
+      d.astype(operand),
+      w_k.astype(operand),
+      (((1,), (1,)), ((), ())),
+      precision=cell.precision,
+      preferred_element_type=h.dtype,
+    )
+    for d, w_k in zip(d_hp, w, strict=True)
+  )
+  (d_from_h,) = hidden_vjp(d_h)
+  d_prev = jax.tree.map(jnp.add, d_prev, d_from_h)
+  dcarry = jax.tree.map(
+    lambda d, o: jnp.where(live, d.astype(o.dtype), o), d_prev, dcarry
+  )
+  return dcarry, d_xp, d_hp
+
+
 def _backward_kernel(
   cell: Separable, treedef: Any, tile: int, compute: Any, resident: bool
 ):
@@ -235,12 +292,7 @@ def _backward_kernel(
   running its steps in reverse.
 
   Args:
-    cell: the separable cell.
-    treedef: the pytree structure of the carry (its leaves come as refs).
-    tile: the sequences (rows) of one program.
-    compute: the operand dtype of the recurrent products, or `None`.
-    resident: read the recurrent weights once per program and keep them for
-      all its steps (else at every step).
+    cell, treedef, tile, compute, resident: as `_forward_kernel`'s.
 
   Returns:
     ``kernel(lengths, steps, starts, xp, w, b, *init, *saved, dy, *dfinal,
@@ -279,18 +331,10 @@ def _backward_kernel(
     dcarry = treedef.unflatten([ref[rows, :] for ref in dfinal_refs])
 
     def body(k, dcarry):
-      """Step ``t = steps - 1 - k`` of the tile, backwards.
-
-      Takes the step's number `k` (0 first: the tile's last step) and
-      `dcarry`, the cotangent of the carry after step ``t`` (leaves
-      ``[tile, size]``). Rebuilds the carry before the step (the saved
-      carry of step ``t - 1``, or the initial carry at ``t = 0``), recomputes
-      the step under `jax.vjp`, and writes the cotangents of its projected
-      input and recurrent product (``[tile, width // parts]`` a part) to
-      ``dxp_ref`` and ``dhp_ref`` at the step's slots, zero for rows past
-      their length. Returns the cotangent of the carry before the step,
-      unchanged for those rows.
-      """
+      """Step ``t = steps - 1 - k`` of the tile (``k = 0``: its last step),
+      by `_backward_step` from the carry before it (the saved carry of step
+      ``t - 1``, or the initial carry at ``t = 0``); writes its cotangents
+      to ``dxp_ref`` and ``dhp_ref`` at the step's slots."""
       t = steps - 1 - k
       at = pl.ds(base + t * tile, tile)
       before = pl.ds(jnp.maximum(base + (t - 1) * tile, 0), tile)
@@ -300,30 +344,9 @@ def _backward_kernel(
       ]
       prev = treedef.unflatten(prev)
       w = resident_w if resident else _columns(w_ref, slice(None), parts, size)
-      h, hidden_vjp = jax.vjp(cell.hidden, prev)
-      hp = _recurrent(h, w, bias, cell, compute)
       xp = _columns(xp_ref, at, parts, size)
-      (new, y), step_vjp = jax.vjp(cell.gates, prev, xp, hp)
-      cot = jax.tree.map(lambda d, n: d.astype(n.dtype), dcarry, new)
-      d_prev, d_xp, d_hp = step_vjp((cot, dy_ref[at, :].astype(y.dtype)))
-      live = t < live_until
-      d_xp = [jnp.where(live, d, 0) for d in d_xp]
-      d_hp = [jnp.where(live, d, 0) for d in d_hp]
-      operand = h.dtype if compute is None else compute
-      d_h = sum(
-        jax.lax.dot_general(
-          d.astype(operand),
-          w_k.astype(operand),
-          (((1,), (1,)), ((), ())),
-          precision=cell.precision,
-          preferred_element_type=h.dtype,
-        )
-        for d, w_k in zip(d_hp, w, strict=True)
-      )
-      (d_from_h,) = hidden_vjp(d_h)
-      d_prev = jax.tree.map(jnp.add, d_prev, d_from_h)
-      dcarry = jax.tree.map(
-        lambda d, o: jnp.where(live, d.astype(o.dtype), o), d_prev, dcarry
+      dcarry, d_xp, d_hp = _backward_step(
+        cell, compute, prev, xp, w, bias, dcarry, dy_ref[at, :], t < live_until
       )
       for j in range(parts):
         dxp_ref[at, pl.ds(j * size, size)] = d_xp[j].astype(dxp_ref.dtype)
@@ -352,6 +375,124 @@ def _shape(a: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
+def _check_carry_ranks(leaves: list) -> None:
+  """Raises a ValueError unless every carry leaf is ``[count_capacity, size]``."""
+  if any(leaf.ndim != 2 for leaf in leaves):
+    raise ValueError(
+      "Expected every `init_carry` leaf to be [count_capacity, size] for the "
+      f"fused kernel, got shapes {[leaf.shape for leaf in leaves]}; use "
+      "jaxlod.ops.dynamic_rnn for carries of other ranks."
+    )
+
+
+def _recurrent_bias(cell: Separable, xp: jax.Array) -> jax.Array:
+  """The recurrent products' bias ``[1, width]`` for projected inputs ``xp
+  [slots, width]``: ``cell.b_rec`` in the last ``cell.probe`` columns, zero
+  elsewhere (everywhere without one)."""
+  width = xp.shape[1]
+  bias = jnp.zeros((1, width), result_dtype(xp, cell.w_rec, dtype=cell.dtype))
+  if cell.b_rec is not None:
+    bias = bias.at[0, width - cell.probe :].set(cell.b_rec.astype(bias.dtype))
+  return bias
+
+
+def _forward_avals(
+  cell: Separable,
+  treedef: Any,
+  leaves: list,
+  xp: jax.Array,
+  bias: jax.Array,
+  tile: int,
+) -> tuple[jax.ShapeDtypeStruct, list[jax.ShapeDtypeStruct]]:
+  """The shapes of the forward kernel's outputs in slots.
+
+  Args:
+    cell: the separable cell.
+    treedef: the pytree structure of the carry.
+    leaves: the initial carry's leaves, ``[tiles * tile, size]``.
+    xp: the projected inputs in slots, ``[slots, width]``.
+    bias: the recurrent bias, ``[1, width]``.
+    tile: the sequences (rows) of one program.
+
+  Returns:
+    ``(y, saved)``: the outputs' ``[slots, out]`` (as ``cell.gates`` gives
+    them) and the saved carries', one ``[slots, size]`` a leaf.
+  """
+  slots, width = xp.shape
+  block = width // cell.parts
+  y_shape = jax.eval_shape(
+    cell.gates,
+    treedef.unflatten([_row(leaf, tile) for leaf in leaves]),
+    (jax.ShapeDtypeStruct((tile, block), xp.dtype),) * cell.parts,
+    (jax.ShapeDtypeStruct((tile, block), bias.dtype),) * cell.parts,
+  )[1]
+  y_aval = jax.ShapeDtypeStruct((slots, y_shape.shape[1]), y_shape.dtype)
+  saved_avals = [
+    jax.ShapeDtypeStruct((slots, leaf.shape[1]), leaf.dtype) for leaf in leaves
+  ]
+  return y_aval, saved_avals
+
+
+def _loop_backward(
+  cell: Separable,
+  treedef: Any,
+  tile: int,
+  compute: Any,
+  resident: bool,
+  interpret: bool,
+  res: tuple,
+  g: tuple,
+) -> tuple:
+  """`fused_loop`'s backward rule: the backward kernel, then the weight
+  gradients as products over all slots.
+
+  Args:
+    cell, treedef, tile, compute, resident: as `_backward_kernel`'s.
+    interpret: as `fused_rnn`'s.
+    res: the forward rule's residuals ``(w_rec, bias, xp, leaves, saved,
+      where)``; `saved` the carry after each slot's step, leaves
+      ``[slots, size]``; `where` the layout's arrays (`fused_loop`'s).
+    g: ``(dy [slots, out], dfinal)``, the cotangents of the outputs and of
+      the final carry (leaves ``[tiles * tile, size]``).
+
+  Returns:
+    The cotangents of the loop's arguments: ``w_rec`` ``[hidden, width]``
+    (``h_prev.T @ d_hp``), ``bias`` ``[1, width]``, ``xp`` ``[slots,
+    width]`` (zero at unused slots), the initial carry's leaves, and
+    `None` for each array of `where`.
+  """
+  w_rec, bias, xp, leaves, saved, where = res
+  tile_steps, slot_valid, previous = where[1], where[3], where[4]
+  dy, dfinal = g
+  outs = pl.pallas_call(
+    _backward_kernel(cell, treedef, tile, compute, resident),
+    out_shape=(_shape(xp), _shape(xp), *map(_shape, leaves)),
+    grid=(tile_steps.shape[0],),
+    interpret=interpret,
+    compiler_params=_params(interpret),
+  )(*where[:3], xp, w_rec, bias, *leaves, *saved, dy, *dfinal)
+  valid = slot_valid[:, None]
+  d_xp = jnp.where(valid, outs[0], 0)
+  d_hp = jnp.where(valid, outs[1], 0)
+  # The state each slot's step started from: the previous slot's carry, or
+  # the initial carry at a sequence's first step.
+  states = cell.hidden(treedef.unflatten(saved))
+  states = jnp.concatenate([states, cell.hidden(treedef.unflatten(leaves))])
+  h_prev = jnp.where(valid, states[previous], 0).astype(d_hp.dtype)
+  g_w = jax.lax.dot_general(
+    h_prev, d_hp, (((0,), (0,)), ((), ())), precision=cell.precision
+  )
+  g_b = jnp.sum(d_hp, axis=0, keepdims=True)
+  d_where = (None,) * len(where)  # integer and bool arrays: no cotangent
+  return (
+    g_w.astype(w_rec.dtype),
+    g_b.astype(bias.dtype),
+    d_xp,
+    list(outs[2:]),
+    d_where,
+  )
+
+
 def fused_loop(
   cell: Separable,
   layout: TileLayout,
@@ -376,30 +517,12 @@ def fused_loop(
     unused) and the final carry in rank order.
   """
   leaves, treedef = jax.tree.flatten(init)
-  if any(leaf.ndim != 2 for leaf in leaves):
-    raise ValueError(
-      "Expected every `init_carry` leaf to be [count_capacity, size] for the "
-      f"fused kernel, got shapes {[leaf.shape for leaf in leaves]}; use "
-      "jaxlod.ops.dynamic_rnn for carries of other ranks."
-    )
-  slots, width = xp.shape
+  _check_carry_ranks(leaves)
   grid = (layout.tile_steps.shape[0],)
   w_rec = cell.w_rec
-  bias = jnp.zeros((1, width), result_dtype(xp, w_rec, dtype=cell.dtype))
-  if cell.b_rec is not None:
-    bias = bias.at[0, width - cell.probe :].set(cell.b_rec.astype(bias.dtype))
+  bias = _recurrent_bias(cell, xp)
   resident = w_rec.size * w_rec.dtype.itemsize <= RESIDENT_BYTES
-  block = width // cell.parts
-  y_shape = jax.eval_shape(
-    cell.gates,
-    treedef.unflatten([_row(leaf, tile) for leaf in leaves]),
-    (jax.ShapeDtypeStruct((tile, block), xp.dtype),) * cell.parts,
-    (jax.ShapeDtypeStruct((tile, block), bias.dtype),) * cell.parts,
-  )[1]
-  y_aval = jax.ShapeDtypeStruct((slots, y_shape.shape[1]), y_shape.dtype)
-  saved_avals = [
-    jax.ShapeDtypeStruct((slots, leaf.shape[1]), leaf.dtype) for leaf in leaves
-  ]
+  y_aval, saved_avals = _forward_avals(cell, treedef, leaves, xp, bias, tile)
 
   # The batch's layout goes in as arguments, not closed over: under `jit` its
   # arrays are tracers, which a custom VJP's rules must not capture (the
@@ -433,52 +556,7 @@ def fused_loop(
     return (y, final), (w_rec, bias, xp, leaves, saved, where)
 
   def loop_bwd(res, g):
-    """`loop`'s backward rule: the backward kernel, then the weight
-    gradients as products over all slots.
-
-    Args:
-      res: `loop_fwd`'s residuals ``(w_rec, bias, xp, leaves, saved,
-        where)``; `saved` the carry after each slot's step, leaves
-        ``[slots, size]``.
-      g: ``(dy [slots, out], dfinal)``, the cotangents of the outputs and of
-        the final carry (leaves ``[tiles * tile, size]``).
-
-    Returns:
-      The cotangents of `loop`'s arguments: ``w_rec`` ``[hidden, width]``
-      (``h_prev.T @ d_hp``), ``bias`` ``[1, width]``, ``xp`` ``[slots,
-      width]`` (zero at unused slots), the initial carry's leaves, and
-      `None` for each array of `where`.
-    """
-    w_rec, bias, xp, leaves, saved, where = res
-    slot_valid, previous = where[3:]
-    dy, dfinal = g
-    outs = pl.pallas_call(
-      _backward_kernel(cell, treedef, tile, compute, resident),
-      out_shape=(_shape(xp), _shape(xp), *map(_shape, leaves)),
-      grid=grid,
-      interpret=interpret,
-      compiler_params=_params(interpret),
-    )(*where[:3], xp, w_rec, bias, *leaves, *saved, dy, *dfinal)
-    valid = slot_valid[:, None]
-    d_xp = jnp.where(valid, outs[0], 0)
-    d_hp = jnp.where(valid, outs[1], 0)
-    # The state each slot's step started from: the previous slot's carry, or
-    # the initial carry at a sequence's first step.
-    states = cell.hidden(treedef.unflatten(saved))
-    states = jnp.concatenate([states, cell.hidden(treedef.unflatten(leaves))])
-    h_prev = jnp.where(valid, states[previous], 0).astype(d_hp.dtype)
-    g_w = jax.lax.dot_general(
-      h_prev, d_hp, (((0,), (0,)), ((), ())), precision=cell.precision
-    )
-    g_b = jnp.sum(d_hp, axis=0, keepdims=True)
-    d_where = (None,) * len(where)  # integer and bool arrays: no cotangent
-    return (
-      g_w.astype(w_rec.dtype),
-      g_b.astype(bias.dtype),
-      d_xp,
-      list(outs[2:]),
-      d_where,
-    )
+    return _loop_backward(cell, treedef, tile, compute, resident, interpret, res, g)
 
   loop.defvjp(loop_fwd, loop_bwd)
   y, final = loop(w_rec, bias, xp, leaves, where)
@@ -509,6 +587,57 @@ def _check_gpu_sizes(cell: Separable, init_carry: Any, tile: int) -> None:
 
 # The dtypes the kernels compute in; `compute_dtype` may also be bfloat16.
 FLOAT_DTYPES = ("float32", "float64")
+
+
+def _check_arguments(
+  cell: Any,
+  x: Any,
+  init_carry: Any,
+  tile: Any,
+  reverse: Any,
+  compute_dtype: Any,
+  interpret: Any,
+) -> tuple[LoDTensor, int, bool, bool]:
+  """`fused_rnn`'s argument checks, in its order (see its Raises).
+
+  Args:
+    cell, x, init_carry, tile, reverse, compute_dtype, interpret: as
+      `fused_rnn`'s.
+
+  Returns:
+    ``(x, tile, reverse, interpret)``: `x` as a LoDTensor, `tile` as a
+    static int, `reverse` and `interpret` as bools (`interpret` `None`: on
+    a CPU backend only).
+  """
+  if not isinstance(cell, Separable):
+    raise TypeError(
+      f"Expected `cell` to be a jaxlod.ops.Separable, got {type(cell).__name__}."
+    )
+  x = check_lod(x, "x")
+  tile = static_int(tile, "tile", minimum=1)
+  reverse = check_bool(reverse, "reverse")
+  if x.values.ndim != 2:
+    raise ValueError(
+      "Expected `x.values` to be [token_capacity, features] for the fused "
+      f"kernel, got shape {tuple(x.values.shape)}; use jaxlod.ops.dynamic_rnn "
+      "for more feature axes."
+    )
+  dtypes = {jnp.dtype(a.dtype).name for a in (x.values, cell.w_in, cell.w_rec)}
+  if not dtypes <= set(FLOAT_DTYPES):
+    raise TypeError(
+      f"Expected the fused kernel's values and weights in {FLOAT_DTYPES}, got "
+      f"{sorted(dtypes)}; use jaxlod.ops.dynamic_rnn for other dtypes."
+    )
+  if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.bfloat16:
+    raise TypeError(
+      f"Expected `compute_dtype` to be None or bfloat16, got {compute_dtype!r}."
+    )
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  interpret = check_bool(interpret, "interpret")
+  if not interpret:
+    _check_gpu_sizes(cell, init_carry, tile)
+  return x, tile, reverse, interpret
 
 
 def fused_rnn(
@@ -562,34 +691,9 @@ def fused_rnn(
       1, or on a GPU a tile, gate block or carry size that is not a power
       of 2 (naming `dynamic_rnn`).
   """
-  if not isinstance(cell, Separable):
-    raise TypeError(
-      f"Expected `cell` to be a jaxlod.ops.Separable, got {type(cell).__name__}."
-    )
-  x = check_lod(x, "x")
-  tile = static_int(tile, "tile", minimum=1)
-  reverse = check_bool(reverse, "reverse")
-  if x.values.ndim != 2:
-    raise ValueError(
-      "Expected `x.values` to be [token_capacity, features] for the fused "
-      f"kernel, got shape {tuple(x.values.shape)}; use jaxlod.ops.dynamic_rnn "
-      "for more feature axes."
-    )
-  dtypes = {jnp.dtype(a.dtype).name for a in (x.values, cell.w_in, cell.w_rec)}
-  if not dtypes <= set(FLOAT_DTYPES):
-    raise TypeError(
-      f"Expected the fused kernel's values and weights in {FLOAT_DTYPES}, got "
-      f"{sorted(dtypes)}; use jaxlod.ops.dynamic_rnn for other dtypes."
-    )
-  if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.bfloat16:
-    raise TypeError(
-      f"Expected `compute_dtype` to be None or bfloat16, got {compute_dtype!r}."
-    )
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  interpret = check_bool(interpret, "interpret")
-  if not interpret:
-    _check_gpu_sizes(cell, init_carry, tile)
+  x, tile, reverse, interpret = _check_arguments(
+    cell, x, init_carry, tile, reverse, compute_dtype, interpret
+  )
   ranked = True
   if table is None:
     table = rank_table(x, level=-1)

@@ -289,7 +289,15 @@ def hoisted_rnn(
 
   def run(w_rec, b_rec, xs, init, table):
     step = _recurrent_step(cell, w_rec, b_rec)
-    return phased_rnn(step, xs, init_carry=init, table=table, **settings)
+    return phased_rnn(
+      step,
+      xs,
+      init_carry=init,
+      static_inputs=None,
+      table=table,
+      return_sequences=True,
+      **settings,
+    )
 
   @jax.custom_vjp
   def loop(w_rec, b_rec, xs, init, table):

@@ -57,11 +57,12 @@ class LoopPlan:
       benchmark shows it faster (``benchmarks/hoist.py``).
     fused: the recurrent layers of `jaxlod.nn` run those separable cells
       (and `jaxlod.ops.dynamic_rnn` a `jaxlod.ops.Separable` step, which
-      it otherwise runs hoisted) through `jaxlod.ops.fused_rnn`: the input projection and the weight
-      gradients as with `hoist`, and the whole time loop, forward and
-      backward, as one Pallas kernel launch each (in interpret mode on a
-      CPU). `False` by default on every backend, until the benchmark
-      (``benchmarks/rnn.py``'s ``jaxlod_fused`` arm) shows it faster.
+      it otherwise runs hoisted) through `jaxlod.ops.fused_rnn`: the input
+      projection and the weight gradients as with `hoist`, and the whole
+      time loop, forward and backward, as one Pallas kernel launch each (in
+      interpret mode on a CPU). `False` by default on every backend, until
+      the benchmark (``benchmarks/rnn.py``'s ``jaxlod_fused`` arm) shows it
+      faster.
 
   Raises:
     TypeError: for `bodies` not `None` or a static int, `chunk` not a

@@ -229,13 +229,13 @@ def phased_rnn(
   inputs: Any,
   *,
   init_carry: Any,
-  static_inputs: Any = None,
-  reverse: bool = False,
-  table: RankTable | None = None,
-  ladder: Sequence[int] | None = None,
-  return_sequences: bool = True,
-  remat: bool = False,
-  plan: LoopPlan | None = None,
+  static_inputs: Any,
+  reverse: bool,
+  table: RankTable | None,
+  ladder: Sequence[int] | None,
+  return_sequences: bool,
+  remat: bool,
+  plan: LoopPlan | None,
 ) -> Any:
   """The phased loop over every sequence of a LoDTensor: `step_fn` run in
   phases of static batch sizes, each a `lax.while_loop` over exactly the
