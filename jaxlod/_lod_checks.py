@@ -218,19 +218,26 @@ def check_sequences(seqs: Any, dtype: Any) -> tuple[np.ndarray, list[list[int]]]
     for g, group in enumerate(inner)
     for j in range(len(group))
   ]
-  flat = [
-    host_array(x, name)
-    for name, x in zip(names, (x for group in inner for x in group), strict=True)
-  ]
+  sequences = (x for group in inner for x in group)
+  flat = [host_array(x, name) for name, x in zip(names, sequences, strict=True)]
   for i, x in enumerate(flat):
     host_numbers(x, "values", where=f" in `seqs`, sequence {i}")
     if x.ndim == 0:
       raise ValueError(
         f"Expected sequence {i} to have rank >= 1 ([length, *features]), got a scalar."
       )
-  features = {x.shape[1:] for x in flat if x.shape[0] > 0} or {
-    x.shape[1:] for x in flat
-  }
+  values = _packed_rows(flat, names, dtype)
+  lengths = [[x.shape[0] for x in flat]]
+  if two_levels:
+    lengths.insert(0, [len(group) for group in inner])
+  return values, lengths
+
+
+def _packed_rows(flat: list[np.ndarray], names: list[str], dtype: Any) -> np.ndarray:
+  """The sequences `flat` (``[length_i, *features]``, named `names`) as rows
+  ``[rows, *features]`` of `dtype`, inferred for `None` (else cast exactly)."""
+  features = {x.shape[1:] for x in flat if x.shape[0] > 0}
+  features = features or {x.shape[1:] for x in flat}
   if len(features) > 1:
     shown = [i for i, x in enumerate(flat) if x.shape[0] > 0] or range(len(flat))
     first = shown[0]
@@ -247,15 +254,9 @@ def check_sequences(seqs: Any, dtype: Any) -> tuple[np.ndarray, list[list[int]]]
     pairs = zip(names, flat, strict=True)
     flat = [cast_exactly(x, dtype, "seqs", name) for name, x in pairs]
   rows = [x.reshape((x.shape[0], *feature_shape)) for x in flat]
-  values = (
-    np.concatenate(rows, axis=0).astype(dtype)
-    if rows
-    else np.zeros((0, *feature_shape), dtype)
-  )
-  lengths = [[x.shape[0] for x in flat]]
-  if two_levels:
-    lengths.insert(0, [len(group) for group in inner])
-  return values, lengths
+  if not rows:
+    return np.zeros((0, *feature_shape), dtype)
+  return np.concatenate(rows, axis=0).astype(dtype)
 
 
 def _inferred_dtype(flat: list[np.ndarray], names: list[str]) -> np.dtype:

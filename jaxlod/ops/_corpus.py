@@ -72,6 +72,16 @@ class _Programs:
   def __init__(
     self, settings: DecodeSettings, chunk: int, mesh: Mesh | None, axis: str
   ):
+    """Builds (does not compile) the four programs.
+
+    Args:
+      settings: the checked `DecodeSettings`: its beam size picks the
+        search's update (greedy for 1, else beam search).
+      chunk: the search steps `advance` runs, an int >= 1.
+      mesh: the one-axis mesh the slots are sharded over (``[slots, ...]``
+        leaves split over `axis`), or `None` for the default device.
+      axis: the name of `mesh`'s axis.
+    """
     self.settings, self.chunk, self.mesh, self.axis = settings, chunk, mesh, axis
     self.k, self.cap = settings.beam_size, settings.max_length
     if self.k == 1:
@@ -404,9 +414,6 @@ def _decode(
   if not isinstance(step_fn, Partial):
     step_fn = Partial(step_fn)
   programs = _programs(settings, chunk, mesh, axis)
-  start, insert, advance = programs.start, programs.insert, programs.advance
-  harvest = programs.harvest
-  cap = settings.max_length
   occupied = np.zeros((slots,), bool)
   index_of = np.full((slots,), -1)
   t = np.zeros((slots,), np.int32)
@@ -415,13 +422,7 @@ def _decode(
   # The encoded sources not yet in a slot: rows [taken, count) of `pending`.
   pending, taken, count = None, 0, 0
   counts = {"slot_steps": 0, "source_steps": 0, "chunks": 0}
-
-  def report():
-    if stats is not None:
-      stats.update(counts)
-      stats["occupancy"] = counts["source_steps"] / max(counts["slot_steps"], 1)
-
-  report()
+  _report_stats(stats, counts)
   while True:
     free = np.flatnonzero(~occupied)
     while free.size and not (exhausted and taken == count):
@@ -430,33 +431,14 @@ def _decode(
         exhausted = len(batch) < refill
         if not batch:
           break
-        init_carry, statics, max_lengths = encode_fn(batch)
-        statics = prepare_statics(statics, refill, per="source")
-        check_rows((init_carry, statics), refill, "encode_fn's outputs")
-        lengths = _check_max_lengths(max_lengths, len(batch), refill, cap, read)
-        pending = start(step_fn, init_carry, statics, lengths, len(batch), read)
-        if mesh is not None:  # every device may take any of them
-          pending = jax.device_put(pending, NamedSharding(mesh, P()))
+        pending = _encode_sources(programs, step_fn, encode_fn, batch, refill, read)
         taken, count = 0, len(batch)
         read += len(batch)
         if loop is None:
-          empty = jax.tree.map(
-            lambda a: jnp.zeros((slots,) + a.shape[1:], a.dtype), pending
-          )
-          loop = _InFlight(
-            empty._replace(statics=(), done=jnp.ones((slots,), bool)),
-            jnp.zeros((slots,), jnp.int32),
-            empty.statics,
-          )
-          if mesh is not None:
-            loop = jax.device_put(loop, NamedSharding(mesh, P(axis)))
+          loop = _free_slots(pending, slots, mesh, axis)
       n = min(free.size, count - taken)
       where = free[:n]
-      rows = np.zeros((refill,), np.int32)
-      rows[:n] = np.arange(taken, taken + n)
-      dest = np.full((refill,), slots, np.int32)  # out of range: dropped
-      dest[:n] = where
-      loop = insert(loop, pending, rows, dest)
+      loop = programs.insert(loop, pending, *_insert_rows(where, taken, refill, slots))
       occupied[where] = True
       index_of[where] = np.arange(read - count + taken, read - count + taken + n)
       t[where] = 0
@@ -464,7 +446,7 @@ def _decode(
       free = free[n:]
     if not occupied.any():
       break
-    state, after = advance(step_fn, (loop.state, loop.t), loop.statics)
+    state, after = programs.advance(step_fn, (loop.state, loop.t), loop.statics)
     loop = loop._replace(state=state, t=after)
     # Copies: the next chunk reuses (donates) the loop's buffers.
     after, done = np.array(after), np.array(state.done)
@@ -474,14 +456,93 @@ def _decode(
     t = after
     finished = occupied & done
     if finished.any():
-      tokens, lengths, best = (np.asarray(a) for a in harvest(loop.state.slots))
-      for s in np.flatnonzero(finished):
-        valid = best[s] > -np.inf
-        # Copies, so that a result kept does not keep every slot's tokens.
-        ids = [tokens[s, j, : lengths[s, j]].copy() for j in np.flatnonzero(valid)]
-        results[int(index_of[s])] = (ids, best[s][valid].copy())
+      results.update(_finished_results(programs, loop, finished, index_of))
       occupied[finished] = False
-    report()
+    _report_stats(stats, counts)
     while out in results:
       yield results.pop(out)
       out += 1
+
+
+def _report_stats(stats: dict | None, counts: dict[str, int]) -> None:
+  """`counts` (``slot_steps``, ``source_steps``, ``chunks``) and their
+  ``occupancy`` into `stats`, unless it is `None`."""
+  if stats is not None:
+    stats.update(counts)
+    stats["occupancy"] = counts["source_steps"] / max(counts["slot_steps"], 1)
+
+
+def _encode_sources(
+  programs: _Programs,
+  step_fn: Partial,
+  encode_fn: Callable,
+  batch: list,
+  refill: int,
+  first: int,
+) -> _search.State:
+  """`batch` (at most `refill` sources, the first at corpus index `first`)
+  encoded by `encode_fn` and started as search states.
+
+  Returns:
+    `programs.start`'s `_search.State` of ``refill`` sources (leaves
+    ``[refill, ...]``, the rows past the batch done), replicated over the
+    mesh when there is one (every device may take any of them).
+
+  Raises:
+    TypeError, ValueError: for `encode_fn` outputs whose leaves do not have
+      `refill` rows or bad max lengths (`_check_max_lengths`).
+  """
+  init_carry, statics, max_lengths = encode_fn(batch)
+  statics = prepare_statics(statics, refill, per="source")
+  check_rows((init_carry, statics), refill, "encode_fn's outputs")
+  lengths = _check_max_lengths(max_lengths, len(batch), refill, programs.cap, first)
+  pending = programs.start(step_fn, init_carry, statics, lengths, len(batch), first)
+  if programs.mesh is not None:  # every device may take any of them
+    pending = jax.device_put(pending, NamedSharding(programs.mesh, P()))
+  return pending
+
+
+def _free_slots(
+  pending: _search.State, slots: int, mesh: Mesh | None, axis: str
+) -> _InFlight:
+  """`slots` free slots shaped as `pending`'s rows: zero leaves ``[slots,
+  ...]``, every slot done, its `t` 0; sharded over `axis` with a `mesh`."""
+  empty = jax.tree.map(lambda a: jnp.zeros((slots,) + a.shape[1:], a.dtype), pending)
+  loop = _InFlight(
+    empty._replace(statics=(), done=jnp.ones((slots,), bool)),
+    jnp.zeros((slots,), jnp.int32),
+    empty.statics,
+  )
+  if mesh is not None:
+    loop = jax.device_put(loop, NamedSharding(mesh, P(axis)))
+  return loop
+
+
+def _insert_rows(
+  where: np.ndarray, taken: int, refill: int, slots: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """`insert`'s ``(rows, dest)``, int32 ``[refill]`` each: the pending rows
+  from `taken` on go into the free slots `where` (the unused entries' `dest`
+  is `slots`, out of range: dropped)."""
+  n = where.size
+  rows = np.zeros((refill,), np.int32)
+  rows[:n] = np.arange(taken, taken + n)
+  dest = np.full((refill,), slots, np.int32)  # out of range: dropped
+  dest[:n] = where
+  return rows, dest
+
+
+def _finished_results(
+  programs: _Programs, loop: _InFlight, finished: np.ndarray, index_of: np.ndarray
+) -> dict[int, tuple[list[np.ndarray], np.ndarray]]:
+  """The results of the `finished` slots (bool ``[slots]``) by corpus index
+  (`index_of`, ``[slots]``): ``(ids, scores)``, the valid hypotheses best
+  first (``ids[j]`` int32 ``[length]``, ``scores`` ``[n]``)."""
+  tokens, lengths, best = (np.asarray(a) for a in programs.harvest(loop.state.slots))
+  results = {}
+  for s in np.flatnonzero(finished):
+    valid = best[s] > -np.inf
+    # Copies, so that a result kept does not keep every slot's tokens.
+    ids = [tokens[s, j, : lengths[s, j]].copy() for j in np.flatnonzero(valid)]
+    results[int(index_of[s])] = (ids, best[s][valid].copy())
+  return results

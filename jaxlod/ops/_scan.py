@@ -207,6 +207,42 @@ def linear_scan(
   values = b.values
   if not is_float_dtype(values.dtype):
     raise TypeError(f"Expected `b.values` to have a float dtype, got {values.dtype}.")
+  a_values, same = _scan_decay(a, b)
+  rows = values.shape[0]
+  dtype = jnp.result_type(a_values.dtype, values.dtype)
+  count = b.capacity.sequences[-1]
+  init = _scan_init(init, count, values.shape[1:], dtype)
+  real = b.row_mask()
+  segment = b.segment_ids()
+  offsets = b.offsets[-1]
+  index = jnp.arange(rows, dtype=segment.dtype)
+  safe = jnp.minimum(segment, max(count - 1, 0))
+  edge = offsets[safe + 1] - 1 if reverse else offsets[safe]
+  starts = real & (index == edge)
+  init_rows = init.astype(dtype)[safe] if count else jnp.zeros_like(values, dtype)
+  states = _segmented(
+    a_values.astype(dtype), values.astype(dtype), init_rows, starts, real, reverse
+  )
+  out = b.with_values(nan_unless(same, states))
+  return with_faults(out, fault_unless(same, Fault.INPUT))
+
+
+def _scan_decay(a: LoDTensor | jax.typing.ArrayLike, b: LoDTensor) -> tuple:
+  """`linear_scan`'s decay `a` checked against `b` (values ``[rows,
+  *features]``).
+
+  Returns:
+    ``(a_values, same)``: `a`'s float values, ``[rows]`` expanded to
+    ``[rows, 1, ...]`` (else ``[rows, ...]`` as given), broadcasting to
+    `b.values`; and whether a LoDTensor `a` has `b`'s LoD (`True` for an
+    array; under `jit` a traced bool).
+
+  Raises:
+    TypeError: for non-float values of `a`.
+    ValueError: for values that do not broadcast to `b.values` row by row,
+      or (eagerly) a LoDTensor `a` with another LoD.
+  """
+  values = b.values
   same = True
   if isinstance(a, LoDTensor):
     check_unstacked(a, "a")
@@ -228,30 +264,27 @@ def linear_scan(
       f"Expected `a`'s values to broadcast to `b.values` {values.shape} row by "
       f"row ([{rows}], [{rows}, 1, ...] or {values.shape}), got {a_values.shape}."
     )
-  dtype = jnp.result_type(a_values.dtype, values.dtype)
-  count = b.capacity.sequences[-1]
-  features = values.shape[1:]
+  return a_values, same
+
+
+def _scan_init(
+  init: jax.typing.ArrayLike | None, count: int, features: tuple, dtype: Any
+) -> jax.Array:
+  """`linear_scan`'s initial states ``[count, *features]`` (`count` the
+  count capacity of `b`): `init` checked, or zeros of `dtype` for `None`.
+
+  Raises:
+    TypeError: for an `init` that is not a float array.
+    ValueError: for an `init` of another shape.
+  """
   if init is None:
-    init = jnp.zeros((count, *features), dtype)
-  else:
-    init = as_array(init, "init", "an array or None")
-    if init.shape != (count, *features):
-      raise ValueError(
-        f"Expected `init` to have shape {(count, *features)} ([count_capacity, "
-        f"*features] of `b`), got {init.shape}."
-      )
-    if not is_float_dtype(init.dtype):
-      raise TypeError(f"Expected `init` to have a float dtype, got {init.dtype}.")
-  real = b.row_mask()
-  segment = b.segment_ids()
-  offsets = b.offsets[-1]
-  index = jnp.arange(rows, dtype=segment.dtype)
-  safe = jnp.minimum(segment, max(count - 1, 0))
-  edge = offsets[safe + 1] - 1 if reverse else offsets[safe]
-  starts = real & (index == edge)
-  init_rows = init.astype(dtype)[safe] if count else jnp.zeros_like(values, dtype)
-  states = _segmented(
-    a_values.astype(dtype), values.astype(dtype), init_rows, starts, real, reverse
-  )
-  out = b.with_values(nan_unless(same, states))
-  return with_faults(out, fault_unless(same, Fault.INPUT))
+    return jnp.zeros((count, *features), dtype)
+  init = as_array(init, "init", "an array or None")
+  if init.shape != (count, *features):
+    raise ValueError(
+      f"Expected `init` to have shape {(count, *features)} ([count_capacity, "
+      f"*features] of `b`), got {init.shape}."
+    )
+  if not is_float_dtype(init.dtype):
+    raise TypeError(f"Expected `init` to have a float dtype, got {init.dtype}.")
+  return init
