@@ -151,7 +151,8 @@ def _params(policy: str, params: tuple) -> tuple:
   )
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+  """`n` rounded up to a multiple of `multiple`."""
   return -(-n // multiple) * multiple
 
 
@@ -319,7 +320,7 @@ class Buckets:
     capacity = multiple
     while capacity < size:
       capacity = max(
-        capacity + multiple, _round_up(math.ceil(capacity * ratio), multiple)
+        capacity + multiple, round_up(math.ceil(capacity * ratio), multiple)
       )
     return capacity
 

@@ -54,16 +54,16 @@ def lengths_digest(lengths: np.ndarray) -> str:
   return digest.hexdigest()
 
 
-def _is_int(value: Any) -> bool:
+def _is_host_int(value: Any) -> bool:
   return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _normalized(key: str, value: Any) -> Any:
   """`value` as the JSON value it stands for; raises if not of `key`'s kind."""
   kind = _KINDS[key]
-  if kind == "an int" and _is_int(value):
+  if kind == "an int" and _is_host_int(value):
     return int(value)
-  if kind == "an int or None" and (value is None or _is_int(value)):
+  if kind == "an int or None" and (value is None or _is_host_int(value)):
     return None if value is None else int(value)
   if kind == "a bool" and isinstance(value, bool | np.bool_):
     return bool(value)
@@ -72,7 +72,7 @@ def _normalized(key: str, value: Any) -> Any:
   if (
     kind == "a list of ints"
     and isinstance(value, list | tuple)
-    and all(_is_int(v) for v in value)
+    and all(_is_host_int(v) for v in value)
   ):
     return [int(v) for v in value]
   raise TypeError(f"Expected Batcher state key {key!r} to be {kind}, got {value!r}.")

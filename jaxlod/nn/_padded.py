@@ -3,9 +3,9 @@
 ``flax.linen.RNN`` and ``flax.nnx.RNN`` take a padded array ``[*batch,
 time, *features]`` (or ``[time, *batch, *features]`` with ``time_major``)
 and per-sequence ``seq_lengths [*batch]``. `jaxlod.nn.RNN` and
-`jaxlod.nn.nnx.RNN` take the same: `pack` flattens the batch axes and
+`jaxlod.nn.nnx.RNN` take the same: `pack_padded` flattens the batch axes and
 packs the real rows into a LoDTensor on static capacities, the padding-free
-loop runs over it, and `unpack` and `unbatch_carry` put the results back in
+loop runs over it, and `unpack_padded` and `unbatch_carry` put the results back in
 Flax's layout. Both twins call these functions; only how they hold the
 cell differs.
 """
@@ -163,7 +163,7 @@ def layout(inputs: jax.Array, seq_lengths: Any, time_major: bool, axes: int) -> 
   return Layout(batch, time, time_major, features, lengths)
 
 
-def pack(inputs: jax.Array, shape: Layout, buckets: Buckets | None) -> LoDTensor:
+def pack_padded(inputs: jax.Array, shape: Layout, buckets: Buckets | None) -> LoDTensor:
   """The real rows of a padded `inputs` as a one-level LoDTensor.
 
   The capacities are `buckets`' for the padded shape; `None` is
@@ -225,7 +225,7 @@ def flip_real(padded: jax.Array, lengths: jax.Array) -> jax.Array:
   return jnp.take_along_axis(padded, index, axis=1)
 
 
-def unpack(outputs: Any, shape: Layout, reverse: bool, keep_order: bool) -> Any:
+def unpack_padded(outputs: Any, shape: Layout, reverse: bool, keep_order: bool) -> Any:
   """The outputs over a packed batch in the padded layout of `shape`.
 
   Steps past each sequence's length are zero. With ``reverse`` and not
@@ -296,12 +296,14 @@ def run_padded(
   buckets = check_buckets(layer.buckets)
   inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
   shape = layout(inputs, seq_lengths, time_major, feature_axes(layer.cell))
-  x = pack(inputs, shape, buckets)
+  x = pack_padded(inputs, shape, buckets)
   if initial_carry is None:
     initial_carry = default_carry((*shape.batch, *shape.features))
   carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
   carry, outputs = run(loop._replace(return_carry=True), x, carry)
-  outputs = nan_where_unsound(unpack(outputs, shape, reverse, keep_order), x, shape)
+  outputs = nan_where_unsound(
+    unpack_padded(outputs, shape, reverse, keep_order), x, shape
+  )
   carry = nan_where_unsound(unbatch_carry(carry, shape), x, shape, time=False)
   return (carry, outputs) if return_carry else outputs
 

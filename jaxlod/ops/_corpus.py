@@ -42,7 +42,7 @@ from jaxlod._checks import check_callable, static_int
 from jaxlod._host import check_rows
 from jaxlod.ops import _search
 from jaxlod.ops._decode import DecodeSettings, check_settings, checked_step
-from jaxlod.ops._loop._rnn import prepare_statics
+from jaxlod.ops._loop._phased_rnn import prepare_statics
 
 
 class _InFlight(NamedTuple):

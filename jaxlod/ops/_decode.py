@@ -33,8 +33,8 @@ from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import check_fits_device, check_rows, host_numbers
 from jaxlod._lod import LoDTensor, is_lod
 from jaxlod.ops import _search
+from jaxlod.ops._loop._phased_rnn import prepare_statics
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder, resolve_plan
-from jaxlod.ops._loop._rnn import prepare_statics
 from jaxlod.ops._rank import default_ladder, ladder_sizes, normalize_ladder
 from jaxlod.ops._segment import build, offsets_from_lengths, rows_of
 

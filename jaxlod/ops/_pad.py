@@ -48,13 +48,13 @@ from jaxlod.ops._segment import (
 # -- index maps between packed rows and padded cells ---------------------------------
 
 
-def _row_cells(layout: Rows, time: int) -> tuple[jax.Array, jax.Array]:
+def _padded_cells(layout: Rows, time: int) -> tuple[jax.Array, jax.Array]:
   """For each packed row, its flattened cell ``sequence * time + position``."""
   valid = layout.valid & (layout.position < time)
   return layout.segment * time + layout.position, valid
 
 
-def _cell_rows(offsets: jax.Array, time: int, tokens: int):
+def _padded_rows(offsets: jax.Array, time: int, tokens: int):
   """For each cell of ``[count, time]``, flattened: its packed row and validity."""
   steps = jnp.arange(time, dtype=jnp.int32)[None, :]
   row = offsets[:-1, None] + steps
@@ -116,8 +116,8 @@ def sequence_pad(
   if time < x.time_capacity[-1]:
     check_lengths_fit(lengths, time, "sequence_pad", "`maxlen`")
   count, tokens = x.capacity.sequences[-1], x.capacity.tokens
-  cell_row, cell_valid = _cell_rows(x.offsets[-1], time, tokens)
-  row_cell, row_valid = _row_cells(rows(x), time)
+  cell_row, cell_valid = _padded_rows(x.offsets[-1], time, tokens)
+  row_cell, row_valid = _padded_cells(rows(x), time)
   flat = gather(x.values, cell_row, cell_valid, row_cell, row_valid)
   mask = cell_valid.reshape((-1,) + (1,) * len(x.feature_shape))
   padded = jnp.where(mask, flat, pad).reshape(count, time, *x.feature_shape)
@@ -241,8 +241,8 @@ def sequence_unpad(
   cap = output_capacity(capacity, bound=bound, real=real, where="sequence_unpad")
   lengths = jnp.clip(lengths, 0, time)  # a no-op unless a check above failed
   offsets = offsets_from_lengths(lengths)
-  row_cell, row_valid = _row_cells(rows_of(offsets, cap.tokens), time)
-  cell_row, cell_valid = _cell_rows(offsets, time, cap.tokens)
+  row_cell, row_valid = _padded_cells(rows_of(offsets, cap.tokens), time)
+  cell_row, cell_valid = _padded_rows(offsets, time, cap.tokens)
   flat = padded.reshape(count * time, *padded.shape[2:])
   values = gather(flat, row_cell, row_valid, cell_row, cell_valid)
   return with_faults(build(values, [lengths], num, cap), fault_unless(ok, Fault.INPUT))

@@ -115,7 +115,7 @@ def _segmented_fwd(a, b, init_rows, starts, real, reverse):
   return h, (a, h, init_rows, starts, real)
 
 
-def _shift(x: jax.Array, reverse: bool, fill: Any) -> jax.Array:
+def _shifted(x: jax.Array, reverse: bool, fill: Any) -> jax.Array:
   """Row ``t`` gets row ``t - 1`` (``t + 1`` with `reverse`); the first
   (last) gets `fill`."""
   pad = jnp.full((1,) + x.shape[1:], fill, x.dtype)
@@ -133,9 +133,9 @@ def _segmented_bwd(reverse, residuals, g):
   # scan's direction: the same scan the other way, each row reading its
   # successor's decay and restarting where its successor restarts (or at
   # the last row).
-  after = _shift(restart, not reverse, True)
-  lam = _scan(after, _shift(a_full, not reverse, 0), g, not reverse)
-  h_prev = jnp.where(start, init_rows, _shift(h, reverse, 0))
+  after = _shifted(restart, not reverse, True)
+  lam = _scan(after, _shifted(a_full, not reverse, 0), g, not reverse)
+  h_prev = jnp.where(start, init_rows, _shifted(h, reverse, 0))
   d_a = jnp.where(live, lam * h_prev, 0)
   d_init = jnp.where(start, lam * a_full, 0)
   # `a` may broadcast over `b`: its gradient sums over the broadcast axes.

@@ -29,7 +29,7 @@ class IndependenceError(AssertionError):
   """One sequence's change reached another sequence's outputs or gradients."""
 
 
-def _rows(x: LoDTensor, level: int) -> list[tuple[int, int]]:
+def _sequence_rows(x: LoDTensor, level: int) -> list[tuple[int, int]]:
   """The ``[start, end)`` rows of `x.values` of each sequence at `level`."""
   level = level % x.num_levels
   offsets = [np.asarray(o) for o in x.offsets]
@@ -74,7 +74,7 @@ def _pieces(leaf: Any, level: int, count: int) -> list[np.ndarray] | None:
     if lvl is None:
       return None
     values = np.asarray(leaf.values)
-    return [values[s:e] for s, e in _rows(leaf, lvl)]
+    return [values[s:e] for s, e in _sequence_rows(leaf, lvl)]
   array = np.asarray(leaf)
   if array.ndim and array.shape[0] == count:
     return list(array)
@@ -102,7 +102,7 @@ def _cotangent(out: Any, level: int, count: int, skip: int, seed: int) -> Any:
       dtype = leaf.values.dtype
       ct = np.zeros(leaf.values.shape, np.float32)
       lvl = _leaf_level(leaf, level, count)
-      for j, (s, e) in enumerate(_rows(leaf, lvl) if lvl is not None else ()):
+      for j, (s, e) in enumerate(_sequence_rows(leaf, lvl) if lvl is not None else ()):
         if j != skip:
           ct[s:e] = rng.normal(size=ct[s:e].shape)
       zero = jax.tree.map(_zero_ct, leaf)
@@ -198,7 +198,7 @@ def check_independent(
   )
   values = np.asarray(x.values)
   count = len(np.asarray(x.offsets[depth])) - 1
-  spans = _rows(x, depth)
+  spans = _sequence_rows(x, depth)
 
   def run(v: np.ndarray) -> Any:
     return call(dataclasses.replace(x, values=jnp.asarray(v)))

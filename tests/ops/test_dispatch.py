@@ -22,7 +22,7 @@ FEATURES, HIDDEN = 3, 4
 LENGTHS = [3, 0, 5, 1]
 
 
-def _params(seed=0):
+def _weights(seed=0):
   rng = np.random.default_rng(seed)
   return {
     "w_in": jnp.asarray(rng.normal(size=(FEATURES, HIDDEN))),
@@ -75,8 +75,8 @@ def test_a_separable_step_equals_its_step_function(plan, reverse):
   run = jax.jit(
     jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3
   )
-  (_, got), got_grads = run(_params(), x.values, h0, _cell)
-  (_, want), want_grads = run(_params(), x.values, h0, _step)
+  (_, got), got_grads = run(_weights(), x.values, h0, _cell)
+  (_, want), want_grads = run(_weights(), x.values, h0, _step)
   assert got[0].dtype == jnp.float64
   for g, w in zip(
     jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads)), strict=True
@@ -86,8 +86,8 @@ def test_a_separable_step_equals_its_step_function(plan, reverse):
 
 def test_a_separable_step_returns_only_the_carry_without_sequences():
   x, h0 = _batch(), jnp.zeros((4, HIDDEN))
-  h = dynamic_rnn(_cell(_params()), x, init_carry=h0, return_sequences=False)
-  _, want = dynamic_rnn(_step(_params()), x, init_carry=h0)
+  h = dynamic_rnn(_cell(_weights()), x, init_carry=h0, return_sequences=False)
+  _, want = dynamic_rnn(_step(_weights()), x, init_carry=h0)
   np.testing.assert_allclose(h, want, rtol=1e-12, atol=1e-12)
 
 
@@ -96,7 +96,7 @@ def test_a_separable_step_takes_no_static_inputs():
   with pytest.raises(
     ValueError, match=r"no `static_inputs` with a Separable `step_fn`"
   ):
-    dynamic_rnn(_cell(_params()), x, init_carry=h0, static_inputs=jnp.zeros((4, 2)))
+    dynamic_rnn(_cell(_weights()), x, init_carry=h0, static_inputs=jnp.zeros((4, 2)))
 
 
 def test_a_separable_step_takes_one_lodtensor():
@@ -104,7 +104,7 @@ def test_a_separable_step_takes_one_lodtensor():
   with pytest.raises(
     TypeError, match=r"Expected `inputs` to be a LoDTensor, got tuple"
   ):
-    dynamic_rnn(_cell(_params()), (x, x), init_carry=h0)
+    dynamic_rnn(_cell(_weights()), (x, x), init_carry=h0)
 
 
 def test_a_step_fn_neither_callable_nor_separable_is_named():

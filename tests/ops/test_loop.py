@@ -1,12 +1,12 @@
 """The residual slots of the phased loop (`jaxlod.ops._loop._spec`) and the
-static flags of its custom VJP (`jaxlod.ops._loop._phased`)."""
+static flags of its custom VJP (`jaxlod.ops._loop._phased_loop`)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jaxlod.ops._loop import _phased, _spec
+from jaxlod.ops._loop import _phased_loop, _spec
 from jaxlod.ops._loop._spec import Slot, SlotKind
 
 
@@ -47,7 +47,7 @@ def test_save_plan_stores_each_saved_value_once_and_reassembles():
 
 
 def test_perturbed_flags_are_static_structure():
-  perturbed = _phased._Perturbed((True, False))
+  perturbed = _phased_loop._Perturbed((True, False))
   leaves, tree = jax.tree.flatten(perturbed)
   assert leaves == []
   assert jax.tree.unflatten(tree, []) == perturbed

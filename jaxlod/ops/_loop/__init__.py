@@ -5,8 +5,8 @@ layer run a recurrence over a LoDTensor. Its public names are
   * `_plan`: `LoopPlan` and `default_plan`, how a loop runs on a backend;
   * `_spec`: the loop's static description (`LoopSpec`, its `Phase`\\ s and
     the `Residuals` a phase's forward pass keeps for the backward one);
-  * `_phased`: the phased loop and its custom VJP;
-  * `_rnn`: `phased_rnn`, a step function ranked, packed and run through it;
+  * `_phased_loop`: the phased loop and its custom VJP;
+  * `_phased_rnn`: `phased_rnn`, a step function ranked, packed and run through it;
   * `_hoisted`: the `Separable` cell and `hoisted_rnn`, its input projection
     before the loop and its recurrent gradient after it;
   * `_fused`: `fused_rnn`, a separable cell's loop as one Pallas kernel;

@@ -21,8 +21,8 @@ from jaxlod._checks import check_bool, check_callable
 from jaxlod._lod import check_lod
 from jaxlod.ops._loop._fused import fused_rnn
 from jaxlod.ops._loop._hoisted import Separable, hoisted_rnn
+from jaxlod.ops._loop._phased_rnn import phased_rnn
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
-from jaxlod.ops._loop._rnn import phased_rnn
 from jaxlod.ops._rank import RankTable
 
 

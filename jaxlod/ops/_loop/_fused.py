@@ -360,7 +360,7 @@ def _backward_kernel(
   return kernel
 
 
-def _params(interpret: bool) -> Any:
+def _compiler_params(interpret: bool) -> Any:
   """On a GPU, Pallas's Triton backend (its Mosaic GPU backend copies whole
   blocks through shared memory, which a tile of per-row lengths does not
   fill)."""
@@ -469,7 +469,7 @@ def _loop_backward(
     out_shape=(_shape(xp), _shape(xp), *map(_shape, leaves)),
     grid=(tile_steps.shape[0],),
     interpret=interpret,
-    compiler_params=_params(interpret),
+    compiler_params=_compiler_params(interpret),
   )(*where[:3], xp, w_rec, bias, *leaves, *saved, dy, *dfinal)
   valid = slot_valid[:, None]
   d_xp = jnp.where(valid, outs[0], 0)
@@ -541,7 +541,7 @@ def fused_loop(
       out_shape=(y_aval, *saved_avals, *map(_shape, leaves)),
       grid=grid,
       interpret=interpret,
-      compiler_params=_params(interpret),
+      compiler_params=_compiler_params(interpret),
     )(*where[:3], xp, w_rec, bias, *leaves)
     n = len(leaves)
     return outs[0], list(outs[1 : n + 1]), list(outs[n + 1 :])

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jaxlod._checks import check_callable, static_int
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor
+from jaxlod.ops._loop._phased_rnn import phased_rnn
 from jaxlod.ops._loop._plan import LoopPlan
-from jaxlod.ops._loop._rnn import phased_rnn
 from jaxlod.ops._rank import RankTable
 
 

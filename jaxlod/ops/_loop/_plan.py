@@ -18,12 +18,9 @@ from typing import Any
 
 import jax
 
+from jaxlod._buckets import round_up
 from jaxlod._checks import check_bool, static_int
 from jaxlod.ops._rank import normalize_ladder
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +114,7 @@ class LoopPlan:
       return ladder
     sizes = [count_capacity]
     for _ in range(self.bodies - 1):
-      size = min(_round_up(-(-sizes[-1] // 2), 8), sizes[-1] - 1)
+      size = min(round_up(-(-sizes[-1] // 2), 8), sizes[-1] - 1)
       if size < 1:
         break
       sizes.append(size)

@@ -1,4 +1,4 @@
-"""The static side of the phased loop (`jaxlod.ops._loop._phased`): what it is, and
+"""The static side of the phased loop (`jaxlod.ops._loop._phased_loop`): what it is, and
 what its forward pass stores for the backward pass.
 
 `Phase` and `LoopSpec` describe the loop; `Residuals` is, per phase, what the

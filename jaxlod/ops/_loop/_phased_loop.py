@@ -71,7 +71,7 @@ def _slab(buffer: jax.Array, offset: jax.typing.ArrayLike, size: int) -> jax.Arr
   return lax.dynamic_slice_in_dim(buffer, offset, size, axis=0)
 
 
-def _put(
+def _write_rows(
   buffer: jax.Array, offset: jax.typing.ArrayLike, value: jax.Array
 ) -> jax.Array:
   """Writes `value` at rows ``[offset, offset + len(value))``."""
@@ -88,7 +88,7 @@ def _set_prefix(full: jax.Array, part: jax.Array) -> jax.Array:
   return lax.dynamic_update_slice(full, part.astype(full.dtype), (0,) * full.ndim)
 
 
-def _pad_rows(part: jax.Array, rows: int) -> jax.Array:
+def _pad_to(part: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(part, [(0, rows - part.shape[0])] + [(0, 0)] * (part.ndim - 1))
 
 
@@ -335,7 +335,7 @@ def _forward_phase(
     if spec.return_sequences:
       # Rows past the active batch land in the next step's slab, which that
       # step then overwrites.
-      ys = [_put(buf, offset, leaf) for buf, leaf in zip(ys, y, strict=True)]
+      ys = [_write_rows(buf, offset, leaf) for buf, leaf in zip(ys, y, strict=True)]
     return _ForwardState(c, ys, buffers)
 
   return _steps(spec, data, body, state)
@@ -421,7 +421,7 @@ def _backward_phase(
     g_c = [_mask(active, new, old) for new, old in zip(g_new_c, g_c, strict=True)]
     # Going backward, the next step's slab is already written: keep its rows.
     g_values = [
-      _put(buf, offset, _mask(active, g, _slab(buf, offset, b)))
+      _write_rows(buf, offset, _mask(active, g, _slab(buf, offset, b)))
       for buf, g in zip(g_values, g_x, strict=True)
     ]
     g_statics, g_consts = _accumulate(g_statics, g_consts, g_inv, const_slots)
@@ -542,7 +542,7 @@ def _backward(
     )
     g_carry = [_set_prefix(full, part) for full, part in zip(g_carry, g_c, strict=True)]
     g_statics = [
-      full + _pad_rows(part, spec.count)
+      full + _pad_to(part, spec.count)
       for full, part in zip(g_statics, g_phase_statics, strict=True)
     ]
   return (

@@ -22,7 +22,7 @@ from jaxlod._lod_checks import check_same_lod, check_unstacked
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _packed
 from jaxlod.ops._array import permute_rows
-from jaxlod.ops._loop import _phased, _spec
+from jaxlod.ops._loop import _phased_loop, _spec
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._rank import (
   RankTable,
@@ -281,7 +281,9 @@ def phased_rnn(
     # index per-step arrays of length 0): outputs are zeros, carries as given.
     ys, final = [spec.zeros((spec.rows, *t), d) for t, d in spec.y_tails], carry
   else:
-    ys, final = _phased.make_loop(spec)(carry, values, static_leaves, consts, bounds)
+    ys, final = _phased_loop.make_loop(spec)(
+      carry, values, static_leaves, consts, bounds
+    )
   final = permute_rows(final, table.ranks, table.order, "final_carry")
   # A table of another batch, or inputs whose LoDs differ, under `jit`
   # (without `checkify`) give wrong carries: NaN float results and a faulted
