@@ -25,6 +25,7 @@ from jaxlod._checks import (
 )
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod.ops._attention import check_memory_rows
 
 
 def check_counts(tgt: LoDTensor, memory: LoDTensor) -> None:
@@ -257,12 +258,13 @@ def check_tokens(tokens: jax.typing.ArrayLike) -> jax.Array:
 
 
 def check_encoded(memory: Any) -> LoDTensor:
-  """An encoder's output must be a LoDTensor."""
+  """An encoder's output must be a LoDTensor of one level with vector rows,
+  the memory of an attention decoder (whose call checks its LoD)."""
   if not is_lod(memory):
     raise TypeError(
       f"Expected `encoder` to return a LoDTensor, got {type(memory).__name__}."
     )
-  return memory
+  return check_memory_rows(memory)
 
 
 def check_vocabs(vocabs: Sequence[int], name: str = "tgt_vocab") -> int:

@@ -111,7 +111,7 @@ class AttentionDecoder(nn.Module):
       [count_capacity], keys [count_capacity, time_capacity, units] |
       None)``.
     """
-    return precompute_memory(self.attention, memory)
+    return precompute_memory(self.attention, core.check_memory_lod(memory))
 
   def step(
     self, carry: Any, x_t: jax.typing.ArrayLike, memory: core.Memory
@@ -136,6 +136,7 @@ class AttentionDecoder(nn.Module):
     the step input is ``x_t`` (`input_features` wide), with the memory's
     features added under input feeding (``cell.initialize_carry`` with a
     fixed key: Flax's cells start from zeros)."""
+    memory = core.check_memory_lod(memory)
     shape = carry_shape(memory, input_features, self.input_feeding)
     return self.initialize_carry(shape)
 
@@ -157,7 +158,11 @@ class AttentionDecoder(nn.Module):
       ``[count_capacity, features]`` when `input_feeding`.
     """
     return start_state(
-      memory, input_features, initial_carry, self.zero_carry, self.input_feeding
+      core.check_memory_lod(memory),
+      input_features,
+      initial_carry,
+      self.initialize_carry,
+      self.input_feeding,
     )
 
   def __call__(

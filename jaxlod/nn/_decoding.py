@@ -42,21 +42,19 @@ def attend_query(
 
 
 def precompute_memory(attention: Any, memory: LoDTensor) -> Memory:
-  """`memory` padded, with what `attention` precomputes from it
-  (``attention.keys(memory)`` on the packed rows; `None` if it has no
-  `keys`)."""
-  memory = check_memory_lod(memory)
+  """`memory` (checked by `check_memory_lod`) padded, with what `attention`
+  precomputes from it (``attention.keys(memory)`` on the packed rows; `None`
+  if it has no `keys`)."""
   keys = getattr(attention, "keys", None)
-  return core.lod_memory(memory, None if keys is None else keys(memory))
+  return core.padded_memory(memory, None if keys is None else keys(memory))
 
 
 def carry_shape(
   memory: LoDTensor, input_features: int, input_feeding: bool
 ) -> tuple[int, int]:
-  """``(count capacity, step input width)`` of a decoder's cell: the step
-  input is ``x_t`` (`input_features` wide), with the memory's features added
-  under input feeding."""
-  memory = check_memory_lod(memory)
+  """``(count capacity, step input width)`` of a decoder's cell over a
+  checked `memory`: the step input is ``x_t`` (`input_features` wide), with
+  the memory's features added under input feeding."""
   fed = memory.feature_shape[-1] if input_feeding else 0
   return memory.capacity.sequences[-1], input_features + fed
 
@@ -65,15 +63,15 @@ def start_state(
   memory: LoDTensor,
   input_features: int,
   initial_carry: Any,
-  zero_carry: Callable[[LoDTensor, int], Any],
+  initialize_carry: Callable[[tuple[int, int]], Any],
   input_feeding: bool,
 ) -> Any:
-  """A decoder's first carry: `initial_carry` (by default
-  ``zero_carry(memory, input_features)``), paired with a zero context
+  """A decoder's first carry over a checked `memory`: `initial_carry` (by
+  default ``initialize_carry`` of `carry_shape`), paired with a zero context
   ``[count_capacity, features]`` under input feeding."""
-  memory = check_memory_lod(memory)
   if initial_carry is None:
-    initial_carry = zero_carry(memory, input_features)
+    shape = carry_shape(memory, input_features, input_feeding)
+    initial_carry = initialize_carry(shape)
   if not input_feeding:
     return initial_carry
   shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
@@ -97,12 +95,15 @@ def check_plan(plan: Any, ladder: Any = None) -> LoopPlan | None:
 
 
 def check_decoder_call(
-  decoder: Any, tgt: Any, memory: Any, initial_carry: Any, return_weights: Any
-) -> tuple[LoDTensor, LoDTensor]:
-  """The checked ``(tgt, memory)`` of a decoder's teacher-forced call, after
-  its cell, attention, flags and the carry's leaves."""
-  tgt = check_targets(tgt)
-  memory = check_memory_lod(memory)
+  decoder: Any,
+  tgt: LoDTensor,
+  memory: LoDTensor,
+  initial_carry: Any,
+  return_weights: Any,
+) -> None:
+  """The rest of a decoder's teacher-forced call, with `tgt` and `memory`
+  checked: its cell, attention, flags, the carry's leaves, the numbers of
+  sequences and the input width."""
   _checks.check_callable(decoder.cell, "cell")
   check_attention_layer(decoder.attention, decoder)
   _checks.check_bools(
@@ -115,7 +116,6 @@ def check_decoder_call(
   check_leaves(initial_carry, "initial_carry")
   check_counts(tgt, memory)
   decoder.check_input_width(tgt, memory)
-  return tgt, memory
 
 
 def teacher_forced(
@@ -126,13 +126,30 @@ def teacher_forced(
   return_weights: bool,
   table: RankTable | None,
 ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
-  """`AttentionDecoder`'s call: its `step` over every target sequence
-  (`jaxlod.ops.run_decoder`), from ``decoder.initial_state`` over
-  ``decoder.precompute(memory)``, the step made pure by
-  ``decoder.pure_step``."""
-  tgt, memory = check_decoder_call(decoder, tgt, memory, initial_carry, return_weights)
-  carry = decoder.initial_state(memory, tgt.feature_shape[-1], initial_carry)
-  padded = decoder.precompute(memory)
+  """`AttentionDecoder`'s call: `tgt` and `memory` checked, then
+  `forced_outputs`."""
+  tgt, memory = check_targets(tgt), check_memory_lod(memory)
+  return forced_outputs(decoder, tgt, memory, initial_carry, return_weights, table)
+
+
+def forced_outputs(
+  decoder: Any,
+  tgt: LoDTensor,
+  memory: LoDTensor,
+  initial_carry: Any,
+  return_weights: bool,
+  table: RankTable | None,
+) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
+  """A decoder's teacher-forced outputs over a checked `tgt` and `memory`
+  (`check_decoder_call` checks the rest): its `step` over every target
+  sequence (`jaxlod.ops._attention.run_decoder`) from `start_state`, over
+  `precompute_memory`, the step made pure by ``decoder.pure_step``."""
+  check_decoder_call(decoder, tgt, memory, initial_carry, return_weights)
+  features = tgt.feature_shape[-1]
+  carry = start_state(
+    memory, features, initial_carry, decoder.initialize_carry, decoder.input_feeding
+  )
+  padded = precompute_memory(decoder.attention, memory)
   step, carry, _ = count_steps(decoder.pure_step(carry, tgt, padded), carry)
   outputs = core.run_decoder(
     step,
@@ -145,7 +162,5 @@ def teacher_forced(
     remat=decoder.remat,
     plan=decoder.plan,
   )
-  if not is_lod(memory):  # a Memory: no fault record
-    return outputs
   # The outputs read the memory: its faults (an encoder's) are theirs too.
   return jax.tree.map(lambda x: with_faults(x, memory), outputs, is_leaf=is_lod)

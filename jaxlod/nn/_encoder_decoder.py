@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.tree_util import Partial
@@ -25,12 +26,13 @@ from jaxlod._checks import check_integer, static_int
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._checks import check_encoded, check_tokens
+from jaxlod.nn._decoding import carry_shape, start_state
 from jaxlod.nn._recurrent import count_steps, counted_carry, counted_step, zero_padding
 from jaxlod.ops import _decode
-from jaxlod.ops._attention import Memory, check_memory_lod
+from jaxlod.ops._attention import Memory
 from jaxlod.ops._corpus import corpus_slots, decode_corpus, source_iterator
 from jaxlod.ops._decode import check_settings
-from jaxlod.ops._pool import sequence_pool
+from jaxlod.ops._pool import check_pool_dtype, pool_rows
 from jaxlod.ops._rank import RankTable, check_table
 
 
@@ -81,19 +83,31 @@ def encode_ids(
   return check_encoded(encoder(src, **extra))
 
 
-def bridged_carry(
-  memory: LoDTensor,
-  bridge: Callable[[jax.Array, Any], Any] | None,
-  zero_carry: Callable[[LoDTensor, int], Any],
-  embed_dim: int,
-) -> Any:
-  """`Seq2Seq.cell_carry`: ``bridge(average of each memory sequence,
-  zero_carry(memory, embed_dim))``, or `None` without a bridge (the cell's
-  zeros)."""
+def bridged_carry(model: Any, memory: LoDTensor) -> Any:
+  """`Seq2Seq.cell_carry` of a checked `memory`: ``model.carry_bridge(
+  average of each memory sequence, the decoder's zero carry)``, or `None`
+  without a bridge (the cell's zeros)."""
+  bridge, decoder = model.carry_bridge, model.decoder
   if bridge is None:
     return None
-  pooled = sequence_pool(check_memory_lod(memory), "average")
-  return bridge(pooled, zero_carry(memory, embed_dim))
+  check_pool_dtype(memory.values.dtype, "average")
+  pad = jnp.zeros(memory.feature_shape, memory.values.dtype)
+  pooled = pool_rows(memory, "average", pad)
+  shape = carry_shape(memory, model.embed_dim, decoder.input_feeding)
+  return bridge(pooled, decoder.initialize_carry(shape))
+
+
+def start_carry(model: Any, memory: LoDTensor) -> Any:
+  """`Seq2Seq.initial_state` of a checked `memory`: the decoder's first
+  carry from `bridged_carry`."""
+  decoder = model.decoder
+  return start_state(
+    memory,
+    model.embed_dim,
+    bridged_carry(model, memory),
+    decoder.initialize_carry,
+    decoder.input_feeding,
+  )
 
 
 def decode_tokens(
@@ -120,7 +134,7 @@ def forced_logits(
   tgt_table: RankTable | None,
 ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
   """`Seq2Seq.__call__`: ``model.encode``, then ``model.decoder`` over the
-  embedded `tgt_in` from ``model.cell_carry``, then ``model.output``, with
+  embedded `tgt_in` from `bridged_carry`, then ``model.output``, with
   ``model.dropout_rows`` on the decoder's inputs and outputs."""
   check_table(src_table, "src_table", optional=True)
   check_table(tgt_table, "tgt_table", optional=True)
@@ -129,10 +143,12 @@ def forced_logits(
   tgt = embed_ids(model.tgt_embed, tgt_in, "tgt_in", model.tgt_vocab)
   # Dropout keeps zero padding rows at zero.
   tgt = tgt.with_values(model.dropout_rows(tgt.values))
+  # `encode` checked the memory's structure; the decoder's call checks its
+  # LoD, once for the whole call (its outputs would carry a bridge's fault).
   outputs = model.decoder(
     tgt,
     memory,
-    model.cell_carry(memory),
+    bridged_carry(model, memory),
     return_weights=return_weights,
     table=tgt_table,
   )

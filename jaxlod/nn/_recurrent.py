@@ -25,7 +25,7 @@ from jaxlod._checks import check_rate
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._checks import check_rnn_layer, split_pair
-from jaxlod.ops._loop._dispatch import dynamic_rnn
+from jaxlod.ops._loop._dispatch import dispatch
 from jaxlod.ops._loop._hoisted import Separable
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type, sequence_pool
@@ -159,7 +159,8 @@ def run_cell(
   }
   if not isinstance(step, Separable):
     step = _without_statics(step)
-  outputs, carry = dynamic_rnn(step, x, **settings)
+  # The layer checked `x`: the front door's dispatcher takes it as it is.
+  outputs, carry = dispatch(step, x, **settings)
   return (carry, outputs) if return_carry else outputs
 
 

@@ -24,9 +24,10 @@ from jaxlod.nn._encoder_decoder import (
   forced_logits,
   generate,
   generate_corpus,
+  start_carry,
 )
 from jaxlod.nn._rnn import pure_method
-from jaxlod.ops._attention import Memory
+from jaxlod.ops._attention import Memory, check_memory_lod
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
 from jaxlod.ops._rank import RankTable
 
@@ -127,8 +128,7 @@ class Seq2Seq(nn.Module):
     self.drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
     self.src_embed = nn.Embed(self.src_vocab, self.embed_dim)
     self.tgt_embed = nn.Embed(self.tgt_vocab, self.embed_dim)
-    if self.bridge:
-      self.carry_bridge = CarryBridge()
+    self.carry_bridge = CarryBridge() if self.bridge else None
     self.output = nn.Dense(self.tgt_vocab)
 
   def encode(self, src: LoDTensor, table: RankTable | None = None) -> LoDTensor:
@@ -158,12 +158,11 @@ class Seq2Seq(nn.Module):
       The carry of `decode_step`, leaves ``[count_capacity, ...]`` in
       `memory`'s order (see `AttentionDecoder.initial_state`).
     """
-    return self.decoder.initial_state(memory, self.embed_dim, self.cell_carry(memory))
+    return start_carry(self, check_memory_lod(memory))
 
   def cell_carry(self, memory: LoDTensor) -> Any:
     """The bridged initial cell carry, or `None` (the cell's zeros)."""
-    bridge = self.carry_bridge if self.bridge else None
-    return bridged_carry(memory, bridge, self.decoder.zero_carry, self.embed_dim)
+    return bridged_carry(self, check_memory_lod(memory))
 
   def precompute(self, memory: LoDTensor) -> Memory:
     """The `jaxlod.ops.Memory` of `memory` for `decode_step` (see

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxlod._checks import check_bool, is_concrete, is_float_dtype, require, static_int
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows, index_scalar
-from jaxlod._lod import LoDTensor, owners
+from jaxlod._lod import LoDTensor, check_lod, owners
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops._rank import (
   RankTable,
@@ -157,7 +157,7 @@ def lod_to_array(x: LoDTensor, table: RankTable) -> jax.Array:
     >>> lod_to_array(x, rank_table(x)).tolist()
     [[3.0, 1.0], [4.0, 2.0], [5.0, 0.0]]
   """
-  ranked = check_pair(x, table, "x")
+  ranked = check_pair(check_lod(x, "x"), table, "x")
   index, valid = _cell_rows(x, table)
   flat = gather(x.values, index, valid, *_row_cells(x, table))
   shape = (table.time_capacity, table.count_capacity, *x.feature_shape)
@@ -181,7 +181,7 @@ def array_to_lod(array: jax.Array, table: RankTable, *, like: LoDTensor) -> LoDT
     A LoDTensor with `like`'s LoD and ``values [token_capacity, *features]``,
     zeros in padding rows.
   """
-  ranked = check_pair(like, table, "like")
+  ranked = check_pair(check_lod(like, "like"), table, "like")
   array = as_array(array, "array")
   expected = (table.time_capacity, table.count_capacity)
   if array.ndim < 2 or array.shape[:2] != expected:

@@ -31,7 +31,7 @@ from jaxlod._checks import (
 )
 from jaxlod._host import as_array, check_fits_device
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.ops._loop._dispatch import dynamic_rnn
+from jaxlod.ops._loop._dispatch import dispatch
 from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, nan_unless
 
@@ -79,7 +79,13 @@ def lod_memory(memory: LoDTensor, keys: LoDTensor | None = None) -> Memory:
     TypeError, ValueError: for a memory that is not a one-level LoDTensor of
       vectors, or keys that are not a LoDTensor.
   """
-  values, lengths = check_memory_lod(memory).to_padded()
+  return padded_memory(check_memory_lod(memory), keys)
+
+
+def padded_memory(memory: LoDTensor, keys: LoDTensor | None = None) -> Memory:
+  """`lod_memory` of a memory that `check_memory_lod` has checked (the keys
+  are checked here)."""
+  values, lengths = memory.to_padded()
   if keys is not None:
     keys = check_lod(keys, "keys").to_padded()[0]
   return Memory(values, lengths, keys)
@@ -465,7 +471,8 @@ def run_decoder(
 
   Args:
     step: the pure decoder step.
-    tgt: a LoDTensor ``values [token_capacity, input_features]``.
+    tgt: a LoDTensor ``values [token_capacity, input_features]``, checked by
+      the caller (`check_lod`).
     memory: the `Memory`, leaves ``[count_capacity, ...]`` in `tgt`'s order.
     init_carry: the carry, leaves ``[count_capacity, ...]`` in `tgt`'s order.
     return_weights, table, ladder, remat, plan: see
@@ -480,11 +487,13 @@ def run_decoder(
     carry, y, weights = step(carry, x_t, memory)
     return carry, ((y, weights) if return_weights else y)
 
-  outputs, _ = dynamic_rnn(
+  # The decoder checked `tgt`: the front door's dispatcher takes it as it is.
+  outputs, _ = dispatch(
     step_fn,
     tgt,
     init_carry=init_carry,
     static_inputs=memory,
+    reverse=False,
     table=table,
     ladder=ladder,
     remat=remat,
@@ -524,7 +533,12 @@ def check_memory_lod(memory: Any, name: str = "memory") -> LoDTensor:
     TypeError: for a memory that is not a LoDTensor.
     ValueError: for more than one level or rows that are not vectors.
   """
-  memory = check_lod(memory, name)
+  return check_memory_rows(check_lod(memory, name), name)
+
+
+def check_memory_rows(memory: LoDTensor, name: str = "memory") -> LoDTensor:
+  """The structure `check_memory_lod` asks of a LoDTensor `memory`: one
+  level, vector rows (a LoDTensor whose LoD is checked elsewhere)."""
   if memory.num_levels != 1 or len(memory.feature_shape) != 1:
     raise ValueError(
       f"Expected a LoDTensor `{name}` with one LoD level and values [src_tokens, "

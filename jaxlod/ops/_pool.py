@@ -107,7 +107,12 @@ def sequence_pool(
   x = check_lod(x, "x")
   pool = check_pool_type(pool_type)
   check_pool_dtype(x.values.dtype, pool)
-  pad = check_pad_value(pad_value, x)
+  return pool_rows(x, pool, check_pad_value(pad_value, x))
+
+
+def pool_rows(x: LoDTensor, pool: str, pad: jax.Array) -> jax.Array | LoDTensor:
+  """`sequence_pool` of a checked `x` with a checked `pool` type and `pad`
+  value (for callers that hold checked values)."""
   count = x.capacity.sequences[-1]
   if x.capacity.tokens == 0 or count == 0:
     pooled = jnp.broadcast_to(pad, (count, *x.feature_shape))

@@ -261,6 +261,11 @@ def rank_table(
     [(1, 2), (0, 1)]
   """
   level = check_level(check_lod(x, "x"), level, "level")
+  return ranked_level(x, level, ladder)
+
+
+def ranked_level(x: LoDTensor, level: int, ladder: Sequence[int] | None) -> RankTable:
+  """`rank_table` of a checked `x` at a checked, non-negative `level`."""
   offsets = x.offsets[level]
   count_capacity = x.capacity.sequences[level]
   ladder = normalize_ladder(count_capacity, ladder)
@@ -297,13 +302,13 @@ def check_table(
   return table
 
 
-def check_pair(x: Any, table: Any, name: str) -> Any:
-  """`x` is a LoDTensor whose last level `table` ranks.
+def check_pair(x: LoDTensor, table: Any, name: str) -> Any:
+  """`table` ranks the last level of `x` (a LoDTensor `check_lod` has
+  checked).
 
-  Checks the types and capacities, and the lengths (`check_ranked`, whose
-  result it returns).
+  Checks the table's type and capacities, and the lengths (`check_ranked`,
+  whose result it returns).
   """
-  check_lod(x, name)
   check_table(table)
   count = x.capacity.sequences[-1]
   if count != table.count_capacity:

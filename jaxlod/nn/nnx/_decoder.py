@@ -86,7 +86,7 @@ class AttentionDecoder(nnx.Module):
   def precompute(self, memory: LoDTensor) -> core.Memory:
     """The `jaxlod.ops.Memory` that `step` reads: as
     `jaxlod.nn.AttentionDecoder.precompute`."""
-    return precompute_memory(self.attention, memory)
+    return precompute_memory(self.attention, core.check_memory_lod(memory))
 
   def step(
     self, carry: Any, x_t: jax.typing.ArrayLike, memory: core.Memory
@@ -99,6 +99,7 @@ class AttentionDecoder(nnx.Module):
 
   def zero_carry(self, memory: LoDTensor, input_features: int) -> Any:
     """The cell's default carry: as `jaxlod.nn.AttentionDecoder.zero_carry`."""
+    memory = core.check_memory_lod(memory)
     shape = carry_shape(memory, input_features, self.input_feeding)
     return self.initialize_carry(shape)
 
@@ -108,7 +109,11 @@ class AttentionDecoder(nnx.Module):
     """The carry `step` starts from, one row per memory sequence: as
     `jaxlod.nn.AttentionDecoder.initial_state`."""
     return start_state(
-      memory, input_features, initial_carry, self.zero_carry, self.input_feeding
+      core.check_memory_lod(memory),
+      input_features,
+      initial_carry,
+      self.initialize_carry,
+      self.input_feeding,
     )
 
   def __call__(

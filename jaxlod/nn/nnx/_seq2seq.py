@@ -24,10 +24,11 @@ from jaxlod.nn._encoder_decoder import (
   forced_logits,
   generate,
   generate_corpus,
+  start_carry,
 )
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
-from jaxlod.ops._attention import Memory
+from jaxlod.ops._attention import Memory, check_memory_lod
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
 from jaxlod.ops._rank import RankTable
 
@@ -159,13 +160,11 @@ class Seq2Seq(nnx.Module):
   def initial_state(self, memory: LoDTensor) -> Any:
     """The decoder's starting carry for `memory`: as
     `jaxlod.nn.Seq2Seq.initial_state`."""
-    return self.decoder.initial_state(memory, self.embed_dim, self.cell_carry(memory))
+    return start_carry(self, check_memory_lod(memory))
 
   def cell_carry(self, memory: LoDTensor) -> Any:
     """The bridged initial cell carry, or `None` (the cell's zeros)."""
-    return bridged_carry(
-      memory, self.carry_bridge, self.decoder.zero_carry, self.embed_dim
-    )
+    return bridged_carry(self, check_memory_lod(memory))
 
   def precompute(self, memory: LoDTensor) -> Memory:
     """The `jaxlod.ops.Memory` of `memory` for `decode_step`: as

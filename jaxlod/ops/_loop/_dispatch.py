@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxlod._checks import check_bool, check_callable
-from jaxlod._lod import check_lod
+from jaxlod._lod import is_lod
 from jaxlod.ops._loop._fused import fused_rnn
 from jaxlod.ops._loop._hoisted import Separable, hoisted_rnn
-from jaxlod.ops._loop._phased_rnn import phased_rnn
+from jaxlod.ops._loop._phased_rnn import check_inputs, phased_rnn
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._rank import RankTable
 
@@ -128,9 +128,33 @@ def dynamic_rnn(
     >>> h.tolist(), ys.to_list()[0].tolist()
     ([6.0, 2.0], [2.0, 4.0, 6.0])
   """
-  settings = dict(
-    init_carry=init_carry, reverse=reverse, table=table, ladder=ladder, remat=remat
+  return dispatch(
+    step_fn,
+    check_inputs(inputs),
+    init_carry=init_carry,
+    static_inputs=static_inputs,
+    reverse=reverse,
+    table=table,
+    ladder=ladder,
+    return_sequences=return_sequences,
+    remat=remat,
+    plan=plan,
   )
+
+
+def dispatch(
+  step_fn: Callable[[Any, Any, Any], tuple[Any, Any]] | Separable,
+  inputs: Any,
+  *,
+  static_inputs: Any = None,
+  return_sequences: bool = True,
+  plan: LoopPlan | None = None,
+  **settings: Any,
+) -> Any:
+  """`dynamic_rnn` over `inputs` that `check_inputs` has checked (the layers
+  call it with theirs): the phased loop, or for a `Separable` the hoisted
+  loop or the fused kernel. `settings`: ``init_carry``, ``reverse``,
+  ``table``, ``ladder`` and ``remat``, as `dynamic_rnn` takes them."""
   if not isinstance(step_fn, Separable):
     check_callable(step_fn, "step_fn")
     return phased_rnn(
@@ -147,9 +171,12 @@ def dynamic_rnn(
       f"none), got {type(static_inputs).__name__}."
     )
   check_bool(return_sequences, "return_sequences")
-  inputs = check_lod(inputs, "inputs")
-  if plan_with_ladder(plan, ladder).fused:
-    fused = dict(init_carry=init_carry, reverse=reverse, table=table)
+  if not is_lod(inputs):
+    raise TypeError(
+      f"Expected `inputs` to be a LoDTensor, got {type(inputs).__name__}."
+    )
+  if plan_with_ladder(plan, settings["ladder"]).fused:
+    fused = {k: settings[k] for k in ("init_carry", "reverse", "table")}
     outputs, carry = fused_rnn(step_fn, inputs, **fused)
   else:
     outputs, carry = hoisted_rnn(step_fn, inputs, plan=plan, **settings)

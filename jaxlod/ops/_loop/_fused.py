@@ -45,7 +45,7 @@ from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import check_rows
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.ops._loop._hoisted import Separable, dense, result_dtype
-from jaxlod.ops._rank import RankTable, check_pair, nan_unless, rank_table
+from jaxlod.ops._rank import RankTable, check_pair, nan_unless, ranked_level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -696,7 +696,7 @@ def fused_rnn(
   )
   ranked = True
   if table is None:
-    table = rank_table(x, level=-1)
+    table = ranked_level(x, x.num_levels - 1, None)
   else:
     ranked = check_pair(x, table, "x")
   count = table.count_capacity

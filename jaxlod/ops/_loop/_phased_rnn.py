@@ -17,8 +17,8 @@ from jaxlod._checks import (
 )
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows
-from jaxlod._lod import LoDTensor, is_lod
-from jaxlod._lod_checks import check_same_lod, check_unstacked
+from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod._lod_checks import check_same_lod
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops import _packed
 from jaxlod.ops._array import permute_rows
@@ -30,21 +30,29 @@ from jaxlod.ops._rank import (
   nan_unless,
   normalize_ladder,
   phase_bounds,
-  rank_table,
+  ranked_level,
 )
 
 
-def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any, Any]:
-  """The LoDTensors of `inputs`, their tree, and whether they share one LoD
-  (a `require` check: `True` eagerly, a bool scalar under `jit`)."""
-  leaves, tree = jax.tree.flatten(inputs, is_leaf=is_lod)
+def check_inputs(inputs: Any) -> Any:
+  """`dynamic_rnn`'s `inputs`: a LoDTensor or a pytree of LoDTensors, each
+  checked by `check_lod` (once per call: the loop takes them as they are)."""
+  leaves = jax.tree.leaves(inputs, is_leaf=is_lod)
   if not leaves or not all(is_lod(x) for x in leaves):
     raise TypeError(
       "Expected `inputs` to be a LoDTensor or a pytree of LoDTensors, got "
       f"{type(inputs).__name__}."
     )
   for x in leaves:
-    check_unstacked(x, "inputs")
+    check_lod(x, "inputs")
+  return inputs
+
+
+def _flatten_inputs(inputs: Any) -> tuple[list[LoDTensor], Any, Any]:
+  """The LoDTensors of checked `inputs` (`check_inputs`), their tree, and
+  whether they share one LoD (a `require` check: `True` eagerly, a bool
+  scalar under `jit`)."""
+  leaves, tree = jax.tree.flatten(inputs, is_leaf=is_lod)
   same = all_hold(
     *(
       check_same_lod(leaves[0], x, "inputs[0]", f"inputs[{i}]", "dynamic_rnn")
@@ -59,7 +67,7 @@ def _resolve_table(
 ) -> tuple[RankTable, Any]:
   """The rank table of `x`, and whether a given one ranks it (`check_pair`)."""
   if table is None:
-    return rank_table(x, level=-1, ladder=ladder), True
+    return ranked_level(x, x.num_levels - 1, ladder), True
   ranked = check_pair(x, table, "inputs")
   if ladder is not None:
     wanted = normalize_ladder(table.count_capacity, ladder)
