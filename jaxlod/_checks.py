@@ -4,8 +4,8 @@
 floats, how a value is printed, and the checks of pytrees of arrays and of
 step functions. Every other check lives beside the concept it guards and
 builds on these: `jaxlod._host` (host values as arrays), `jaxlod._lod_checks`
-(LoD offsets and levels), the ops' checks in their modules, `jaxlod.nn._checks`
-(the layers'), `jaxlod.data._checks` (batches and shards) and the
+(LoD offsets and levels), the ops' checks in their modules, `jaxlod.nn._layer_checks`
+(the layers'), `jaxlod.data._batch_checks` (batches and shards) and the
 converters' in `jaxlod.interop`. Checks of static things (types, ranks, dtypes,
 capacities, pytree structures) raise at trace time and name the argument,
 the expected and the actual value. Checks of values go through `require` or

@@ -11,7 +11,7 @@ import numpy as np
 from jaxlod._buckets import Buckets
 from jaxlod._checks import check_bool
 from jaxlod.data import _state
-from jaxlod.data._checks import check_int, check_shards, check_tables
+from jaxlod.data._batch_checks import check_int, check_shards, check_tables
 from jaxlod.data._packing import (
   Batch,
   as_arrays,

@@ -16,8 +16,8 @@ from jaxlod._checks import (
   static_int,
 )
 from jaxlod._host import host_numbers
+from jaxlod.data._batch_checks import check_int
 from jaxlod.data._batcher import Batcher
-from jaxlod.data._checks import check_int
 
 
 class Candidate(NamedTuple):

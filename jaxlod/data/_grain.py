@@ -13,7 +13,7 @@ import grain
 import numpy as np
 
 from jaxlod._buckets import Buckets
-from jaxlod.data._checks import check_int, check_tables
+from jaxlod.data._batch_checks import check_int, check_tables
 from jaxlod.data._packing import (
   Batch,
   Field,

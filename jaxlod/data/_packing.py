@@ -19,7 +19,7 @@ import numpy as np
 from jaxlod._buckets import Buckets
 from jaxlod._host import host_array
 from jaxlod._lod import LoDTensor
-from jaxlod.data._checks import check_field_dtypes, check_field_fits_device
+from jaxlod.data._batch_checks import check_field_dtypes, check_field_fits_device
 from jaxlod.ops._rank import RankTable, rank_table
 
 

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 from jaxlod._checks import check_sizes
 from jaxlod._lod import LoDTensor
-from jaxlod.nn._checks import check_layer_dtypes
 from jaxlod.nn._decoding import attend_query
-from jaxlod.ops import _attention as core
-from jaxlod.ops._attention import without_keys
+from jaxlod.nn._layer_checks import check_layer_dtypes
+from jaxlod.ops import _memory_attention as core
+from jaxlod.ops._memory_attention import without_keys
 
 
 class Attention(nn.Module):

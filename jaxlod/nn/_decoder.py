@@ -17,16 +17,16 @@ import flax.linen as nn
 import jax
 
 from jaxlod._lod import LoDTensor
-from jaxlod.nn._checks import check_cell
 from jaxlod.nn._decoding import (
   carry_shape,
   precompute_memory,
   start_state,
   teacher_forced,
 )
+from jaxlod.nn._layer_checks import check_cell
 from jaxlod.nn._recurrent import example_row
 from jaxlod.nn._rnn import pure_method
-from jaxlod.ops import _attention as core
+from jaxlod.ops import _memory_attention as core
 from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable
 

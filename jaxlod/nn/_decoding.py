@@ -18,11 +18,11 @@ from jaxlod import _checks
 from jaxlod._faults import with_faults
 from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, is_lod
-from jaxlod.nn._checks import check_attention_layer, check_counts, check_targets
+from jaxlod.nn._layer_checks import check_attention_layer, check_counts, check_targets
 from jaxlod.nn._recurrent import count_steps
-from jaxlod.ops import _attention as core
-from jaxlod.ops._attention import Memory, check_memory_lod
+from jaxlod.ops import _memory_attention as core
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder, resolve_plan
+from jaxlod.ops._memory_attention import Memory, check_memory_lod
 from jaxlod.ops._rank import RankTable, nan_unless
 
 
@@ -142,7 +142,7 @@ def forced_outputs(
 ) -> LoDTensor | tuple[LoDTensor, LoDTensor]:
   """A decoder's teacher-forced outputs over a checked `tgt` and `memory`
   (`check_decoder_call` checks the rest): its `step` over every target
-  sequence (`jaxlod.ops._attention.run_decoder`) from `start_state`, over
+  sequence (`jaxlod.ops._memory_attention.run_decoder`) from `start_state`, over
   `precompute_memory`, the step made pure by ``decoder.pure_step``."""
   check_decoder_call(decoder, tgt, memory, initial_carry, return_weights)
   features = tgt.feature_shape[-1]

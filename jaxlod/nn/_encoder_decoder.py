@@ -3,7 +3,7 @@
 `Seq2Seq` (Linen and NNX) differ only in how they hold their parameters:
 their methods call the functions here with the layers they need (the
 embeddings, the encoder, the decoder's methods, the output layer). An
-ensemble decodes through `generate`, each model one `Member` of pure
+ensemble decodes through `decode_members`, each model one `Member` of pure
 functions.
 """
 
@@ -25,13 +25,13 @@ from jaxlod._buckets import Buckets
 from jaxlod._checks import check_integer, static_int
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.nn._checks import check_encoded, check_tokens
 from jaxlod.nn._decoding import carry_shape, start_state
+from jaxlod.nn._layer_checks import check_encoded, check_tokens
 from jaxlod.nn._recurrent import count_steps, counted_carry, counted_step, zero_padding
 from jaxlod.ops import _decode
-from jaxlod.ops._attention import Memory
 from jaxlod.ops._corpus import corpus_slots, decode_corpus, source_iterator
 from jaxlod.ops._decode import check_settings
+from jaxlod.ops._memory_attention import Memory
 from jaxlod.ops._pool import check_pool_dtype, pool_rows
 from jaxlod.ops._rank import RankTable, check_table
 
@@ -176,7 +176,7 @@ class Member(NamedTuple):
   decode_step: Callable[[Any, jax.Array, Memory], tuple[Any, jax.Array, Any]]
 
 
-def generate(
+def decode_members(
   members: Sequence[Member],
   src: LoDTensor,
   settings: _decode.DecodeSettings,
@@ -266,7 +266,7 @@ def _max_length(value: Any, cap: int, source: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CorpusStep:
-  """The ensemble's decoding step of `generate_corpus`, a hashable function
+  """The ensemble's decoding step of `decode_members_corpus`, a hashable function
   of the members' parameters: equal members compile once across calls.
 
   Attributes:
@@ -298,7 +298,7 @@ def _encode_corpus(rebuild: Callable, params: Any, src: LoDTensor) -> tuple:
   return tuple(carries), tuple(memories)
 
 
-def generate_corpus(
+def decode_members_corpus(
   rebuild: Callable[[Any], list[Member]],
   params: Any,
   src_vocab: int,
@@ -315,7 +315,7 @@ def generate_corpus(
   axis: str = "data",
 ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
   """`jaxlod.ops.decode_corpus` over the mean of the members'
-  log-probabilities: `generate` of a corpus, with continuous refill.
+  log-probabilities: `decode_members` of a corpus, with continuous refill.
 
   The members are ``rebuild(params)``, `rebuild` hashable and `params` their
   arrays, so that the programs take the arrays as arguments and compile

@@ -37,7 +37,7 @@ from jaxlod._checks import (
 from jaxlod._faults import Fault
 from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, is_lod
-from jaxlod.nn._checks import check_rnn_layer, split_pair
+from jaxlod.nn._layer_checks import check_rnn_layer, split_pair
 from jaxlod.nn._recurrent import override, run_directions
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pad import sequence_pad, sequence_unpad

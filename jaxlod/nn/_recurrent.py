@@ -24,7 +24,7 @@ from jaxlod import _checks
 from jaxlod._checks import check_rate
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
-from jaxlod.nn._checks import check_rnn_layer, split_pair
+from jaxlod.nn._layer_checks import check_rnn_layer, split_pair
 from jaxlod.ops._loop._dispatch import dispatch
 from jaxlod.ops._loop._hoisted import Separable
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder

@@ -15,8 +15,8 @@ from jaxlod._buckets import Buckets
 from jaxlod._checks import check_sizes, finite_float32
 from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.nn._checks import check_cell, check_layers
 from jaxlod.nn._hoist import separate_linen
+from jaxlod.nn._layer_checks import check_cell, check_layers
 from jaxlod.nn._padded import run_bidirectional, run_padded
 from jaxlod.nn._recurrent import (
   count_steps,

@@ -14,21 +14,21 @@ import numpy as np
 
 from jaxlod import _checks
 from jaxlod._lod import LoDTensor
-from jaxlod.nn._checks import check_rngs, check_seq2seq, check_vocabs
 from jaxlod.nn._decoder import AttentionDecoder
 from jaxlod.nn._encoder_decoder import (
   Member,
   bridged_carry,
+  decode_members,
+  decode_members_corpus,
   decode_tokens,
   encode_ids,
   forced_logits,
-  generate,
-  generate_corpus,
   start_carry,
 )
+from jaxlod.nn._layer_checks import check_rngs, check_seq2seq, check_vocabs
 from jaxlod.nn._rnn import pure_method
-from jaxlod.ops._attention import Memory, check_memory_lod
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
+from jaxlod.ops._memory_attention import Memory, check_memory_lod
 from jaxlod.ops._rank import RankTable
 
 
@@ -222,7 +222,7 @@ class Seq2Seq(nn.Module):
       ValueError: for `bos_id` or `eos_id` outside ``[0, tgt_vocab)``, and
         as `beam_search` does.
     """
-    return generate(
+    return decode_members(
       [self.member()], src, settings, max_lengths=max_lengths, src_table=src_table
     )
 
@@ -277,7 +277,7 @@ class Seq2Seq(nn.Module):
     """
     self._require_parameters()
     rebuild, params, vocab = corpus_members([self.unbind()], _stream_keys(self))
-    return generate_corpus(
+    return decode_members_corpus(
       rebuild,
       params,
       vocab,
@@ -427,7 +427,7 @@ def ensemble_generate(
     [2, 2]
   """
   rebuild, params = _ensemble(members, rngs)
-  return generate(
+  return decode_members(
     rebuild(params), src, settings, max_lengths=max_lengths, src_table=src_table
   )
 
@@ -465,7 +465,7 @@ def ensemble_generate_corpus(
       ``src_vocab``.
   """
   rebuild, params, vocab = corpus_members(members, rngs)
-  return generate_corpus(
+  return decode_members_corpus(
     rebuild,
     params,
     vocab,

@@ -16,18 +16,6 @@ refill; the attention-decoder core (`Memory`, the score functions,
 """
 
 from jaxlod.ops._array import array_to_lod, lod_to_array, reorder_by_rank, shrink_memory
-from jaxlod.ops._attention import (
-  Memory,
-  additive_scores,
-  as_memory,
-  attend,
-  cosine_scores,
-  decoder_step,
-  dot_scores,
-  general_scores,
-  lod_memory,
-  masked_attention,
-)
 from jaxlod.ops._corpus import decode_corpus
 from jaxlod.ops._decode import DecodeSettings, Hypotheses, beam_search, ensemble_step
 from jaxlod.ops._expand import (
@@ -42,6 +30,18 @@ from jaxlod.ops._loop._fused import fused_rnn
 from jaxlod.ops._loop._hoisted import Separable
 from jaxlod.ops._loop._plan import LoopPlan, default_plan
 from jaxlod.ops._loss import sequence_cross_entropy
+from jaxlod.ops._memory_attention import (
+  Memory,
+  additive_scores,
+  as_memory,
+  attend,
+  cosine_scores,
+  decoder_step,
+  dot_scores,
+  general_scores,
+  lod_memory,
+  masked_attention,
+)
 from jaxlod.ops._pad import (
   sequence_mask,
   sequence_pad,

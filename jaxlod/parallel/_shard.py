@@ -25,7 +25,7 @@ from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._vma import vary, varying_axes
 from jaxlod.data._packing import Batch
 from jaxlod.nn import _encoder_decoder
-from jaxlod.nn._checks import check_rngs
+from jaxlod.nn._layer_checks import check_rngs
 from jaxlod.nn._seq2seq import corpus_members, ensemble_generate
 from jaxlod.ops._decode import DecodeSettings, check_settings
 from jaxlod.ops._rank import check_table
@@ -518,7 +518,7 @@ def generate_corpus(
   if one_pair and not isinstance(members[0], tuple | list):
     members = [members]
   rebuild, params, vocab = corpus_members(members, rngs)
-  return _encoder_decoder.generate_corpus(
+  return _encoder_decoder.decode_members_corpus(
     rebuild,
     params,
     vocab,

@@ -16,10 +16,10 @@ from flax import nnx
 
 from jaxlod._checks import check_sizes, check_width
 from jaxlod._lod import LoDTensor
-from jaxlod.nn._checks import check_layer_dtypes
 from jaxlod.nn._decoding import attend_query
-from jaxlod.ops import _attention as core
-from jaxlod.ops._attention import check_eps, without_keys
+from jaxlod.nn._layer_checks import check_layer_dtypes
+from jaxlod.ops import _memory_attention as core
+from jaxlod.ops._memory_attention import check_eps, without_keys
 
 
 class Attention(nnx.Module):

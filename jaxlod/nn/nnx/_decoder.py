@@ -12,7 +12,6 @@ from flax import nnx
 from jaxlod import _checks
 from jaxlod._checks import check_width
 from jaxlod._lod import LoDTensor
-from jaxlod.nn._checks import check_cell
 from jaxlod.nn._decoding import (
   carry_shape,
   check_plan,
@@ -20,8 +19,9 @@ from jaxlod.nn._decoding import (
   start_state,
   teacher_forced,
 )
+from jaxlod.nn._layer_checks import check_cell
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
-from jaxlod.ops import _attention as core
+from jaxlod.ops import _memory_attention as core
 from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, check_ladder
 

@@ -13,8 +13,8 @@ from jaxlod import _checks
 from jaxlod._buckets import Buckets
 from jaxlod._host import check_leaves
 from jaxlod._lod import LoDTensor, check_lod, is_lod
-from jaxlod.nn._checks import check_cell, check_layers, check_rnn_layer
 from jaxlod.nn._hoist import separate_nnx
+from jaxlod.nn._layer_checks import check_cell, check_layers, check_rnn_layer
 from jaxlod.nn._padded import (
   check_buckets,
   run_bidirectional,

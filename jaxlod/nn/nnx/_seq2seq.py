@@ -15,21 +15,21 @@ from flax import nnx
 from jaxlod import _checks
 from jaxlod._checks import check_sizes
 from jaxlod._lod import LoDTensor
-from jaxlod.nn._checks import check_seq2seq, check_vocabs
 from jaxlod.nn._encoder_decoder import (
   Member,
   bridged_carry,
+  decode_members,
+  decode_members_corpus,
   decode_tokens,
   encode_ids,
   forced_logits,
-  generate,
-  generate_corpus,
   start_carry,
 )
+from jaxlod.nn._layer_checks import check_seq2seq, check_vocabs
 from jaxlod.nn.nnx._decoder import AttentionDecoder
 from jaxlod.nn.nnx._rnn import functional_call, initialize_carry
-from jaxlod.ops._attention import Memory, check_memory_lod
 from jaxlod.ops._decode import DecodeSettings, Hypotheses
+from jaxlod.ops._memory_attention import Memory, check_memory_lod
 from jaxlod.ops._rank import RankTable
 
 
@@ -191,7 +191,7 @@ class Seq2Seq(nnx.Module):
     """Decodes every source with `jaxlod.ops.beam_search`: as
     `jaxlod.nn.Seq2Seq.generate`, with this model as the one member of
     `ensemble_generate`."""
-    return generate(
+    return decode_members(
       [self.member()], src, settings, max_lengths=max_lengths, src_table=src_table
     )
 
@@ -212,7 +212,7 @@ class Seq2Seq(nnx.Module):
     of `ensemble_generate_corpus`. Call it outside `nnx.jit`; it decodes
     with the model's state at the call."""
     rebuild, states, vocab = corpus_members([self], None)
-    return generate_corpus(
+    return decode_members_corpus(
       rebuild,
       states,
       vocab,
@@ -273,7 +273,9 @@ def ensemble_generate(
       `rngs` other than `None`, and as `Seq2Seq.generate` does.
   """
   pure = [model.member() for model in _ensemble(members, rngs)]
-  return generate(pure, src, settings, max_lengths=max_lengths, src_table=src_table)
+  return decode_members(
+    pure, src, settings, max_lengths=max_lengths, src_table=src_table
+  )
 
 
 def ensemble_generate_corpus(
@@ -293,7 +295,7 @@ def ensemble_generate_corpus(
   refill: the NNX twin of `jaxlod.nn.ensemble_generate_corpus`, with the
   members given as `Seq2Seq` modules (`rngs` as in `ensemble_generate`)."""
   rebuild, states, vocab = corpus_members(members, rngs)
-  return generate_corpus(
+  return decode_members_corpus(
     rebuild,
     states,
     vocab,
@@ -323,7 +325,7 @@ class Members:
 
 
 def corpus_members(members: Any, rngs: None) -> tuple[Members, tuple, int]:
-  """An ensemble's checked `Seq2Seq` members as `generate_corpus` takes them:
+  """An ensemble's checked `Seq2Seq` members as `decode_members_corpus` takes them:
   ``(Members(graphdefs), states, src_vocab)``, with the states' arrays as
   they are at the call, the twin of
   `jaxlod.nn._seq2seq.corpus_members`.

@@ -25,7 +25,7 @@ from jaxlod._checks import (
 )
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
-from jaxlod.ops._attention import check_memory_rows
+from jaxlod.ops._memory_attention import check_memory_rows
 
 
 def check_counts(tgt: LoDTensor, memory: LoDTensor) -> None:
