@@ -143,8 +143,8 @@ def forced_logits(
   tgt = embed_ids(model.tgt_embed, tgt_in, "tgt_in", model.tgt_vocab)
   # Dropout keeps zero padding rows at zero.
   tgt = tgt.with_values(model.dropout_rows(tgt.values))
-  # `encode` checked the memory's structure; the decoder's call checks its
-  # LoD, once for the whole call (its outputs would carry a bridge's fault).
+  # `encode` checked the memory's structure and the decoder's call checks its
+  # LoD: the bridge takes it as it is (one check of the memory per call).
   outputs = model.decoder(
     tgt,
     memory,
