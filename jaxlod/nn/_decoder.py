@@ -18,7 +18,7 @@ import jax
 
 from jaxlod._lod import LoDTensor
 from jaxlod.nn._decoding import (
-  carry_shape,
+  decoder_zero_carry,
   precompute_memory,
   start_state,
   teacher_forced,
@@ -136,9 +136,7 @@ class AttentionDecoder(nn.Module):
     the step input is ``x_t`` (`input_features` wide), with the memory's
     features added under input feeding (``cell.initialize_carry`` with a
     fixed key: Flax's cells start from zeros)."""
-    memory = core.check_memory_lod(memory)
-    shape = carry_shape(memory, input_features, self.input_feeding)
-    return self.initialize_carry(shape)
+    return decoder_zero_carry(self, core.check_memory_lod(memory), input_features)
 
   def initial_state(
     self, memory: LoDTensor, input_features: int, initial_carry: Any = None
@@ -157,13 +155,8 @@ class AttentionDecoder(nn.Module):
       `initial_carry` (or the default), paired with a zero context
       ``[count_capacity, features]`` when `input_feeding`.
     """
-    return start_state(
-      core.check_memory_lod(memory),
-      input_features,
-      initial_carry,
-      self.initialize_carry,
-      self.input_feeding,
-    )
+    memory = core.check_memory_lod(memory)
+    return start_state(self, memory, input_features, initial_carry)
 
   def __call__(
     self,

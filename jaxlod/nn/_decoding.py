@@ -59,20 +59,22 @@ def carry_shape(
   return memory.capacity.sequences[-1], input_features + fed
 
 
+def decoder_zero_carry(decoder: Any, memory: LoDTensor, input_features: int) -> Any:
+  """A decoder's default cell carry over a checked `memory`:
+  ``decoder.initialize_carry`` of `carry_shape`."""
+  shape = carry_shape(memory, input_features, decoder.input_feeding)
+  return decoder.initialize_carry(shape)
+
+
 def start_state(
-  memory: LoDTensor,
-  input_features: int,
-  initial_carry: Any,
-  initialize_carry: Callable[[tuple[int, int]], Any],
-  input_feeding: bool,
+  decoder: Any, memory: LoDTensor, input_features: int, initial_carry: Any
 ) -> Any:
   """A decoder's first carry over a checked `memory`: `initial_carry` (by
-  default ``initialize_carry`` of `carry_shape`), paired with a zero context
-  ``[count_capacity, features]`` under input feeding."""
+  default `decoder_zero_carry`), paired with a zero context ``[count_capacity,
+  features]`` under input feeding."""
   if initial_carry is None:
-    shape = carry_shape(memory, input_features, input_feeding)
-    initial_carry = initialize_carry(shape)
-  if not input_feeding:
+    initial_carry = decoder_zero_carry(decoder, memory, input_features)
+  if not decoder.input_feeding:
     return initial_carry
   shape = (memory.capacity.sequences[-1], memory.feature_shape[-1])
   return initial_carry, jnp.zeros(shape, memory.values.dtype)
@@ -145,10 +147,7 @@ def forced_outputs(
   sequence (`jaxlod.ops._memory_attention.run_decoder`) from `start_state`, over
   `precompute_memory`, the step made pure by ``decoder.pure_step``."""
   check_decoder_call(decoder, tgt, memory, initial_carry, return_weights)
-  features = tgt.feature_shape[-1]
-  carry = start_state(
-    memory, features, initial_carry, decoder.initialize_carry, decoder.input_feeding
-  )
+  carry = start_state(decoder, memory, tgt.feature_shape[-1], initial_carry)
   padded = precompute_memory(decoder.attention, memory)
   step, carry, _ = count_steps(decoder.pure_step(carry, tgt, padded), carry)
   outputs = core.run_decoder(

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.tree_util import Partial
@@ -25,14 +24,14 @@ from jaxlod._buckets import Buckets
 from jaxlod._checks import check_integer, static_int
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.nn._decoding import carry_shape, start_state
+from jaxlod.nn._decoding import decoder_zero_carry, start_state
 from jaxlod.nn._layer_checks import check_encoded, check_tokens
 from jaxlod.nn._recurrent import count_steps, counted_carry, counted_step, zero_padding
 from jaxlod.ops import _decode
 from jaxlod.ops._corpus import corpus_slots, decode_corpus, source_iterator
 from jaxlod.ops._decode import check_settings
 from jaxlod.ops._memory_attention import Memory
-from jaxlod.ops._pool import check_pool_dtype, pool_rows
+from jaxlod.ops._pool import pool_rows
 from jaxlod.ops._rank import RankTable, check_table
 
 
@@ -90,24 +89,15 @@ def bridged_carry(model: Any, memory: LoDTensor) -> Any:
   bridge, decoder = model.carry_bridge, model.decoder
   if bridge is None:
     return None
-  check_pool_dtype(memory.values.dtype, "average")
-  pad = jnp.zeros(memory.feature_shape, memory.values.dtype)
-  pooled = pool_rows(memory, "average", pad)
-  shape = carry_shape(memory, model.embed_dim, decoder.input_feeding)
-  return bridge(pooled, decoder.initialize_carry(shape))
+  pooled = pool_rows(memory, "average")
+  return bridge(pooled, decoder_zero_carry(decoder, memory, model.embed_dim))
 
 
 def start_carry(model: Any, memory: LoDTensor) -> Any:
   """`Seq2Seq.initial_state` of a checked `memory`: the decoder's first
   carry from `bridged_carry`."""
-  decoder = model.decoder
-  return start_state(
-    memory,
-    model.embed_dim,
-    bridged_carry(model, memory),
-    decoder.initialize_carry,
-    decoder.input_feeding,
-  )
+  carry = bridged_carry(model, memory)
+  return start_state(model.decoder, memory, model.embed_dim, carry)
 
 
 def decode_tokens(

@@ -104,15 +104,17 @@ def sequence_pool(
     >>> sequence_pool(x, "average").tolist()
     [2.0, 0.0, 5.0]
   """
-  x = check_lod(x, "x")
+  return pool_rows(check_lod(x, "x"), pool_type, pad_value)
+
+
+def pool_rows(
+  x: LoDTensor, pool_type: str, pad_value: jax.typing.ArrayLike = 0.0
+) -> jax.Array | LoDTensor:
+  """`sequence_pool` of an `x` that `check_lod` has checked (for callers that
+  hold a checked tensor); `pool_type` and `pad_value` are checked here."""
   pool = check_pool_type(pool_type)
   check_pool_dtype(x.values.dtype, pool)
-  return pool_rows(x, pool, check_pad_value(pad_value, x))
-
-
-def pool_rows(x: LoDTensor, pool: str, pad: jax.Array) -> jax.Array | LoDTensor:
-  """`sequence_pool` of a checked `x` with a checked `pool` type and `pad`
-  value (for callers that hold checked values)."""
+  pad = check_pad_value(pad_value, x)
   count = x.capacity.sequences[-1]
   if x.capacity.tokens == 0 or count == 0:
     pooled = jnp.broadcast_to(pad, (count, *x.feature_shape))

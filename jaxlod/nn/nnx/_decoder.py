@@ -13,8 +13,8 @@ from jaxlod import _checks
 from jaxlod._checks import check_width
 from jaxlod._lod import LoDTensor
 from jaxlod.nn._decoding import (
-  carry_shape,
   check_plan,
+  decoder_zero_carry,
   precompute_memory,
   start_state,
   teacher_forced,
@@ -99,22 +99,15 @@ class AttentionDecoder(nnx.Module):
 
   def zero_carry(self, memory: LoDTensor, input_features: int) -> Any:
     """The cell's default carry: as `jaxlod.nn.AttentionDecoder.zero_carry`."""
-    memory = core.check_memory_lod(memory)
-    shape = carry_shape(memory, input_features, self.input_feeding)
-    return self.initialize_carry(shape)
+    return decoder_zero_carry(self, core.check_memory_lod(memory), input_features)
 
   def initial_state(
     self, memory: LoDTensor, input_features: int, initial_carry: Any = None
   ) -> Any:
     """The carry `step` starts from, one row per memory sequence: as
     `jaxlod.nn.AttentionDecoder.initial_state`."""
-    return start_state(
-      core.check_memory_lod(memory),
-      input_features,
-      initial_carry,
-      self.initialize_carry,
-      self.input_feeding,
-    )
+    memory = core.check_memory_lod(memory)
+    return start_state(self, memory, input_features, initial_carry)
 
   def __call__(
     self,
