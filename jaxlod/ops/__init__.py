@@ -11,7 +11,9 @@ scan; Paddle's
 ``sequence_*`` ops on static capacities, jittable and differentiable; and
 decoding (`beam_search`, greedy for a beam of one) as while loops with
 per-source early exit, and `decode_corpus`, a corpus with continuous
-refill; the attention-decoder core (`Memory`, the score functions,
+refill; `sequence_attention`, softmax attention inside each sequence
+in tiles that follow the lengths (no padding to the longest); the
+attention-decoder core (`Memory`, the score functions,
 `decoder_step`) that `jaxlod.nn`'s Linen and NNX layers call.
 """
 
@@ -58,9 +60,15 @@ from jaxlod.ops._rank import RankTable, default_ladder, normalize_ladder, rank_t
 from jaxlod.ops._reshape import lod_reset, sequence_reshape, sequence_scatter
 from jaxlod.ops._scan import linear_scan
 from jaxlod.ops._search import length_normalized
+from jaxlod.ops._sequence_attention import (
+  AttentionPlan,
+  default_attention_plan,
+  sequence_attention,
+)
 from jaxlod.ops._window import sequence_conv, sequence_enumerate
 
 __all__ = [
+  "AttentionPlan",
   "DecodeSettings",
   "Hypotheses",
   "LoopPlan",
@@ -70,6 +78,7 @@ __all__ = [
   "attend",
   "cosine_scores",
   "decode_corpus",
+  "default_attention_plan",
   "decoder_step",
   "dot_scores",
   "ensemble_step",
@@ -91,6 +100,7 @@ __all__ = [
   "normalize_ladder",
   "rank_table",
   "reorder_by_rank",
+  "sequence_attention",
   "sequence_concat",
   "sequence_conv",
   "sequence_cross_entropy",

@@ -1,0 +1,566 @@
+"""Softmax attention inside each sequence of a LoDTensor, padding-free.
+
+Self-attention costs ``sum(l_i**2)`` cells of real work per head. Padding to
+the longest costs ``B * L_max**2``, and the packed layout with a segment-id
+mask ``T**2``. The rank table gives the padding-free form: sorted by length,
+neighbouring sequences have similar lengths, so tiles of a few sequences
+padded to their own longest waste little. An `AttentionPlan` holds a ladder
+of static tile shapes ``(length, sequences)``, long tiles of few sequences
+and short tiles of many, each compiled once; a `lax.while_loop` per shape
+runs as many tiles as the batch's lengths ask for (a trip count that is
+data), so every shape is static and the work follows the lengths.
+
+A tile of phase ``k`` starts at the first sequence (in rank order) that no
+earlier tile took, and takes the next ``sequences`` of them: the last tile
+of a phase fills its free slots with the next phase's (shorter) sequences
+rather than leaving them empty. Each tile gathers its sequences' rows,
+padded to the tile's length, computes a masked softmax attention and
+scatters the real rows of the result back to the packed layout. Nothing of
+size ``[tokens, tokens]`` or ``[B, heads, L_max, L_max]`` is ever formed.
+
+The gradient is a `jax.custom_vjp` over the same tiles, which recomputes
+each tile's probabilities from the saved inputs (the rows of a sequence are
+written by its own tile only, so every gradient is a scatter, never a
+sum). Padding positions are selected away (`jnp.where`), never multiplied
+by zero, so nothing of another sequence, not even an inf or a NaN, reaches
+a sequence's values or gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import typing
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlod._checks import check_bool, is_float_dtype, require, static_float, static_int
+from jaxlod._faults import Fault, fault_unless, with_faults
+from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._lod_checks import check_same_lod
+from jaxlod.ops._rank import default_ladder, nan_unless
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+  """How `sequence_attention` tiles a batch. Static and hashable;
+  `default_attention_plan` picks one per backend.
+
+  The tile lengths are a geometric ladder from the batch's time capacity
+  down (`jaxlod.ops.default_ladder` with `ratio`, `minimum` and
+  `multiple`), and a tile of length ``L`` holds ``max(1, tile_tokens //
+  L)`` sequences: a few long sequences, or many short ones.
+
+  Attributes:
+    tile_tokens: the rows of a tile (sequences times length), at least 1.
+      Smaller tiles waste less on the partly filled last tile of each
+      length; larger ones run fewer, larger products.
+    ratio: the step between tile lengths, > 1. A sequence of length ``l``
+      runs in a tile of length below ``ratio * l`` (above the smallest), so
+      its cells are at most about ``ratio**2`` of its own.
+    minimum: the shortest tile length, at least 1.
+    multiple: tile lengths below the longest are multiples of it.
+    kernel: the attention of one tile. ``"xla"``: products and a masked
+      softmax written in `jax.numpy`. ``"dot_product_attention"``:
+      `jax.nn.dot_product_attention` with a mask (XLA's or cuDNN's fused
+      attention, where the backend has one) for the forward pass; the
+      backward pass is the same either way.
+
+  Raises:
+    TypeError, ValueError: for sizes that are not ints >= 1, a `ratio` not
+      above 1 or an unknown `kernel`.
+
+  Example:
+    >>> from jaxlod.ops import AttentionPlan
+    >>> AttentionPlan(tile_tokens=64).tiles(32)
+    ((32, 2), (28, 2), (24, 2), (20, 3), (16, 4), (12, 5), (8, 8), (4, 16))
+  """
+
+  tile_tokens: int = 128
+  ratio: float = 1.25
+  minimum: int = 4
+  multiple: int = 4
+  kernel: str = "xla"
+
+  def __post_init__(self):
+    for name in ("tile_tokens", "minimum", "multiple"):
+      object.__setattr__(self, name, static_int(getattr(self, name), name, 1))
+    ratio = static_float(self.ratio, "ratio")
+    if not ratio > 1:
+      raise ValueError(f"Expected `ratio` > 1, got {ratio}.")
+    object.__setattr__(self, "ratio", ratio)
+    if self.kernel not in _KERNELS:
+      raise ValueError(
+        f"Expected `kernel` to be one of {sorted(_KERNELS)}, got {self.kernel!r}."
+      )
+
+  def tiles(self, time_capacity: int) -> tuple[tuple[int, int], ...]:
+    """The tile shapes ``(length, sequences)``, longest first, for
+    sequences of at most `time_capacity` rows (none for 0)."""
+    time_capacity = static_int(time_capacity, "time_capacity", 0)
+    if time_capacity == 0:
+      return ()
+    lengths = default_ladder(
+      time_capacity, ratio=self.ratio, minimum=self.minimum, multiple=self.multiple
+    )
+    return tuple((n, max(1, self.tile_tokens // n)) for n in lengths)
+
+
+def default_attention_plan(backend: str | None = None) -> AttentionPlan:
+  """The `AttentionPlan` for `backend` (default: `jax.default_backend()`).
+
+  * ``"cpu"``: ``AttentionPlan()``: tiles of 128 rows, lengths a ratio of
+    1.25 apart (``benchmarks/sequence_attention.py``).
+  * ``"gpu"``, ``"tpu"`` and any other: tiles of 1,024 rows, where larger
+    products cost little more than small ones, with XLA's products (the
+    plan's other kernel is tested on every backend and chosen by passing
+    it).
+
+  Raises:
+    TypeError: for a `backend` that is not a string.
+  """
+  if backend is None:
+    backend = jax.default_backend()
+  if not isinstance(backend, str):
+    raise TypeError(f"Expected `backend` to be a string, got {backend!r}.")
+  return AttentionPlan() if backend == "cpu" else AttentionPlan(tile_tokens=1024)
+
+
+# -- the rows in rank order ---------------------------------------------------------
+
+
+class _Side(typing.NamedTuple):
+  """One side's rows (the query's, or the key's and value's) in rank order:
+  sequence after sequence, longest first (by the longer of a pair's query
+  and key), so that a tile's sequences are one contiguous run of rows.
+
+  Attributes:
+    gather: ``[rows]`` the packed row of each rank-ordered row (a
+      permutation: the padding rows last).
+    back: ``[rows]`` its inverse, the rank-ordered row of each packed row.
+    starts: ``[count + 1]`` where each rank's rows start; ``starts[-1]``
+      is the number of real rows.
+    lengths: ``[count]`` each rank's length.
+    spare: zero rows after the rank-ordered ones, so that a tile's window
+      never runs past the end (static).
+  """
+
+  gather: jax.Array
+  back: jax.Array
+  starts: jax.Array
+  lengths: jax.Array
+  spare: int
+
+
+def _side(offsets, order, ranks, rows: int, spare: int) -> _Side:
+  """The `_Side` of last-level `offsets` ``[count + 1]`` with `rows` packed
+  rows, `order` the sequence at each rank and `ranks` its inverse."""
+  lengths = jnp.diff(offsets)[order]
+  starts = jnp.concatenate([jnp.zeros(1, offsets.dtype), jnp.cumsum(lengths)])
+  count = order.shape[0]
+  index = jnp.arange(rows, dtype=offsets.dtype)
+  seq = jnp.clip(jnp.searchsorted(offsets, index, side="right") - 1, 0, count - 1)
+  rank = jnp.where(index < offsets[-1], ranks[seq], count)
+  # Sorts, not index arithmetic: XLA materializes a sort's result, where it
+  # would fuse arithmetic into each gather and repeat it for every element
+  # of a row.
+  gather = jnp.argsort(rank, stable=True)
+  return _Side(gather, jnp.argsort(gather), starts, lengths, spare)
+
+
+def _ranked(x: jax.Array, side: _Side, dtype: Any) -> jax.Array:
+  """`x` ``[rows, ...]`` in rank order, as `dtype`, the padding rows zero
+  and `side.spare` zero rows after them."""
+  real = jnp.arange(x.shape[0]) < side.starts[-1]
+  rows = jnp.where(_rows(real, x), x[side.gather].astype(dtype), 0)
+  return jnp.concatenate([rows, jnp.zeros((side.spare, *x.shape[1:]), dtype)])
+
+
+def _unranked(x: jax.Array, side: _Side, dtype: Any) -> jax.Array:
+  """Rank-ordered rows `x` back in the packed order, as `dtype` (padding
+  rows zero)."""
+  rows = side.back.shape[0]
+  real = jnp.arange(rows) < side.starts[-1]
+  return jnp.where(_rows(real, x), x[side.back].astype(dtype), 0)
+
+
+def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
+  """A row mask ``[rows]`` shaped to broadcast over `x`'s rows."""
+  return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+  """The rows of one tile on one side: from rank `first`, `sequences`
+  sequences padded to `length`, read from and written to the window of
+  ``sequences * length`` rank-ordered rows that starts at the tile's first
+  row."""
+
+  side: _Side
+  first: jax.Array
+  length: int
+  sequences: int
+
+  def _slots(self):
+    """Each slot's row in the window ``[s, l]`` and whether it is real."""
+    count = self.side.lengths.shape[0]
+    rank = self.first + jnp.arange(self.sequences)
+    live = rank < count
+    rank = jnp.minimum(rank, count - 1)
+    size = self.sequences * self.length
+    offset = self.side.starts[rank] - self.side.starts[self.first]
+    offset = jnp.where(live, offset, size)  # past every row of the window
+    n = jnp.where(live, self.side.lengths[rank], 0)
+    steps = jnp.arange(self.length)
+    return offset[:, None] + steps, steps < n[:, None], offset, n
+
+  @property
+  def mask(self) -> jax.Array:
+    """Which slots ``[s, l]`` hold a row of a sequence."""
+    return self._slots()[1]
+
+  def read(self, x: jax.Array) -> jax.Array:
+    """The tile's rows of rank-ordered `x`, ``[s, heads, l, dim]``, zero at
+    an empty slot (selected, never multiplied: another sequence's inf or
+    NaN stays out)."""
+    size = self.sequences * self.length
+    start = self.side.starts[self.first]
+    window = lax.dynamic_slice_in_dim(x, start, size)
+    slot, mask, _, _ = self._slots()
+    rows = jnp.where(mask[..., None, None], window[jnp.minimum(slot, size - 1)], 0)
+    return rows.transpose(0, 2, 1, 3)
+
+  def write(self, x: jax.Array, tile: jax.Array) -> jax.Array:
+    """Rank-ordered `x` with the tile's rows `tile` ``[s, heads, l, dim]``
+    written. The whole window is written: its rows past the tile's belong
+    to later tiles, which write them after this one."""
+    size = self.sequences * self.length
+    _, _, offset, n = self._slots()
+    row = jnp.arange(size)
+    seq = jnp.sum(offset[None, :] <= row[:, None], axis=1) - 1
+    step = row - offset[seq]
+    keep = step < n[seq]
+    rows = tile.transpose(0, 2, 1, 3)[seq, jnp.minimum(step, self.length - 1)]
+    rows = jnp.where(keep[:, None, None], rows.astype(x.dtype), 0)
+    return lax.dynamic_update_slice_in_dim(x, rows, self.side.starts[self.first], 0)
+
+
+def _key_bias(k_mask, causal: bool, dtype: Any) -> jax.Array:
+  """What a tile adds to its scores: 0 at a real key of the row's sequence
+  (at or before the row when `causal`), -inf elsewhere; ``[s, 1, 1, l]``
+  (``[s, 1, l, l]`` when causal)."""
+  keep = k_mask[:, None, None, :]
+  if causal:
+    n = k_mask.shape[1]
+    keep = keep & (jnp.arange(n)[:, None] >= jnp.arange(n)[None, :])
+  return jnp.where(keep, jnp.zeros((), dtype), -jnp.inf)
+
+
+def _heads_first(x: jax.Array) -> jax.Array:
+  """``[s, l, heads, dim]`` as ``[s, heads, l, dim]`` (and back)."""
+  return x.transpose(0, 2, 1, 3)
+
+
+def _scores(q_t, k_t, bias, scale: float) -> jax.Array:
+  """A tile's scores ``[s, heads, l, l]`` (heads-first operands), -inf
+  where a cell is not real."""
+  q_t = q_t * jnp.asarray(scale, q_t.dtype)
+  return jnp.einsum("shqd,shkd->shqk", q_t, k_t) + bias
+
+
+def _xla_tile(q_t, k_t, v_t, bias, scale: float) -> tuple[jax.Array, jax.Array]:
+  """One tile's attention (heads-first operands): the output ``[s, heads,
+  l, dim]`` and each row's log-sum-exp ``[s, heads, l]`` of its real
+  scores (-inf for a row with no key; its output is zero)."""
+  scores = _scores(q_t, k_t, bias, scale)
+  top = jnp.max(scores, axis=-1)
+  top = jnp.where(jnp.isfinite(top), top, 0)
+  p = jnp.exp(scores - top[..., None])
+  total = jnp.sum(p, axis=-1)
+  out = jnp.einsum("shqk,shkd->shqd", p, v_t)
+  out = out / jnp.where(total > 0, total, 1)[..., None]
+  return out, top + jnp.log(total)
+
+
+def _fused_tile(q_t, k_t, v_t, bias, scale: float) -> tuple[jax.Array, jax.Array]:
+  """One tile's attention through `jax.nn.dot_product_attention` (XLA's or
+  cuDNN's), as `_xla_tile` returns it; the log-sum-exp is computed apart
+  from the scores (the fused call does not return it)."""
+  mask = jnp.broadcast_to(
+    jnp.isfinite(bias), (*q_t.shape[:2], q_t.shape[2], k_t.shape[2])
+  )
+  out = jax.nn.dot_product_attention(
+    _heads_first(q_t), _heads_first(k_t), _heads_first(v_t), mask=mask, scale=scale
+  )
+  scores = _scores(q_t.astype(jnp.float32), k_t.astype(jnp.float32), bias, scale)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  keyed = jnp.isfinite(lse)[..., None]
+  return jnp.where(keyed, _heads_first(out), jnp.zeros((), out.dtype)), lse
+
+
+_KERNELS = {"xla": _xla_tile, "dot_product_attention": _fused_tile}
+
+
+# -- the loops over tiles ------------------------------------------------------------
+
+
+def _schedule(q_offsets, k_offsets, q_rows: int, k_rows: int, tiles):
+  """The rank order of the sequences (longest of query and key first, a
+  stable sort), each side's `_Side`, and ``ends`` ``[phases]``: the ranks a
+  phase's tiles cover up to (the sequences longer than the next phase's
+  tiles)."""
+  longest = jnp.maximum(jnp.diff(q_offsets), jnp.diff(k_offsets))
+  order = jnp.argsort(-longest, stable=True)
+  ranks = jnp.argsort(order)
+  below = jnp.asarray([n for n, _ in tiles[1:]] + [0], longest.dtype)
+  ends = jnp.sum(longest[None, :] > below[:, None], axis=1)
+  spare = max(n * s for n, s in tiles)
+  q_side = _side(q_offsets, order, ranks, q_rows, spare)
+  return q_side, _side(k_offsets, order, ranks, k_rows, spare), ends
+
+
+def _over_tiles(sides, ends, tiles, body, carry):
+  """`carry` through ``body(q_window, k_window, carry)`` for every tile:
+  per tile shape one `lax.while_loop` from the first rank no earlier tile
+  took, while ranks remain that need this shape or a longer one."""
+  start = jnp.zeros((), ends.dtype)
+  for k, (length, sequences) in enumerate(tiles):
+
+    def step(state, length=length, sequences=sequences):
+      at, inner = state
+      q_win, k_win = (_Window(side, at, length, sequences) for side in sides)
+      return at + sequences, body(q_win, k_win, inner)
+
+    end = ends[k]
+    start, carry = lax.while_loop(lambda s, end=end: s[0] < end, step, (start, carry))
+  return carry
+
+
+def _swap(x: jax.Array) -> jax.Array:
+  """``[s, heads, q, k]`` as ``[s, heads, k, q]``: a product that sums over
+  the query rows then runs as XLA:CPU's fast batched product (a
+  contraction over the left operand's second-last axis does not)."""
+  return jnp.swapaxes(x, -1, -2)
+
+
+def _compute_dtype(dtype: Any) -> Any:
+  """The softmax's and the products' dtype: float32 at least."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_offsets, k_offsets, static):
+  """The attention of every sequence, values ``[q_rows, heads, head_dim]``;
+  `static` is ``(tiles, causal, scale, kernel)``."""
+  return _attention_fwd(q, k, v, q_offsets, k_offsets, static)[0]
+
+
+def _attention_fwd(q, k, v, q_offsets, k_offsets, static):
+  """`_attention` and its residuals: the inputs, and the output and each
+  row's log-sum-exp ``[rows + spare, heads, 1]`` in rank order."""
+  tiles, causal, scale, kernel = static
+  q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
+  dtype = _compute_dtype(q.dtype)
+  operand = dtype if kernel == "xla" else q.dtype
+  q_r, k_r, v_r = (
+    _ranked(q, q_side, operand),
+    *(_ranked(x, k_side, operand) for x in (k, v)),
+  )
+
+  def body(q_win, k_win, carry):
+    out, lse = carry
+    q_t, k_t, v_t = q_win.read(q_r), k_win.read(k_r), k_win.read(v_r)
+    bias = _key_bias(k_win.mask, causal, dtype)
+    o_t, lse_t = _KERNELS[kernel](q_t, k_t, v_t, bias, scale)
+    return q_win.write(out, o_t), q_win.write(lse, lse_t[..., None])
+
+  out = jnp.zeros(q_r.shape, q.dtype)
+  lse = jnp.zeros((*q_r.shape[:2], 1), dtype)
+  out, lse = _over_tiles((q_side, k_side), ends, tiles, body, (out, lse))
+  residuals = (q, k, v, out, lse, q_offsets, k_offsets)
+  return _unranked(out, q_side, q.dtype), residuals
+
+
+def _attention_bwd(static, residuals, g):
+  """The gradients of `_attention` for `g` ``[q_rows, heads, head_dim]``:
+  each tile's weights recomputed from the saved log-sum-exp, then the
+  products of the softmax's gradient (``ds = p * (dp - delta)``, with
+  ``delta`` a row's ``<g, out>``), written to the tile's own rows."""
+  tiles, causal, scale, _ = static
+  q, k, v, out, lse, q_offsets, k_offsets = residuals
+  q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
+  dtype = _compute_dtype(q.dtype)
+  q_r, g_r = (_ranked(jnp.asarray(x), q_side, dtype) for x in (q, g))
+  k_r, v_r = (_ranked(x, k_side, dtype) for x in (k, v))
+  # delta_i = sum_j p_ij dp_ij = <g_i, out_i>, per row and head.
+  delta = jnp.sum(g_r * out.astype(dtype), axis=-1, keepdims=True)
+
+  def body(q_win, k_win, grads):
+    q_t, k_t, v_t, g_t = (
+      q_win.read(q_r),
+      k_win.read(k_r),
+      k_win.read(v_r),
+      q_win.read(g_r),
+    )
+    # A row with no key has lse -inf and p 0 (exp(-inf - 0) with lse 0).
+    lse_t = q_win.read(lse)[..., 0]
+    lse_t = jnp.where(jnp.isfinite(lse_t), lse_t, 0)
+    scores = _scores(q_t, k_t, _key_bias(k_win.mask, causal, dtype), scale)
+    p = jnp.exp(scores - lse_t[..., None])
+    dp = jnp.einsum("shqd,shkd->shqk", g_t, v_t)
+    ds = p * (dp - q_win.read(delta)[..., 0][..., None]) * jnp.asarray(scale, dtype)
+    gq, gk, gv = grads
+    return (
+      q_win.write(gq, jnp.einsum("shqk,shkd->shqd", ds, k_t)),
+      k_win.write(gk, jnp.einsum("shkq,shqd->shkd", _swap(ds), q_t)),
+      k_win.write(gv, jnp.einsum("shkq,shqd->shkd", _swap(p), g_t)),
+    )
+
+  zeros = tuple(jnp.zeros(x.shape, dtype) for x in (q_r, k_r, k_r))
+  gq, gk, gv = _over_tiles((q_side, k_side), ends, tiles, body, zeros)
+  grads = (
+    _unranked(gq, q_side, q.dtype),
+    *(_unranked(x, k_side, q.dtype) for x in (gk, gv)),
+  )
+  return (*grads, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# -- the public op -------------------------------------------------------------------
+
+
+def sequence_attention(
+  query: LoDTensor,
+  key: LoDTensor,
+  value: LoDTensor,
+  *,
+  causal: bool = False,
+  scale: float | None = None,
+  plan: AttentionPlan | None = None,
+) -> LoDTensor:
+  """Softmax attention of every query row over the key rows of its own
+  sequence, with no padding to the longest.
+
+  The attention runs over the last LoD level: query sequence ``i`` attends
+  to key sequence ``i`` (a 2-level LoD attends within its innermost
+  sequences). `key` and `value` share one LoD. With the query's LoD it is
+  self-attention; with another of the same number of sequences,
+  cross-attention. The work is the real cells, ``sum(lq_i * lk_i)``, times
+  the plan's padding of each tile (`AttentionPlan`), and no temporary holds
+  more than one tile's ``[sequences, heads, length, length]`` weights.
+  Jittable: every shape is static, so one compile serves every batch of
+  the same capacities; differentiable through a `jax.custom_vjp` that
+  recomputes each tile's weights.
+
+  Args:
+    query: a LoDTensor, values ``[q_token_capacity, heads, head_dim]``
+      (float: float32, float64 or bfloat16; the softmax and the products
+      run in float32 at least).
+    key: a LoDTensor, values ``[k_token_capacity, heads, head_dim]`` of the
+      query's dtype, with as many last-level sequences as the query.
+    value: a LoDTensor with the key's LoD and values of the key's shape
+      and dtype.
+    causal: a query row attends to the key rows at its own position and
+      before (positions counted from each sequence's start).
+    scale: multiplies the scores; `None`: ``1 / sqrt(head_dim)``.
+    plan: the tiles; `None`: `default_attention_plan` for the backend.
+
+  Returns:
+    A LoDTensor with the query's LoD and values of the query's shape and
+    dtype. A row of an empty key sequence (or with no key at or
+    before it, causal) and every padding row are zero, in values and
+    gradients.
+
+  Raises:
+    TypeError: for an argument that is not a LoDTensor, non-float or
+      differing dtypes, or a `plan` that is not an `AttentionPlan`.
+    ValueError: for values that are not 3-D, heads or head_dim that differ,
+      a `key` and `value` with different LoDs, or another number of
+      sequences in the key than in the query (eagerly; under `jit` LoDs
+      that differ give NaN and `jaxlod.Fault.INPUT`).
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod import LoDTensor
+    >>> from jaxlod.ops import sequence_attention
+    >>> x = LoDTensor.from_lengths(np.ones((5, 1, 2), np.float32), [[3, 2]])
+    >>> out = sequence_attention(x, x, x.with_values(np.arange(5.0).reshape(5, 1, 1)))
+    >>> out.values[:, 0, 0].tolist()
+    [1.0, 1.0, 1.0, 3.5, 3.5]
+  """
+  query, key, value = _checked(query, key, value)
+  check_bool(causal, "causal")
+  plan = _resolve_plan(plan)
+  head_dim = query.values.shape[2]
+  scale = 1 / math.sqrt(head_dim) if scale is None else static_float(scale, "scale")
+  same = check_same_lod(key, value, "key", "value", "sequence_attention")
+  count = require(
+    query.num_sequences() == key.num_sequences(),
+    "Expected `key` to have as many last-level sequences as `query`; `query` "
+    "has {q}, `key` {k}.",
+    traced="sequence_attention: `key` and `query` have different numbers of "
+    "last-level sequences.",
+    q=query.num_sequences(),
+    k=key.num_sequences(),
+  )
+  time = max(query.capacity.time[-1], key.capacity.time[-1])
+  static = (plan.tiles(time), causal, scale, plan.kernel)
+  arrays = (query.values, key.values, value.values, query.offsets[-1], key.offsets[-1])
+  out = _attention(*map(jnp.asarray, arrays), static)
+  ok = same if count is True else count if same is True else same & count
+  out = query.with_values(nan_unless(ok, out))
+  return with_faults(out, fault_unless(ok, Fault.INPUT), key, value)
+
+
+def _resolve_plan(plan: Any) -> AttentionPlan:
+  """`plan`, or the backend's default for `None`."""
+  if plan is None:
+    return default_attention_plan()
+  if not isinstance(plan, AttentionPlan):
+    raise TypeError(
+      "Expected `plan` to be a jaxlod.ops.AttentionPlan or None, got "
+      f"{type(plan).__name__}."
+    )
+  return plan
+
+
+def _checked(query: Any, key: Any, value: Any) -> tuple[LoDTensor, ...]:
+  """`sequence_attention`'s tensors checked: LoDTensors with values ``[rows,
+  heads, dim]`` of one float dtype, the query's and the key's heads and
+  head_dim equal (the key's and the value's too), and as many last-level sequence
+  slots in the key as in the query."""
+  named = {"query": query, "key": key, "value": value}
+  for name, x in named.items():
+    check_lod(x, name)
+    if x.values.ndim != 3:
+      raise ValueError(
+        f"Expected `{name}.values` to be [token_capacity, heads, head_dim], got "
+        f"shape {x.values.shape}."
+      )
+    if not is_float_dtype(x.values.dtype):
+      raise TypeError(f"Expected `{name}` to have a float dtype, got {x.values.dtype}.")
+    if x.values.dtype != query.values.dtype:
+      raise TypeError(
+        f"Expected `{name}` to have the dtype of `query`, {query.values.dtype}, "
+        f"got {x.values.dtype}."
+      )
+  heads, dim = query.values.shape[1:]
+  for name in ("key", "value"):
+    if named[name].values.shape[1:] != (heads, dim):
+      raise ValueError(
+        f"Expected `{name}` to have the heads and head_dim of `query`, "
+        f"{(heads, dim)}, got {named[name].values.shape[1:]}."
+      )
+  slots = (query.capacity.sequences[-1], key.capacity.sequences[-1])
+  if slots[0] != slots[1]:
+    raise ValueError(
+      "Expected `key` to have the last-level count capacity of `query`, "
+      f"{slots[0]}, got {slots[1]}."
+    )
+  return query, key, value
