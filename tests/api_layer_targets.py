@@ -361,6 +361,87 @@ target(
   call=lambda **kw: nnx_layers.AdditiveAttention(2, 2, 3, rngs=nnx.Rngs(0)).keys(**kw),
 )
 
+# -- Transformer layers ----------------------------------------------------------------
+
+INITS = {
+  "kernel_init": arg(lambda: nn.initializers.lecun_normal(), "callable"),
+  "bias_init": arg(lambda: nn.initializers.zeros_init(), "callable"),
+}
+TRANSFORMER = {
+  "qkv_features": arg(None, "size>=1", none_ok=True),
+  "dropout_rate": arg(0.0, "rate"),
+  "causal": arg(False, "bool"),
+  "deterministic": arg(True, "bool"),
+  **INITS,
+  **DTYPES,
+  "plan": arg(None, "plan", none_ok=True),
+}
+ENCODER_LAYER = {
+  "num_heads": arg(1, "size>=1"),
+  "mlp_features": arg(3, "size>=1"),
+  **TRANSFORMER,
+  "attention_dropout_rate": arg(0.0, "rate"),
+}
+TRANSFORMER_CALL = {"deterministic (call)": arg(None, "bool", none_ok=True)}
+NNX_WIDTH = {"in_features": arg(2, "size>=1")}
+for twin, (module, _, init_of, run) in TWINS.items():
+  nnx_twin = twin == "nnx"
+  adds = NNX_WIDTH if nnx_twin else {}
+  keys = {"rngs": KEYS["nnx"]["rngs"]} if nnx_twin else {}
+  build = fresh_rngs if nnx_twin else (lambda cls: cls)
+  cls = module.MultiHeadAttention
+  layer(
+    f"{twin}.MultiHeadAttention",
+    (init_of(cls), cls.__call__),
+    build(cls),
+    run,
+    {
+      "num_heads": arg(1, "size>=1"),
+      **adds,
+      **({"in_kv_features": arg(None, "size>=1", none_ok=True)} if nnx_twin else {}),
+      "out_features": arg(None, "size>=1", none_ok=True),
+      "use_bias": arg(True, "bool"),
+      **TRANSFORMER,
+    },
+    {
+      "inputs_q": arg(lod, "lod"),
+      "inputs_k": arg(None, "lod", none_ok=True),
+      "inputs_v": arg(None, "lod", none_ok=True),
+      **TRANSFORMER_CALL,
+    },
+    keys,
+  )
+  cls = module.TransformerEncoderLayer
+  layer(
+    f"{twin}.TransformerEncoderLayer",
+    (init_of(cls), cls.__call__),
+    build(cls),
+    run,
+    {**ENCODER_LAYER, **adds},
+    {"x": arg(lod, "lod"), **TRANSFORMER_CALL},
+    keys,
+  )
+  cls = module.TransformerEncoder
+  layer(
+    f"{twin}.TransformerEncoder",
+    (init_of(cls), cls.__call__),
+    build(cls),
+    run,
+    {
+      "num_layers": arg(1, "size>=1"),
+      **ENCODER_LAYER,
+      **adds,
+      "positions": arg("learned", "choice"),
+      "max_length": arg(4, "size>=1", none_ok=True),
+    },
+    {
+      "x": arg(lod, "lod"),
+      **TRANSFORMER_CALL,
+      "table": arg(None, "table", none_ok=True),
+    },
+    keys,
+  )
+
 # -- decoders and encoder-decoders ---------------------------------------------------
 
 DECODER_CALL = {

@@ -320,6 +320,10 @@ NNX_ADDS = {
   "Bidirectional": {"rngs"},
   "MinGRU": {"in_features", "rngs"},
   "RGLRU": {"in_features", "rngs"},
+  # As flax.nnx.MultiHeadAttention's: the widths of the queries and the keys.
+  "MultiHeadAttention": {"in_features", "in_kv_features", "rngs"},
+  "TransformerEncoderLayer": {"in_features", "rngs"},
+  "TransformerEncoder": {"in_features", "rngs"},
 }
 # Constructor arguments of a Linen layer that its NNX twin does not take, as
 # between Flax's own twins.

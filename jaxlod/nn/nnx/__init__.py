@@ -30,6 +30,11 @@ from jaxlod.nn.nnx._seq2seq import (
   ensemble_generate,
   ensemble_generate_corpus,
 )
+from jaxlod.nn.nnx._transformer import (
+  MultiHeadAttention,
+  TransformerEncoder,
+  TransformerEncoderLayer,
+)
 
 # The names of `jaxlod.nn`, one twin each (tests/nn/test_twins.py holds them equal).
 __all__ = sorted(name for name in dir() if not name.startswith("_"))
