@@ -18,6 +18,8 @@
 #   attention.py       the backend's plan
 #   decode_corpus.py   continuous refill against per-batch decoding of the
 #                      G2P test set (issue 55), 256 slots, chunks of 4 steps
+#   sequence_attention.py  self-attention inside each sequence against Flax
+#                      padded, on W1's and W2's lengths (issue 65)
 #   scan.py            the minGRU step with linear_scan against padded scans
 #                      and dynamic_rnn on W1 and W3 (issue 56)
 # and writes NAME.json into OUTPUT_DIR (default: benchmarks/results/DEVICE/,
@@ -28,8 +30,8 @@
 #
 # Time: the whole run stays within ACCELERATOR_BUDGET_S seconds (default
 # 560, under the device's 10 minutes a command): each script gets at most
-# its own share (rnn 250 s, decode 60 s, g2p_throughput 80 s, attention 50
-# s, decode_corpus 70 s, scan what is left) and at most
+# its own share (rnn 220 s, decode 60 s, g2p_throughput 80 s, attention 50
+# s, decode_corpus 70 s, sequence_attention 50 s, scan what is left) and at most
 # what is left of the budget, and is stopped (`timeout`) past it; rnn.py
 # rewrites its JSON after each workload, so a stopped run keeps those it
 # finished. A script left under 30 s is skipped.
@@ -98,8 +100,9 @@ if [[ $smoke == 1 ]]; then
   g2p=(--arms 0 --rounds 1 --steps 2)
   attention=(--repeats 1)
   corpus=(--train-steps 1 --repeats 1 --slots 16 --refill 8)
+  seqattn=(--workloads S --repeats 1)
   scan=(--workloads S --repeats 1)
-  caps=(0 0 0 0 0 0) # no limit
+  caps=(0 0 0 0 0 0 0) # no limit
 else
   budget=${ACCELERATOR_BUDGET_S:-560}
   default=default
@@ -108,8 +111,9 @@ else
   g2p=(--arms 0 --rounds 3 --steps 40)
   attention=(--repeats 5)
   corpus=(--repeats 5 --slots 256 --refill 128 --chunk 4)
+  seqattn=(--workloads W1,W2 --repeats 3)
   scan=(--workloads W1,W3 --repeats 10)
-  caps=(250 60 80 50 70 0) # 0: what is left
+  caps=(220 60 80 50 70 50 0) # 0: what is left
 fi
 min_s=30
 failed=()
@@ -161,7 +165,8 @@ run_script decode "${caps[1]}" --plan "$default,cpu" "${decode[@]}"
 run_script g2p_throughput "${caps[2]}" --plan "cpu,$default" "${g2p[@]}"
 run_script attention "${caps[3]}" --plan "$default" "${attention[@]}"
 run_script decode_corpus "${caps[4]}" "${corpus[@]}"
-run_script scan "${caps[5]}" "${scan[@]}"
+run_script sequence_attention "${caps[5]}" "${seqattn[@]}"
+run_script scan "${caps[6]}" "${scan[@]}"
 
 total=$(($(date +%s%3N) - start_ms))
 printf '%-16s %4d.%03d s  (budget %d s)\n' total $((total / 1000)) $((total % 1000)) \

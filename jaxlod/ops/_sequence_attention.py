@@ -14,9 +14,12 @@ A tile of phase ``k`` starts at the first sequence (in rank order) that no
 earlier tile took, and takes the next ``sequences`` of them: the last tile
 of a phase fills its free slots with the next phase's (shorter) sequences
 rather than leaving them empty. Each tile gathers its sequences' rows,
-padded to the tile's length, computes a masked softmax attention and
-scatters the real rows of the result back to the packed layout. Nothing of
-size ``[tokens, tokens]`` or ``[B, heads, L_max, L_max]`` is ever formed.
+padded to the tile's length, computes a masked softmax attention and writes
+its rows to a buffer in rank order, where a tile's sequences are one
+contiguous window (`lax.dynamic_update_slice`: a scatter into the packed
+rows would cost XLA:CPU the whole buffer at every tile); the buffer goes
+back to the packed order once, at the end. Nothing of size ``[tokens,
+tokens]`` or ``[B, heads, L_max, L_max]`` is ever formed.
 
 The gradient is a `jax.custom_vjp` over the same tiles, which recomputes
 each tile's probabilities from the saved inputs (the rows of a sequence are
@@ -134,25 +137,26 @@ def default_attention_plan(backend: str | None = None) -> AttentionPlan:
 
 
 class _Side(typing.NamedTuple):
-  """One side's rows (the query's, or the key's and value's) in rank order:
-  sequence after sequence, longest first (by the longer of a pair's query
-  and key), so that a tile's sequences are one contiguous run of rows.
+  """One side's sequences (the query's, or the key's and value's) in rank
+  order, longest first (by the longer of a pair's query and key). Tiles
+  read their rows from the packed rows and write their results to
+  rank-ordered rows, sequence after sequence, where a tile's sequences are
+  one contiguous run.
 
   Attributes:
-    gather: ``[rows]`` the packed row of each rank-ordered row (a
-      permutation: the padding rows last).
-    back: ``[rows]`` its inverse, the rank-ordered row of each packed row.
-    starts: ``[count + 1]`` where each rank's rows start; ``starts[-1]``
-      is the number of real rows.
+    packed: ``[count]`` where each rank's rows start in the packed rows.
+    starts: ``[count + 1]`` where each rank's rows start in rank order;
+      ``starts[-1]`` is the number of real rows.
     lengths: ``[count]`` each rank's length.
+    back: ``[rows]`` the rank-ordered row of each packed row.
     spare: zero rows after the rank-ordered ones, so that a tile's window
       never runs past the end (static).
   """
 
-  gather: jax.Array
-  back: jax.Array
+  packed: jax.Array
   starts: jax.Array
   lengths: jax.Array
+  back: jax.Array
   spare: int
 
 
@@ -166,18 +170,10 @@ def _side(offsets, order, ranks, rows: int, spare: int) -> _Side:
   seq = jnp.clip(jnp.searchsorted(offsets, index, side="right") - 1, 0, count - 1)
   rank = jnp.where(index < offsets[-1], ranks[seq], count)
   # Sorts, not index arithmetic: XLA materializes a sort's result, where it
-  # would fuse arithmetic into each gather and repeat it for every element
-  # of a row.
-  gather = jnp.argsort(rank, stable=True)
-  return _Side(gather, jnp.argsort(gather), starts, lengths, spare)
-
-
-def _ranked(x: jax.Array, side: _Side, dtype: Any) -> jax.Array:
-  """`x` ``[rows, ...]`` in rank order, as `dtype`, the padding rows zero
-  and `side.spare` zero rows after them."""
-  real = jnp.arange(x.shape[0]) < side.starts[-1]
-  rows = jnp.where(_rows(real, x), x[side.gather].astype(dtype), 0)
-  return jnp.concatenate([rows, jnp.zeros((side.spare, *x.shape[1:]), dtype)])
+  # would fuse arithmetic into the gather of the rows and repeat it for
+  # every element of a row.
+  back = jnp.argsort(jnp.argsort(rank, stable=True))
+  return _Side(offsets[order], starts, lengths, back, spare)
 
 
 def _unranked(x: jax.Array, side: _Side, dtype: Any) -> jax.Array:
@@ -196,9 +192,9 @@ def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class _Window:
   """The rows of one tile on one side: from rank `first`, `sequences`
-  sequences padded to `length`, read from and written to the window of
-  ``sequences * length`` rank-ordered rows that starts at the tile's first
-  row."""
+  sequences padded to `length`; read from the packed rows, written to the
+  window of ``sequences * length`` rank-ordered rows that starts at the
+  tile's first row."""
 
   side: _Side
   first: jax.Array
@@ -206,7 +202,8 @@ class _Window:
   sequences: int
 
   def _slots(self):
-    """Each slot's row in the window ``[s, l]`` and whether it is real."""
+    """Each slot's row in the window ``[s, l]``, whether it is real, each
+    sequence's offset in the window and length ``[s]``, and its rank."""
     count = self.side.lengths.shape[0]
     rank = self.first + jnp.arange(self.sequences)
     live = rank < count
@@ -216,21 +213,27 @@ class _Window:
     offset = jnp.where(live, offset, size)  # past every row of the window
     n = jnp.where(live, self.side.lengths[rank], 0)
     steps = jnp.arange(self.length)
-    return offset[:, None] + steps, steps < n[:, None], offset, n
+    return offset[:, None] + steps, steps < n[:, None], offset, n, rank
 
   @property
   def mask(self) -> jax.Array:
     """Which slots ``[s, l]`` hold a row of a sequence."""
     return self._slots()[1]
 
-  def read(self, x: jax.Array) -> jax.Array:
-    """The tile's rows of rank-ordered `x`, ``[s, heads, l, dim]``, zero at
-    an empty slot (selected, never multiplied: another sequence's inf or
-    NaN stays out)."""
+  def read(self, x: jax.Array, dtype: Any) -> jax.Array:
+    """The tile's rows of the packed rows `x` as `dtype`, ``[s, heads, l,
+    dim]``, zero at an empty slot (selected, never multiplied: another
+    sequence's inf or NaN stays out)."""
+    _, mask, _, _, rank = self._slots()
+    index = self.side.packed[rank][:, None] + jnp.arange(self.length)
+    rows = x[jnp.clip(index, 0, x.shape[0] - 1)].astype(dtype)
+    return jnp.where(mask[..., None, None], rows, 0).transpose(0, 2, 1, 3)
+
+  def read_ranked(self, x: jax.Array) -> jax.Array:
+    """The tile's rows of rank-ordered `x`, as `read` gives them."""
     size = self.sequences * self.length
-    start = self.side.starts[self.first]
-    window = lax.dynamic_slice_in_dim(x, start, size)
-    slot, mask, _, _ = self._slots()
+    window = lax.dynamic_slice_in_dim(x, self.side.starts[self.first], size)
+    slot, mask, _, _, _ = self._slots()
     rows = jnp.where(mask[..., None, None], window[jnp.minimum(slot, size - 1)], 0)
     return rows.transpose(0, 2, 1, 3)
 
@@ -239,7 +242,7 @@ class _Window:
     written. The whole window is written: its rows past the tile's belong
     to later tiles, which write them after this one."""
     size = self.sequences * self.length
-    _, _, offset, n = self._slots()
+    _, _, offset, n, _ = self._slots()
     row = jnp.arange(size)
     seq = jnp.sum(offset[None, :] <= row[:, None], axis=1) - 1
     step = row - offset[seq]
@@ -360,29 +363,27 @@ def _attention(q, k, v, q_offsets, k_offsets, static):
 
 
 def _attention_fwd(q, k, v, q_offsets, k_offsets, static):
-  """`_attention` and its residuals: the inputs, and the output and each
-  row's log-sum-exp ``[rows + spare, heads, 1]`` in rank order."""
+  """`_attention` and its residuals: the inputs, the output and each row's
+  log-sum-exp ``[rows + spare, heads, 1]`` in rank order."""
   tiles, causal, scale, kernel = static
   q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
   dtype = _compute_dtype(q.dtype)
   operand = dtype if kernel == "xla" else q.dtype
-  q_r, k_r, v_r = (
-    _ranked(q, q_side, operand),
-    *(_ranked(x, k_side, operand) for x in (k, v)),
-  )
 
   def body(q_win, k_win, carry):
     out, lse = carry
-    q_t, k_t, v_t = q_win.read(q_r), k_win.read(k_r), k_win.read(v_r)
+    q_t = q_win.read(q, operand)
+    k_t, v_t = k_win.read(k, operand), k_win.read(v, operand)
     bias = _key_bias(k_win.mask, causal, dtype)
     o_t, lse_t = _KERNELS[kernel](q_t, k_t, v_t, bias, scale)
     return q_win.write(out, o_t), q_win.write(lse, lse_t[..., None])
 
-  out = jnp.zeros(q_r.shape, q.dtype)
-  lse = jnp.zeros((*q_r.shape[:2], 1), dtype)
+  ranked = q.shape[0] + q_side.spare
+  out = jnp.zeros((ranked, *q.shape[1:]), q.dtype)
+  lse = jnp.zeros((ranked, q.shape[1], 1), dtype)
   out, lse = _over_tiles((q_side, k_side), ends, tiles, body, (out, lse))
-  residuals = (q, k, v, out, lse, q_offsets, k_offsets)
-  return _unranked(out, q_side, q.dtype), residuals
+  out = _unranked(out, q_side, q.dtype)
+  return out, (q, k, v, out, lse, q_offsets, k_offsets)
 
 
 def _attention_bwd(static, residuals, g):
@@ -394,25 +395,21 @@ def _attention_bwd(static, residuals, g):
   q, k, v, out, lse, q_offsets, k_offsets = residuals
   q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
   dtype = _compute_dtype(q.dtype)
-  q_r, g_r = (_ranked(jnp.asarray(x), q_side, dtype) for x in (q, g))
-  k_r, v_r = (_ranked(x, k_side, dtype) for x in (k, v))
+  g = jnp.asarray(g)
   # delta_i = sum_j p_ij dp_ij = <g_i, out_i>, per row and head.
-  delta = jnp.sum(g_r * out.astype(dtype), axis=-1, keepdims=True)
+  delta = jnp.sum(g.astype(dtype) * out.astype(dtype), axis=-1, keepdims=True)
 
   def body(q_win, k_win, grads):
-    q_t, k_t, v_t, g_t = (
-      q_win.read(q_r),
-      k_win.read(k_r),
-      k_win.read(v_r),
-      q_win.read(g_r),
-    )
+    q_t, g_t = q_win.read(q, dtype), q_win.read(g, dtype)
+    k_t, v_t = k_win.read(k, dtype), k_win.read(v, dtype)
     # A row with no key has lse -inf and p 0 (exp(-inf - 0) with lse 0).
-    lse_t = q_win.read(lse)[..., 0]
+    lse_t = q_win.read_ranked(lse)[..., 0]
     lse_t = jnp.where(jnp.isfinite(lse_t), lse_t, 0)
     scores = _scores(q_t, k_t, _key_bias(k_win.mask, causal, dtype), scale)
     p = jnp.exp(scores - lse_t[..., None])
     dp = jnp.einsum("shqd,shkd->shqk", g_t, v_t)
-    ds = p * (dp - q_win.read(delta)[..., 0][..., None]) * jnp.asarray(scale, dtype)
+    ds = p * (dp - q_win.read(delta, dtype)[..., 0][..., None])
+    ds = ds * jnp.asarray(scale, dtype)
     gq, gk, gv = grads
     return (
       q_win.write(gq, jnp.einsum("shqk,shkd->shqd", ds, k_t)),
@@ -420,7 +417,9 @@ def _attention_bwd(static, residuals, g):
       k_win.write(gv, jnp.einsum("shkq,shqd->shkd", _swap(p), g_t)),
     )
 
-  zeros = tuple(jnp.zeros(x.shape, dtype) for x in (q_r, k_r, k_r))
+  q_rows, k_rows = q.shape[0] + q_side.spare, k.shape[0] + k_side.spare
+  shapes = [(n, *q.shape[1:]) for n in (q_rows, k_rows, k_rows)]
+  zeros = tuple(jnp.zeros(shape, dtype) for shape in shapes)
   gq, gk, gv = _over_tiles((q_side, k_side), ends, tiles, body, zeros)
   grads = (
     _unranked(gq, q_side, q.dtype),
@@ -490,9 +489,12 @@ def sequence_attention(
     >>> from jaxlod import LoDTensor
     >>> from jaxlod.ops import sequence_attention
     >>> x = LoDTensor.from_lengths(np.ones((5, 1, 2), np.float32), [[3, 2]])
-    >>> out = sequence_attention(x, x, x.with_values(np.arange(5.0).reshape(5, 1, 1)))
-    >>> out.values[:, 0, 0].tolist()
+    >>> rows = np.arange(5.0, dtype=np.float32).reshape(5, 1, 1).repeat(2, -1)
+    >>> v = x.with_values(rows)
+    >>> sequence_attention(x, x, v).values[:, 0, 0].tolist()
     [1.0, 1.0, 1.0, 3.5, 3.5]
+    >>> sequence_attention(x, x, v, causal=True).values[:, 0, 0].tolist()
+    [0.0, 0.5, 1.0, 3.0, 3.5]
   """
   query, key, value = _checked(query, key, value)
   check_bool(causal, "causal")
