@@ -204,3 +204,27 @@ def test_scan_results():
     temp = workload["temp_bytes"]
     assert temp["ratio_x10"] == pytest.approx(temp["lengths_x10"] / temp["workload"])
   assert report["targets"] == {"W1_vs_assoc_capacity": 2.0, "vs_assoc_longest": 1.0}
+
+
+def test_sequence_attention_results():
+  """benchmarks/sequence_attention.py's CPU run (issue 65): every arm on W1,
+  W2 and the long batch, the speed-ups consistent with the medians, the
+  padded arms equal to jaxlod on the real rows, the cells and one
+  compilation over 100 batches."""
+  report = _load("sequence_attention")
+  assert report["machine"]["backend"] == "cpu"
+  assert set(report["workloads"]) == {"W1", "W2", "long"}
+  for workload in report["workloads"].values():
+    times = workload["times"]
+    for mode in ("forward", "train"):
+      base = times[f"jaxlod_{mode}"]["median_s"]
+      for arm in ("flax_longest", "flax_capacity"):
+        speedup = workload[f"{mode}_speedup_{arm}"]
+        assert speedup == pytest.approx(times[f"{arm}_{mode}"]["median_s"] / base)
+    assert max(workload["max_abs_diff"].values()) < 1e-4
+    real = workload["real_cells"]
+    assert real == sum(n * n for n in workload["lengths"])
+    for arm, cells in workload["cells"].items():
+      assert workload["work_ratio"][arm] == pytest.approx(cells / real)
+    assert workload["compiles_over_100_batches"] == 1
+  assert report["targets"]["work_ratio"] == 1.5
