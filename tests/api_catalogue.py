@@ -34,6 +34,13 @@ def lod() -> LoDTensor:
   return LoDTensor.from_lengths(values, [[2, 1]])
 
 
+def heads() -> LoDTensor:
+  """One level, float rows [3, 2 heads, 2], lengths [2, 1]: an attention's
+  query, key or value."""
+  values = np.arange(12.0, dtype=np.float32).reshape(3, 2, 2) / 12
+  return LoDTensor.from_lengths(values, [[2, 1]])
+
+
 def ids() -> LoDTensor:
   """One level of int ids [3], lengths [2, 1]."""
   return LoDTensor.from_lengths(np.array([1, 2, 3], np.int32), [[2, 1]])
@@ -244,6 +251,8 @@ BAD: dict[str, list[Bad]] = {
   "host_ints": [STR, NONE, OBJECT, STRINGS, FLOATS, A_LOD, INTS_RANK3],
   # A static int of any sign.
   "int": [STR, NONE, OBJECT, FLOAT, VECTOR],
+  # A static float of any sign, finite in float32 (the dtype it scales).
+  "float": [STR, NONE, OBJECT, VECTOR, BOOL, NAN, BEYOND_FLOAT32],
   "mapping": [STR, NONE, OBJECT, INT],
   "floats": [STR, NONE, OBJECT, STRINGS],
   # `plan_capacities`' geometric ratios: each as `Buckets.geometric`'s.
@@ -351,7 +360,8 @@ BAD: dict[str, list[Bad]] = {
     ("rnn", lambda: linen.DynamicRNN(nn.GRUCell(2))),
     ("nnx_rnn", lambda: nnx_layers.DynamicRNN(nnx.GRUCell(2, 2, rngs=nnx.Rngs(0)))),
   ],
-  # A `jaxlod.ops.LoopPlan` (or None, where allowed).
+  # A `jaxlod.ops.LoopPlan` or `jaxlod.ops.AttentionPlan` (or None, where
+  # allowed).
   "plan": [STR, OBJECT, INT, ("dict", lambda: {"bodies": 1})],
   # A backend's name.
   "backend": [OBJECT, INT],

@@ -21,6 +21,7 @@ from tests.api_catalogue import (
   add_target,
   arg,
   batcher,
+  heads,
   ids,
   keep,
   linen_model,
@@ -653,6 +654,44 @@ target(
     "carry": keep(lambda: np.zeros((2, 2))),
   },
   unchecked={"carry": "the cell's carry, handed to `cell` as it is"},
+)
+
+# jaxlod.ops: attention inside each sequence ------------------------------------------
+
+target(
+  "ops.sequence_attention",
+  ops.sequence_attention,
+  {
+    "query": arg(heads, "lod"),
+    "key": arg(heads, "lod"),
+    "value": arg(heads, "lod"),
+    "causal": arg(False, "bool"),
+    "scale": arg(None, "float", none_ok=True),
+    "plan": more(
+      arg(None, "plan", none_ok=True), ("loop_plan", lambda: ops.LoopPlan())
+    ),
+  },
+)
+target(
+  "ops.AttentionPlan",
+  ops.AttentionPlan,
+  {
+    "tile_tokens": arg(128, "size>=1"),
+    "ratio": arg(1.25, "ratio>1"),
+    "minimum": arg(4, "size>=1"),
+    "multiple": arg(4, "size>=1"),
+    "kernel": arg("xla", "choice"),
+  },
+)
+target(
+  "ops.AttentionPlan.tiles",
+  lambda time_capacity: ops.AttentionPlan().tiles(time_capacity),
+  {"time_capacity": arg(8, "size>=0")},
+)
+target(
+  "ops.default_attention_plan",
+  ops.default_attention_plan,
+  {"backend": arg(None, "backend")},
 )
 
 # jaxlod.data -------------------------------------------------------------------------

@@ -41,7 +41,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlod._checks import check_bool, is_float_dtype, require, static_float, static_int
+from jaxlod._checks import (
+  check_bool,
+  finite_float32,
+  is_float_dtype,
+  require,
+  static_float,
+  static_int,
+)
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._lod_checks import check_same_lod
@@ -63,15 +70,18 @@ class AttentionPlan:
       Smaller tiles waste less on the partly filled last tile of each
       length; larger ones run fewer, larger products.
     ratio: the step between tile lengths, > 1. A sequence of length ``l``
-      runs in a tile of length below ``ratio * l`` (above the smallest), so
-      its cells are at most about ``ratio**2`` of its own.
+      runs in a tile of length below ``max(ratio * l, l + multiple)`` (or
+      the smallest), so a long sequence's cells are at most about
+      ``ratio**2`` of its own; the last tile of a length may also take the
+      next, shorter sequences.
     minimum: the shortest tile length, at least 1.
     multiple: tile lengths below the longest are multiples of it.
     kernel: the attention of one tile. ``"xla"``: products and a masked
       softmax written in `jax.numpy`. ``"dot_product_attention"``:
       `jax.nn.dot_product_attention` with a mask (XLA's or cuDNN's fused
       attention, where the backend has one) for the forward pass; the
-      backward pass is the same either way.
+      backward pass is the same either way. Its softmax runs in float32,
+      so float64 inputs get float32's accuracy.
 
   Raises:
     TypeError, ValueError: for sizes that are not ints >= 1, a `ratio` not
@@ -467,7 +477,8 @@ def sequence_attention(
       and dtype.
     causal: a query row attends to the key rows at its own position and
       before (positions counted from each sequence's start).
-    scale: multiplies the scores; `None`: ``1 / sqrt(head_dim)``.
+    scale: multiplies the scores (a float, finite in float32); `None`:
+      ``1 / sqrt(head_dim)``.
     plan: the tiles; `None`: `default_attention_plan` for the backend.
 
   Returns:
@@ -479,7 +490,8 @@ def sequence_attention(
   Raises:
     TypeError: for an argument that is not a LoDTensor, non-float or
       differing dtypes, or a `plan` that is not an `AttentionPlan`.
-    ValueError: for values that are not 3-D, heads or head_dim that differ,
+    ValueError: for values that are not 3-D, a `scale` that is not finite
+      in float32, heads or head_dim that differ,
       a `key` and `value` with different LoDs, or another number of
       sequences in the key than in the query (eagerly; under `jit` LoDs
       that differ give NaN and `jaxlod.Fault.INPUT`).
@@ -500,7 +512,7 @@ def sequence_attention(
   check_bool(causal, "causal")
   plan = _resolve_plan(plan)
   head_dim = query.values.shape[2]
-  scale = 1 / math.sqrt(head_dim) if scale is None else static_float(scale, "scale")
+  scale = 1 / math.sqrt(head_dim) if scale is None else finite_float32(scale, "scale")
   same = check_same_lod(key, value, "key", "value", "sequence_attention")
   count = require(
     query.num_sequences() == key.num_sequences(),
