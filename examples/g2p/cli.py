@@ -34,6 +34,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     "model of an hour on them; full: the best quality; tiny: a few hundred "
     "words (tests)",
   )
+  parser.add_argument(
+    "--encoder",
+    choices=m.ENCODERS,
+    default="bilstm",
+    help="what reads the letters: bilstm (default), bidirectional LSTMs; "
+    "transformer, a Transformer encoder of about the BiLSTM's parameters "
+    "(presets default and tiny)",
+  )
   parser.add_argument("--steps", type=int, help="training steps in all")
   parser.add_argument(
     "--workdir", type=pathlib.Path, help="checkpoints (default: a new temp dir)"
@@ -192,9 +200,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, m.Config
   """The command line and the run's config (the preset, then the flags)."""
   parser = _parser()
   args = parser.parse_args(argv)
+  try:
+    base = m.preset(args.preset, args.encoder)
+  except ValueError as error:
+    parser.error(f"--encoder {args.encoder} --preset {args.preset}: {error}")
   flags = {name: getattr(args, name) for name in CONFIG_FLAGS}
   config = dataclasses.replace(
-    m.PRESETS[args.preset], **{k: v for k, v in flags.items() if v is not None}
+    base, **{k: v for k, v in flags.items() if v is not None}
   )
   _check_config(parser, config)
   _check_run(parser, args, config)
@@ -252,9 +264,16 @@ def _print_model(config: m.Config, params: Any) -> None:
   ensemble = f"; {config.members} members, seeds {config.seed} to {last}" + (
     ", the odd ones in the other direction" if config.both_directions else ""
   )
+  if config.encoder == "transformer":
+    encoder = (
+      f"{config.encoder_layers} x Transformer {config.embed_dim} ({config.heads} "
+      f"heads, MLP {config.mlp_features})"
+    )
+  else:
+    encoder = f"{config.encoder_layers} x BiLSTM {config.hidden}"
   print(
-    f"model: embed {config.embed_dim}, encoder {config.encoder_layers} x BiLSTM "
-    f"{config.hidden}, LSTM decoder {config.hidden}"
+    f"model: embed {config.embed_dim}, encoder {encoder}, LSTM decoder "
+    f"{config.hidden}"
     + (" fed its attention context" if config.input_feeding else "")
     + (" writing right to left" if config.right_to_left else "")
     + f", additive attention {config.attention_units}: {count:,} parameters"

@@ -1,8 +1,10 @@
 """The G2P example's model, presets, training step and beam-search decoder.
 
-A bidirectional LSTM reads the letters; an LSTM decoder with additive
-attention over its outputs writes the phonemes (`jaxlod.nn.Seq2Seq`), built
-from library pieces: the encoder is a `jaxlod.nn.StackedRNN`, the loss
+A bidirectional LSTM reads the letters (or, with ``encoder="transformer"``,
+a Transformer encoder); an LSTM decoder with additive attention over its
+outputs writes the phonemes (`jaxlod.nn.Seq2Seq`), built from library
+pieces: the encoder is a `jaxlod.nn.StackedRNN` (or a
+`jaxlod.nn.TransformerEncoder`), the loss
 `jaxlod.ops.sequence_cross_entropy`, the schedule and the parameter average
 optax's. Each function that returns a jitted function builds a new one: a
 run builds it once and calls it on every batch.
@@ -31,6 +33,7 @@ from jaxlod.nn import (
   DynamicRNN,
   Seq2Seq,
   StackedRNN,
+  TransformerEncoder,
   ensemble_generate,
 )
 from jaxlod.ops import (
@@ -53,6 +56,8 @@ TIME_CAPACITY = 32
 LENGTH_MARGIN = 13
 # The beam search's length penalty (`Seq2Seq.generate`'s default).
 LENGTH_PENALTY = 0.6
+# `Config.encoder`: what reads the letters.
+ENCODERS = ("bilstm", "transformer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +66,22 @@ class Config:
 
   Attributes:
     stress: keep the vowels' stress digits (69 phonemes instead of 39).
+    encoder: what reads the letters, one of `ENCODERS`: ``"bilstm"``,
+      `encoder_layers` bidirectional LSTMs of `hidden` each way (the
+      decoder attends over rows of ``2 * hidden``), or ``"transformer"``, a
+      `jaxlod.nn.TransformerEncoder` of `encoder_layers` pre-norm
+      self-attention layers as wide as the embeddings (`embed_dim`, which
+      is then also the width the decoder attends over), with `heads` heads,
+      an MLP of `mlp_features` and sinusoidal positions that restart at
+      every word.
     embed_dim: width of the letter and phoneme embeddings.
     hidden: LSTM width of each encoder direction and of the decoder.
     attention_units: width of the additive attention's scoring layer.
-    encoder_layers: stacked bidirectional LSTM layers.
+    encoder_layers: stacked bidirectional LSTM layers, or Transformer layers.
+    heads: attention heads of each Transformer layer (they divide
+      `embed_dim`); unused by the BiLSTM.
+    mlp_features: width of each Transformer layer's MLP; unused by the
+      BiLSTM.
     input_feeding: the decoder's cell takes the previous step's attention
       context with the phoneme's embedding (`jaxlod.nn.AttentionDecoder`'s
       ``input_feeding``), a wider cell input of ``embed_dim + 2 * hidden``.
@@ -75,7 +92,8 @@ class Config:
       direction than `right_to_left` (`member_config`); such an ensemble
       decodes by rescoring the members' n-best lists, not by one beam search.
     dropout: dropout rate on the encoder's inputs, between its layers and on
-      its outputs (0 disables it).
+      its outputs (0 disables it); in a Transformer, after the positions are
+      added and on each layer's two residual branches.
     decoder_dropout: dropout rate on the target embeddings and the decoder's
       outputs (`jaxlod.nn.Seq2Seq`'s ``dropout``; 0 disables it).
     label_smoothing: the training loss's target puts this much probability
@@ -113,10 +131,13 @@ class Config:
   """
 
   stress: bool = False
+  encoder: str = "bilstm"
   embed_dim: int = 64
   hidden: int = 128
   attention_units: int = 128
   encoder_layers: int = 1
+  heads: int = 4
+  mlp_features: int = 256
   input_feeding: bool = False
   right_to_left: bool = False
   both_directions: bool = False
@@ -144,10 +165,13 @@ class Config:
 # The fields a checkpoint's parameters and batch order depend on.
 MODEL_FIELDS = (
   "stress",
+  "encoder",
   "embed_dim",
   "hidden",
   "attention_units",
   "encoder_layers",
+  "heads",
+  "mlp_features",
   "input_feeding",
   "right_to_left",
   "ema_decay",
@@ -221,6 +245,47 @@ PRESETS = {
   ),
 }
 
+# The presets of ``encoder="transformer"`` (`preset`): `PRESETS`' of the same
+# name with a Transformer encoder in place of the BiLSTM.
+TRANSFORMER_PRESETS = {
+  # The tiny preset's run with two Transformer layers (the tests).
+  "tiny": dataclasses.replace(
+    PRESETS["tiny"], encoder="transformer", encoder_layers=2, heads=2, mlp_features=16
+  ),
+  # The default preset's parameter budget: 449,065 parameters against the
+  # BiLSTM's 431,721 (+4.0%). Two layers of width 128 (4 heads of 32, an MLP
+  # of 192) hold 232,320 against the BiLSTM's 197,632; the wider embeddings
+  # widen the decoder's cell input (64 -> 128), and the memory the decoder
+  # attends over narrows (256 -> 128), which shrinks the carry bridge and the
+  # attention's memory projection. The same schedule, batches and seed as
+  # the default; benchmarks/g2p_encoders.py trains both side by side.
+  "default": dataclasses.replace(
+    PRESETS["default"],
+    encoder="transformer",
+    embed_dim=128,
+    encoder_layers=2,
+    heads=4,
+    mlp_features=192,
+  ),
+}
+
+
+def preset(name: str, encoder: str = "bilstm") -> Config:
+  """The config of preset `name` with `encoder` (one of `ENCODERS`):
+  ``PRESETS[name]``, or for a Transformer ``TRANSFORMER_PRESETS[name]``.
+
+  Raises:
+    ValueError: for an unknown encoder, or a preset the encoder lacks.
+  """
+  check_encoder(encoder)
+  presets = TRANSFORMER_PRESETS if encoder == "transformer" else PRESETS
+  if name not in presets:
+    raise ValueError(
+      f"The {encoder} encoder has no preset {name!r}; its presets are "
+      f"{sorted(presets)}."
+    )
+  return presets[name]
+
 
 def build_model(
   config: Config,
@@ -232,37 +297,36 @@ def build_model(
 ) -> Seq2Seq:
   """The model of `config`; `train` turns dropout on (same parameters).
 
-  The encoder is a `jaxlod.nn.StackedRNN` of `encoder_layers` bidirectional
-  LSTMs (parameters ``encoder/layers_0``, ...), with `dropout` on its
-  inputs, between its layers and on its outputs.
+  The encoder (parameters ``encoder/layers_0``, ...) is `config.encoder`'s:
+  a `jaxlod.nn.StackedRNN` of `encoder_layers` bidirectional LSTMs, with
+  `dropout` on its inputs, between its layers and on its outputs, or a
+  `jaxlod.nn.TransformerEncoder` (`transformer_encoder`).
 
-  `ladder` sets the static batch sizes of the encoder's and the
+  `ladder` sets the static batch sizes of the recurrent encoder's and the
   teacher-forced decoder's loops (`training_ladder`); `None`: each batch's
   default (or its rank table's). The parameters do not depend on it.
 
-  `cell` makes the encoder's and the decoder's cells from the width:
-  ``flax.linen.LSTMCell``, or a cell with the same parameters
+  `cell` makes the LSTM cells (the BiLSTM encoder's and the decoder's) from
+  the width: ``flax.linen.LSTMCell``, or a cell with the same parameters
   (``OptimizedLSTMCell``, a ``dtype`` of computation), which
   `benchmarks/g2p_throughput.py` times against it.
 
-  `plan` runs the encoder's and the teacher-forced decoder's loops (a
-  `jaxlod.ops.LoopPlan`); `None`: the layers' default, the backend's
-  `jaxlod.ops.default_plan`. A plan whose `bodies` is set takes no
-  `ladder`.
+  `plan` runs the recurrent encoder's and the teacher-forced decoder's
+  loops (a `jaxlod.ops.LoopPlan`); `None`: the layers' default, the
+  backend's `jaxlod.ops.default_plan`. A plan whose `bodies` is set takes
+  no `ladder`. A Transformer's attention keeps the backend's
+  `jaxlod.ops.AttentionPlan`.
+
+  Raises:
+    ValueError: for an `encoder` not in `ENCODERS`.
   """
+  check_encoder(config.encoder)
   # Only a given plan is passed: `None` leaves the layers' own default.
   planned = {} if plan is None else {"plan": plan}
-
-  def lstm() -> DynamicRNN:
-    return DynamicRNN(cell(config.hidden), ladder=ladder, **planned)
-
-  encoder = StackedRNN(
-    tuple(Bidirectional(lstm(), lstm()) for _ in range(config.encoder_layers)),
-    dropout_rate=config.dropout,
-    input_dropout=config.dropout,
-    output_dropout=config.dropout,
-    deterministic=not train,
-  )
+  if config.encoder == "transformer":
+    encoder = transformer_encoder(config, train)
+  else:
+    encoder = bilstm_encoder(config, train, ladder, cell, plan)
   return Seq2Seq(
     dropout=config.decoder_dropout,
     deterministic=not train,
@@ -277,6 +341,58 @@ def build_model(
       ladder=ladder,
       **planned,
     ),
+  )
+
+
+def check_encoder(encoder: str) -> None:
+  """`Config.encoder` is one of `ENCODERS`.
+
+  Raises:
+    ValueError: for another value.
+  """
+  if encoder not in ENCODERS:
+    raise ValueError(
+      f"Expected `encoder` to be one of {list(ENCODERS)}, got {encoder!r}."
+    )
+
+
+def bilstm_encoder(
+  config: Config,
+  train: bool = False,
+  ladder: tuple[int, ...] | None = None,
+  cell: Callable[[int], nn.RNNCellBase] = nn.LSTMCell,
+  plan: LoopPlan | None = None,
+) -> StackedRNN:
+  """The ``encoder="bilstm"`` encoder of `config`: `encoder_layers`
+  bidirectional LSTMs of `hidden` each way, `dropout` on the inputs, between
+  the layers and on the outputs (`train` turns it on); `ladder`, `cell` and
+  `plan` as `build_model`'s."""
+  planned = {} if plan is None else {"plan": plan}
+
+  def lstm() -> DynamicRNN:
+    return DynamicRNN(cell(config.hidden), ladder=ladder, **planned)
+
+  return StackedRNN(
+    tuple(Bidirectional(lstm(), lstm()) for _ in range(config.encoder_layers)),
+    dropout_rate=config.dropout,
+    input_dropout=config.dropout,
+    output_dropout=config.dropout,
+    deterministic=not train,
+  )
+
+
+def transformer_encoder(config: Config, train: bool = False) -> TransformerEncoder:
+  """The ``encoder="transformer"`` encoder of `config`: `encoder_layers`
+  pre-norm layers of `heads` heads and an MLP of `mlp_features`, as wide as
+  the letter embeddings (`embed_dim`), sinusoidal positions restarting at
+  every word, `dropout` after the positions and on each residual branch
+  (`train` turns it on)."""
+  return TransformerEncoder(
+    num_layers=config.encoder_layers,
+    num_heads=config.heads,
+    mlp_features=config.mlp_features,
+    dropout_rate=config.dropout,
+    deterministic=not train,
   )
 
 

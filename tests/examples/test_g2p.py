@@ -18,10 +18,12 @@ import pytest
 from examples.g2p import checkpoints, cli, data, decoding, train
 from examples.g2p import model as m
 from jaxlod import LoDTensor
+from jaxlod.nn import StackedRNN, TransformerEncoder
 from jaxlod.ops import rank_table, sequence_cross_entropy
 from tests.examples.g2p_batches import logging_batcher, read_log
 
 TINY = m.PRESETS["tiny"]
+TRANSFORMER = m.TRANSFORMER_PRESETS["tiny"]
 NUM_PHONES = 41  # `<s>`, `</s>` and 39 phonemes
 
 SOURCE = {
@@ -294,6 +296,117 @@ def test_the_encoder_is_a_stacked_rnn_with_dropout():
   assert hash(model) == hash(m.build_model(two_layers, 5, train=True))
 
 
+def _param_count(config):
+  (src, tgt, _), _ = _tiny_batch()
+  model = m.build_model(config, NUM_PHONES)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), src, tgt))
+  return sum(x.size for x in jax.tree.leaves(params))
+
+
+def test_the_transformer_preset_has_the_default_s_parameter_budget():
+  """``--encoder transformer``'s default preset: the BiLSTM default's
+  schedule, batches and seed, and its parameters within 10%."""
+  bilstm, transformer = m.preset("default"), m.preset("default", "transformer")
+  assert bilstm == m.Config() and transformer == m.TRANSFORMER_PRESETS["default"]
+  assert transformer == dataclasses.replace(
+    bilstm,
+    encoder="transformer",
+    embed_dim=128,
+    encoder_layers=2,
+    heads=4,
+    mlp_features=192,
+  )
+  counts = _param_count(bilstm), _param_count(transformer)
+  assert counts == (431_721, 449_065)
+  assert abs(counts[1] / counts[0] - 1) < 0.1
+
+
+def test_the_transformer_encoder_reads_the_letters():
+  """``--encoder transformer``: a `TransformerEncoder` of the preset's
+  settings in place of the BiLSTM, as wide as the embeddings, which the
+  decoder attends over; dropout with `train`."""
+  _, config = cli.parse_args(["--preset", "tiny", "--encoder", "transformer"])
+  assert config == TRANSFORMER
+  assert cli.parse_args(["--preset", "tiny", "--encoder", "bilstm"])[1] == TINY
+  assert isinstance(m.build_model(TINY, 5).encoder, StackedRNN)
+  model = m.build_model(config, 5, train=True)
+  encoder = model.encoder
+  assert isinstance(encoder, TransformerEncoder) and not encoder.deterministic
+  settings = (encoder.num_layers, encoder.num_heads, encoder.mlp_features)
+  assert settings == (2, 2, 16) and encoder.dropout_rate == TINY.dropout == 0.1
+  assert m.build_model(config, 5).encoder.deterministic
+  # Hashable, as `jaxlod.parallel.generate` needs its models (static).
+  assert hash(model) == hash(m.build_model(config, 5, train=True))
+  (src, tgt, _), _ = _tiny_batch()
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), src, tgt))["params"]
+  assert sorted(params["encoder"]) == ["final_norm", "layers_0", "layers_1"]
+  mlp_in = params["encoder"]["layers_0"]["mlp_in"]["kernel"].shape
+  assert mlp_in == (TINY.embed_dim, 16)
+  memory = params["decoder"]["attention"]["key"]["kernel"].shape
+  assert memory == (TINY.embed_dim, TINY.attention_units)
+
+
+def test_encoder_flag_and_setting_errors(capsys):
+  with pytest.raises(SystemExit):
+    cli.parse_args(["--encoder", "gru"])
+  err = capsys.readouterr().err
+  assert "argument --encoder: invalid choice: 'gru'" in err
+  assert "'bilstm', 'transformer'" in err
+  with pytest.raises(SystemExit):
+    cli.parse_args(["--preset", "fast", "--encoder", "transformer"])
+  assert (
+    "--encoder transformer --preset fast: The transformer encoder has no preset "
+    "'fast'; its presets are ['default', 'tiny']." in capsys.readouterr().err
+  )
+  message = r"Expected `encoder` to be one of \['bilstm', 'transformer'\], got 'gru'\."
+  with pytest.raises(ValueError, match=message):
+    m.preset("default", "gru")
+  with pytest.raises(ValueError, match=message):
+    m.build_model(dataclasses.replace(TINY, encoder="gru"), 5)
+
+
+@pytest.mark.slow
+def test_a_transformer_run_trains_evaluates_predicts_and_resumes(tmp_path, capsys):
+  """The example's commands with ``--encoder transformer``: it trains and
+  scores; its checkpoints record the encoder, so `predict` rebuilds the
+  Transformer (what `Seq2Seq.generate` gives), the state round-trips, a
+  BiLSTM run refuses to resume it and a Transformer run resumes it."""
+  workdir = tmp_path / "run"
+  flags = ["--preset", "tiny", "--encoder", "transformer", "--quiet"]
+  flags += ["--workdir", str(workdir), "--examples", "0"]
+  first = cli.main([*flags, "--steps", "4", "--eval-every", "2"])
+  out = capsys.readouterr().out
+  assert "encoder 2 x Transformer 8 (2 heads, MLP 16), LSTM decoder 16" in out
+  assert "trained steps 1 to 4 in " in out and "| test | 27 |" in out
+  assert [h[0] for h in first["history"]] == [2, 4]
+  assert first["history"][-1] == (4, *first["dev"])
+  config = dataclasses.replace(TRANSFORMER, steps=4, eval_every=2)
+
+  trained = checkpoints.load_trained(workdir)
+  assert trained.config == config and trained.steps == [4]
+  corpus = data.load_corpus(config)
+  words = [w for w, _ in corpus.splits["dev"][:4]]
+  best = _generate_best(trained, words)
+  assert cli.predict_main(["--workdir", str(workdir), *words]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines == [f"{w}\t{' '.join(b)}" for w, b in zip(words, best, strict=True)]
+
+  state = checkpoints.restore_checkpoint(workdir, 4, config, NUM_PHONES)
+  abstract = m.init_state(config, NUM_PHONES, abstract=True)
+  assert jax.tree.structure(state) == jax.tree.structure(abstract)
+  checkpoints.save_checkpoint(tmp_path / "copy", 4, *state, config)
+  again = checkpoints.restore_checkpoint(tmp_path / "copy", 4, config, NUM_PHONES)
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(again), strict=True):
+    np.testing.assert_array_equal(x, y)
+
+  bilstm = ["--preset", "tiny", "--workdir", str(workdir), "--resume"]
+  with pytest.raises(ValueError, match=r"encoder='transformer' \(requested 'bilstm'\)"):
+    cli.main([*bilstm, "--steps", "6"])
+  resumed = cli.main([*flags, "--resume", "--steps", "6", "--eval-every", "2"])
+  assert resumed["start_step"] == 4 and [h[0] for h in resumed["history"]] == [6]
+  assert "trained steps 5 to 6 in " in capsys.readouterr().out
+
+
 def test_input_feeding_widens_the_decoder_cell():
   """`--input-feeding`: the decoder's cell takes the phoneme embedding and
   the previous context (2 x hidden wide, the bidirectional memory)."""
@@ -506,6 +619,7 @@ def test_ensemble_scores_are_the_members_mean_log_probabilities():
   ("field", "value", "message"),
   [
     ("ema_decay", 0.999, r"ema_decay=0.0 \(requested 0.999\)"),
+    ("encoder", "transformer", r"encoder='bilstm' \(requested 'transformer'\)"),
     ("input_feeding", True, r"input_feeding=False \(requested True\)"),
     ("right_to_left", True, r"right_to_left=False \(requested True\)"),
   ],
