@@ -52,6 +52,7 @@ from jaxlod._checks import (
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod._lod_checks import check_same_lod
+from jaxlod.ops._loop._plan import plan_backend
 from jaxlod.ops._rank import default_ladder, nan_unless
 
 
@@ -136,10 +137,7 @@ def default_attention_plan(backend: str | None = None) -> AttentionPlan:
   Raises:
     TypeError: for a `backend` that is not a string.
   """
-  if backend is None:
-    backend = jax.default_backend()
-  if not isinstance(backend, str):
-    raise TypeError(f"Expected `backend` to be a string, got {backend!r}.")
+  backend = plan_backend(backend)
   return AttentionPlan() if backend == "cpu" else AttentionPlan(tile_tokens=1024)
 
 

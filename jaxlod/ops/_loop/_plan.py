@@ -129,6 +129,20 @@ class LoopPlan:
 _ACCELERATOR = LoopPlan(bodies=1, chunk=8)
 
 
+def plan_backend(backend: str | None) -> str:
+  """The backend a default plan is chosen for: `backend`, or
+  `jax.default_backend()` for `None`.
+
+  Raises:
+    TypeError: for a `backend` that is not a string.
+  """
+  if backend is None:
+    backend = jax.default_backend()
+  if not isinstance(backend, str):
+    raise TypeError(f"Expected `backend` to be a string, got {backend!r}.")
+  return backend
+
+
 def default_plan(backend: str | None = None) -> LoopPlan:
   """The plan for `backend` (default: `jax.default_backend()`).
 
@@ -144,10 +158,7 @@ def default_plan(backend: str | None = None) -> LoopPlan:
   Raises:
     TypeError: for a `backend` that is not a string.
   """
-  if backend is None:
-    backend = jax.default_backend()
-  if not isinstance(backend, str):
-    raise TypeError(f"Expected `backend` to be a string, got {backend!r}.")
+  backend = plan_backend(backend)
   return LoopPlan() if backend == "cpu" else _ACCELERATOR
 
 
