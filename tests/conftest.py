@@ -21,6 +21,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 import gc  # noqa: E402
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 import jaxlod  # noqa: E402
@@ -46,6 +47,31 @@ jaxlod.enable_compilation_cache()
 settings.register_profile("repro", deadline=None, database=None, derandomize=True)
 settings.register_profile("explore", deadline=None, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
+
+
+# XLA:CPU maps each compiled program's code into the process, about three
+# memory mappings a program. A worker that keeps every program of a few
+# thousand tests passes Linux's default `vm.max_map_count` (65,530), and the
+# next compilation segfaults. Past this many mappings a worker drops JAX's
+# caches between two test modules; programs needed again come back from the
+# persistent compilation cache.
+MAX_MAPPINGS = 30_000
+
+
+def _mappings() -> int:
+  """This process's memory mappings (0 where /proc is not Linux's)."""
+  try:
+    with open("/proc/self/maps", "rb") as maps:
+      return sum(1 for _ in maps)
+  except OSError:
+    return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  yield
+  if _mappings() > MAX_MAPPINGS:
+    jax.clear_caches()
 
 
 def pytest_configure(config):
