@@ -451,6 +451,15 @@ def check_rate(rate: float, name: str, *, closed: bool = True) -> float:
   return rate
 
 
+def is_key(key: Any) -> bool:
+  """Whether `key` is a JAX PRNG key: typed (``jax.random.key``) or raw
+  (``uint32 [2]``, ``jax.random.PRNGKey``)."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return getattr(key, "shape", None) == ()
+  return dtype == np.uint32 and getattr(key, "shape", None) == (2,)
+
+
 def check_sizes(**sizes: Any) -> None:
   """Every keyword argument is a static int >= 1 (a width, a vocabulary)."""
   for name, value in sizes.items():

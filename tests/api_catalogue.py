@@ -289,6 +289,8 @@ BAD: dict[str, list[Bad]] = {
     ("below_float32", lambda: 1e-50),
   ],
   "rate": [STR, NONE, OBJECT, VECTOR, NEGATIVE, ("above_one", lambda: 1.5), NAN],
+  # A JAX key: typed (jax.random.key) or raw (uint32 [2]).
+  "key": [STR, NONE, OBJECT, INT, VECTOR, ("uint32_3", lambda: np.ones(3, np.uint32))],
   "ratio>1": [STR, NONE, OBJECT, VECTOR, ("one", lambda: 1.0), NAN],
   # `Buckets.geometric`'s: beyond int32, every capacity but the first is.
   "geometric_ratio": [

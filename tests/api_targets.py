@@ -667,6 +667,8 @@ target(
     "value": arg(heads, "lod"),
     "causal": arg(False, "bool"),
     "scale": arg(None, "float", none_ok=True),
+    "dropout_rate": arg(0.0, "rate"),
+    "dropout_rng": arg(None, "key", none_ok=True),
     "plan": more(
       arg(None, "plan", none_ok=True), ("loop_plan", lambda: ops.LoopPlan())
     ),

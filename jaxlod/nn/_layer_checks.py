@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxlod._checks import (
   check_bools,
@@ -21,6 +20,7 @@ from jaxlod._checks import (
   check_rate,
   check_sequence,
   check_sizes,
+  is_key,
   require,
 )
 from jaxlod._host import as_array
@@ -106,10 +106,7 @@ def check_rngs(rngs: Any) -> dict[str, jax.Array] | None:
       f"{{'dropout': jax.random.key(0)}}) or None, got {type(rngs).__name__}."
     )
   for name, key in rngs.items():
-    dtype = getattr(key, "dtype", None)
-    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    raw = dtype == np.uint32 and getattr(key, "shape", None) == (2,)
-    if not isinstance(name, str) or not (typed or raw):
+    if not isinstance(name, str) or not is_key(key):
       raise TypeError(
         f"Expected `rngs` to map stream names to JAX keys (e.g. {{'dropout': "
         f"jax.random.key(0)}}), got {name!r}: {type(key).__name__}."

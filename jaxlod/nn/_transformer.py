@@ -58,13 +58,12 @@ class MultiHeadAttention(nn.Module):
   ``1 / sqrt(head_dim)``: each sequence's output is Flax's on that sequence
   alone.
 
-  Dropout: `jaxlod.ops.sequence_attention` never forms the attention
-  weights, so they cannot be dropped as Flax drops them. With a nonzero
-  `dropout_rate` and ``deterministic=False`` this layer applies
-  ``flax.linen.Dropout`` (the ``'dropout'`` rng) to the attention's output
-  ``[token_capacity, num_heads, head_dim]``, each entry independently,
-  before the ``out`` projection. Dropping an output entry is not dropping
-  a weight; the rate and the ``1 / (1 - rate)`` scaling are Flax's.
+  Dropout: with a nonzero `dropout_rate` and ``deterministic=False`` the
+  attention weights are dropped as Flax drops them (each weight zeroed
+  with probability `dropout_rate`, the others scaled by ``1 / (1 -
+  rate)``), inside `jaxlod.ops.sequence_attention`'s tiles, from a key of
+  the ``'dropout'`` rng. Which weights drop depends on that key, the
+  sequence, the head and the weight, not on the other sequences.
 
   Attributes:
     num_heads: the number of heads.
@@ -75,7 +74,7 @@ class MultiHeadAttention(nn.Module):
       `inputs_q`.
     causal: a query row attends to the key rows at its own position in its
       sequence and before (positions counted from each sequence's start).
-    dropout_rate: the rate of the dropout on the attention's output, in
+    dropout_rate: the rate of the dropout on the attention weights, in
       ``[0, 1]``.
     deterministic: no dropout (evaluation), unless the call overrides it.
       Flax's default is `None` (the call must say); this layer's is `True`,
@@ -178,14 +177,11 @@ class MultiHeadAttention(nn.Module):
       **common,
       name="out",
     )
+    rng = None
+    if not deterministic and self.dropout_rate > 0:
+      rng = self.make_rng("dropout")
     return attend(
-      (q_in, k_in, v_in),
-      project,
-      nn.Dropout(self.dropout_rate),
-      out,
-      self.causal,
-      self.plan,
-      deterministic,
+      (q_in, k_in, v_in), project, out, self.causal, self.plan, self.dropout_rate, rng
     )
 
 
@@ -207,7 +203,7 @@ class TransformerEncoderLayer(nn.Module):
     dropout_rate: the rate of the dropout on each residual branch (the
       attention's and the MLP's outputs), in ``[0, 1]``.
     attention_dropout_rate: the attention's `dropout_rate` (see
-      `MultiHeadAttention`: on its output before ``out``).
+      `MultiHeadAttention`: on its weights).
     causal: each row attends to the rows at its position and before.
     deterministic: no dropout (evaluation), unless the call overrides it.
     kernel_init, bias_init: the initializers of the attention's projections
@@ -571,22 +567,23 @@ def head_dim(qkv_features: int, num_heads: int, given: int | None) -> int:
 def attend(
   inputs: tuple[LoDTensor, LoDTensor, LoDTensor],
   project: Sequence[Callable[[jax.Array], jax.Array]],
-  dropout: Callable[..., jax.Array],
   out: Callable[[jax.Array], jax.Array],
   causal: bool,
   plan: AttentionPlan | None,
-  deterministic: bool,
+  dropout_rate: float,
+  rng: jax.Array | None,
 ) -> LoDTensor:
   """`MultiHeadAttention`'s body: the checked `inputs` (queries, keys,
   values) projected by `project` (to ``[rows, heads, head_dim]``, in one
-  dtype), `jaxlod.ops.sequence_attention`, ``dropout(rows,
-  deterministic=...)`` of its output, then `out`; padding rows zero."""
+  dtype), `jaxlod.ops.sequence_attention` (its weights dropped at
+  `dropout_rate` from `rng`; `None`: no dropout), then `out`; padding rows
+  zero."""
   rows = [f(x.values) for f, x in zip(project, inputs, strict=True)]
   dtype = jnp.result_type(*rows)
   q, k, v = (x.with_values(r.astype(dtype)) for x, r in zip(inputs, rows, strict=True))
-  attended = sequence_attention(q, k, v, causal=causal, plan=plan)
-  dropped = dropout(attended.values, deterministic=deterministic)
-  return zero_padding(attended, out(dropped))
+  drop = {"dropout_rate": dropout_rate, "dropout_rng": rng} if rng is not None else {}
+  attended = sequence_attention(q, k, v, causal=causal, plan=plan, **drop)
+  return zero_padding(attended, out(attended.values))
 
 
 def encoder_layer(

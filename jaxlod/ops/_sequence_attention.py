@@ -26,7 +26,9 @@ each tile's probabilities from the saved inputs (the rows of a sequence are
 written by its own tile only, so every gradient is a scatter, never a
 sum). Padding positions are selected away (`jnp.where`), never multiplied
 by zero, so nothing of another sequence, not even an inf or a NaN, reaches
-a sequence's values or gradients.
+a sequence's values or gradients. Dropout drops weights inside the tiles,
+from bits that a weight's sequence, head, row and column give (the backward
+pass draws the same), so the weights kept do not depend on the tiles.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from jax import lax
 
 from jaxlod._checks import (
   check_bool,
+  check_rate,
   finite_float32,
   is_float_dtype,
+  is_key,
   require,
   static_float,
   static_int,
@@ -82,7 +86,8 @@ class AttentionPlan:
       `jax.nn.dot_product_attention` with a mask (XLA's or cuDNN's fused
       attention, where the backend has one) for the forward pass; the
       backward pass is the same either way. Its softmax runs in float32,
-      so float64 inputs get float32's accuracy.
+      so float64 inputs get float32's accuracy. With dropout, which it does
+      not take, the tiles run ``"xla"``'s forward pass.
 
   Raises:
     TypeError, ValueError: for sizes that are not ints >= 1, a `ratio` not
@@ -157,6 +162,7 @@ class _Side(typing.NamedTuple):
       ``starts[-1]`` is the number of real rows.
     lengths: ``[count]`` each rank's length.
     back: ``[rows]`` the rank-ordered row of each packed row.
+    sequence: ``[count]`` the batch's sequence at each rank.
     spare: zero rows after the rank-ordered ones, so that a tile's window
       never runs past the end (static).
   """
@@ -165,6 +171,7 @@ class _Side(typing.NamedTuple):
   starts: jax.Array
   lengths: jax.Array
   back: jax.Array
+  sequence: jax.Array
   spare: int
 
 
@@ -181,7 +188,7 @@ def _side(offsets, order, ranks, rows: int, spare: int) -> _Side:
   # would fuse arithmetic into the gather of the rows and repeat it for
   # every element of a row.
   back = jnp.argsort(jnp.argsort(rank, stable=True))
-  return _Side(offsets[order], starts, lengths, back, spare)
+  return _Side(offsets[order], starts, lengths, back, order, spare)
 
 
 def _unranked(x: jax.Array, side: _Side, dtype: Any) -> jax.Array:
@@ -271,6 +278,30 @@ def _key_bias(k_mask, causal: bool, dtype: Any) -> jax.Array:
   return jnp.where(keep, jnp.zeros((), dtype), -jnp.inf)
 
 
+def _dropout(q_win: _Window, rng: Any, heads: int, rate: float, dtype: Any):
+  """What dropout at `rate` multiplies a tile's weights by, ``[s, heads, l,
+  l]``: ``1 / (1 - rate)`` at a kept cell, 0 at a dropped one. Cell ``(i,
+  j)`` of head ``h`` of the batch's sequence ``n`` is kept where element
+  ``j`` of ``jax.random.bits(fold_in(fold_in(fold_in(rng, n), h), i), (j +
+  1,))`` is at least ``rate * 2**32``, so that no sequence's cells depend
+  on the plan or on the other sequences."""
+  length = q_win.length
+  shape = (q_win.sequences, heads, length, length)
+  if rate >= 1:
+    return jnp.zeros(shape, dtype)
+  sequence = q_win.side.sequence[q_win._slots()[4]]
+
+  def row(n, h, i):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, n), h), i)
+    return jax.random.bits(key, (length,), jnp.uint32)
+
+  for axes in ((None, None, 0), (None, 0, None), (0, None, None)):
+    row = jax.vmap(row, axes)
+  bits = row(sequence, jnp.arange(heads), jnp.arange(length))
+  keep = bits >= jnp.uint32(min(int(rate * 2**32), 2**32 - 1))
+  return jnp.where(keep, jnp.asarray(1 / (1 - rate), dtype), jnp.zeros((), dtype))
+
+
 def _heads_first(x: jax.Array) -> jax.Array:
   """``[s, l, heads, dim]`` as ``[s, heads, l, dim]`` (and back)."""
   return x.transpose(0, 2, 1, 3)
@@ -283,16 +314,20 @@ def _scores(q_t, k_t, bias, scale: float) -> jax.Array:
   return jnp.einsum("shqd,shkd->shqk", q_t, k_t) + bias
 
 
-def _xla_tile(q_t, k_t, v_t, bias, scale: float) -> tuple[jax.Array, jax.Array]:
+def _xla_tile(
+  q_t, k_t, v_t, bias, scale: float, drop: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
   """One tile's attention (heads-first operands): the output ``[s, heads,
   l, dim]`` and each row's log-sum-exp ``[s, heads, l]`` of its real
-  scores (-inf for a row with no key; its output is zero)."""
+  scores (-inf for a row with no key; its output is zero). `drop`
+  ``[s, heads, l, l]`` multiplies the weights (dropout) before the values."""
   scores = _scores(q_t, k_t, bias, scale)
   top = jnp.max(scores, axis=-1)
   top = jnp.where(jnp.isfinite(top), top, 0)
   p = jnp.exp(scores - top[..., None])
   total = jnp.sum(p, axis=-1)
-  out = jnp.einsum("shqk,shkd->shqd", p, v_t)
+  weights = p if drop is None else p * drop
+  out = jnp.einsum("shqk,shkd->shqd", weights, v_t)
   out = out / jnp.where(total > 0, total, 1)[..., None]
   return out, top + jnp.log(total)
 
@@ -363,17 +398,18 @@ def _compute_dtype(dtype: Any) -> Any:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_offsets, k_offsets, static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, q_offsets, k_offsets, rng, static):
   """The attention of every sequence, values ``[q_rows, heads, head_dim]``;
-  `static` is ``(tiles, causal, scale, kernel)``."""
-  return _attention_fwd(q, k, v, q_offsets, k_offsets, static)[0]
+  `rng` the dropout's key (`None`: no dropout), `static` ``(tiles, causal,
+  scale, kernel, rate)``."""
+  return _attention_fwd(q, k, v, q_offsets, k_offsets, rng, static)[0]
 
 
-def _attention_fwd(q, k, v, q_offsets, k_offsets, static):
+def _attention_fwd(q, k, v, q_offsets, k_offsets, rng, static):
   """`_attention` and its residuals: the inputs, the output and each row's
   log-sum-exp ``[rows + spare, heads, 1]`` in rank order."""
-  tiles, causal, scale, kernel = static
+  tiles, causal, scale, kernel, rate = static
   q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
   dtype = _compute_dtype(q.dtype)
   operand = dtype if kernel == "xla" else q.dtype
@@ -383,7 +419,11 @@ def _attention_fwd(q, k, v, q_offsets, k_offsets, static):
     q_t = q_win.read(q, operand)
     k_t, v_t = k_win.read(k, operand), k_win.read(v, operand)
     bias = _key_bias(k_win.mask, causal, dtype)
-    o_t, lse_t = _KERNELS[kernel](q_t, k_t, v_t, bias, scale)
+    if rng is None:
+      o_t, lse_t = _KERNELS[kernel](q_t, k_t, v_t, bias, scale)
+    else:  # `jax.nn.dot_product_attention` has no dropout
+      drop = _dropout(q_win, rng, q.shape[1], rate, dtype)
+      o_t, lse_t = _xla_tile(q_t, k_t, v_t, bias, scale, drop)
     return q_win.write(out, o_t), q_win.write(lse, lse_t[..., None])
 
   ranked = q.shape[0] + q_side.spare
@@ -391,7 +431,7 @@ def _attention_fwd(q, k, v, q_offsets, k_offsets, static):
   lse = jnp.zeros((ranked, q.shape[1], 1), dtype)
   out, lse = _over_tiles((q_side, k_side), ends, tiles, body, (out, lse))
   out = _unranked(out, q_side, q.dtype)
-  return out, (q, k, v, out, lse, q_offsets, k_offsets)
+  return out, (q, k, v, out, lse, q_offsets, k_offsets, rng)
 
 
 def _attention_bwd(static, residuals, g):
@@ -399,8 +439,8 @@ def _attention_bwd(static, residuals, g):
   each tile's weights recomputed from the saved log-sum-exp, then the
   products of the softmax's gradient (``ds = p * (dp - delta)``, with
   ``delta`` a row's ``<g, out>``), written to the tile's own rows."""
-  tiles, causal, scale, _ = static
-  q, k, v, out, lse, q_offsets, k_offsets = residuals
+  tiles, causal, scale, _, rate = static
+  q, k, v, out, lse, q_offsets, k_offsets, rng = residuals
   q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
   dtype = _compute_dtype(q.dtype)
   g = jnp.asarray(g)
@@ -416,13 +456,17 @@ def _attention_bwd(static, residuals, g):
     scores = _scores(q_t, k_t, _key_bias(k_win.mask, causal, dtype), scale)
     p = jnp.exp(scores - lse_t[..., None])
     dp = jnp.einsum("shqd,shkd->shqk", g_t, v_t)
+    weights = p
+    if rng is not None:
+      drop = _dropout(q_win, rng, q.shape[1], rate, dtype)
+      weights, dp = p * drop, dp * drop
     ds = p * (dp - q_win.read(delta, dtype)[..., 0][..., None])
     ds = ds * jnp.asarray(scale, dtype)
     gq, gk, gv = grads
     return (
       q_win.write(gq, jnp.einsum("shqk,shkd->shqd", ds, k_t)),
       k_win.write(gk, jnp.einsum("shkq,shqd->shkd", _swap(ds), q_t)),
-      k_win.write(gv, jnp.einsum("shkq,shqd->shkd", _swap(p), g_t)),
+      k_win.write(gv, jnp.einsum("shkq,shqd->shkd", _swap(weights), g_t)),
     )
 
   q_rows, k_rows = q.shape[0] + q_side.spare, k.shape[0] + k_side.spare
@@ -433,7 +477,7 @@ def _attention_bwd(static, residuals, g):
     _unranked(gq, q_side, q.dtype),
     *(_unranked(x, k_side, q.dtype) for x in (gk, gv)),
   )
-  return (*grads, None, None)
+  return (*grads, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -449,6 +493,8 @@ def sequence_attention(
   *,
   causal: bool = False,
   scale: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
   plan: AttentionPlan | None = None,
 ) -> LoDTensor:
   """Softmax attention of every query row over the key rows of its own
@@ -477,6 +523,18 @@ def sequence_attention(
       before (positions counted from each sequence's start).
     scale: multiplies the scores (a float, finite in float32); `None`:
       ``1 / sqrt(head_dim)``.
+    dropout_rate: the rate of the dropout on the attention weights, in
+      ``[0, 1]``: each weight (after the softmax) is zeroed with this
+      probability and the others are multiplied by ``1 / (1 - rate)``, as
+      Flax's ``dot_product_attention`` drops them. Weight ``(i, j)`` of head
+      ``h`` of the last-level sequence ``n`` is kept where element ``j`` of
+      ``jax.random.bits(fold_in(fold_in(fold_in(dropout_rng, n), h), i),
+      (j + 1,))`` (``uint32``) is at least ``rate * 2**32``: which weights
+      drop depends on the key, the sequence, the head and the cell only,
+      never on the plan or on the other sequences. 0 (the default): no
+      dropout.
+    dropout_rng: the dropout's JAX key (typed, or raw ``uint32 [2]``);
+      needed when `dropout_rate` > 0, unused when it is 0.
     plan: the tiles; `None`: `default_attention_plan` for the backend.
 
   Returns:
@@ -487,9 +545,11 @@ def sequence_attention(
 
   Raises:
     TypeError: for an argument that is not a LoDTensor, non-float or
-      differing dtypes, or a `plan` that is not an `AttentionPlan`.
+      differing dtypes, a `dropout_rng` that is not a JAX key, or a `plan`
+      that is not an `AttentionPlan`.
     ValueError: for values that are not 3-D, a `scale` that is not finite
-      in float32, heads or head_dim that differ,
+      in float32, a `dropout_rate` outside ``[0, 1]`` or above 0 with no
+      `dropout_rng`, heads or head_dim that differ,
       a `key` and `value` with different LoDs, or another number of
       sequences in the key than in the query (eagerly; under `jit` LoDs
       that differ give NaN and `jaxlod.Fault.INPUT`).
@@ -511,6 +571,7 @@ def sequence_attention(
   plan = _resolve_plan(plan)
   head_dim = query.values.shape[2]
   scale = 1 / math.sqrt(head_dim) if scale is None else finite_float32(scale, "scale")
+  rate, rng = _checked_dropout(dropout_rate, dropout_rng)
   same = check_same_lod(key, value, "key", "value", "sequence_attention")
   count = require(
     query.num_sequences() == key.num_sequences(),
@@ -522,12 +583,25 @@ def sequence_attention(
     k=key.num_sequences(),
   )
   time = max(query.capacity.time[-1], key.capacity.time[-1])
-  static = (plan.tiles(time), causal, scale, plan.kernel)
+  static = (plan.tiles(time), causal, scale, plan.kernel, rate)
   arrays = (query.values, key.values, value.values, query.offsets[-1], key.offsets[-1])
-  out = _attention(*map(jnp.asarray, arrays), static)
+  out = _attention(*map(jnp.asarray, arrays), rng, static)
   ok = same if count is True else count if same is True else same & count
   out = query.with_values(nan_unless(ok, out))
   return with_faults(out, fault_unless(ok, Fault.INPUT), key, value)
+
+
+def _checked_dropout(rate: Any, rng: Any) -> tuple[float, Any]:
+  """The dropout's rate in ``[0, 1]`` and its key (`None` at rate 0)."""
+  rate = check_rate(rate, "dropout_rate")
+  if rng is not None and not is_key(rng):
+    raise TypeError(
+      "Expected `dropout_rng` to be a JAX key (jax.random.key(0)) or None, got "
+      f"{type(rng).__name__} of shape {getattr(rng, 'shape', None)}."
+    )
+  if rate > 0 and rng is None:
+    raise ValueError(f"Expected a `dropout_rng` with `dropout_rate` {rate}, got None.")
+  return rate, rng if rate > 0 else None
 
 
 def _resolve_plan(plan: Any) -> AttentionPlan:

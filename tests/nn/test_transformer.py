@@ -257,6 +257,37 @@ def test_padding_rows_stay_zero_with_dropout(name):
   assert not np.allclose(nnx_dropped.values[real], kept.values[real])
 
 
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_attention_dropout_drops_weights_not_output_entries(api):
+  """Sequences of one row, identity value and output projections: a row's
+  output is its value row, each head's slice kept whole (times ``1 / (1 -
+  rate)``) or dropped whole, as a dropped weight does; dropping the
+  output's entries would split heads."""
+  rate, width, heads = 0.5, 8, 2
+  buckets = Buckets.fixed(tokens=24, sequences=24, time=1)
+  x = _lod([1] * 24, width, 7, buckets=buckets)
+  module = linen.MultiHeadAttention(heads, dropout_rate=rate, deterministic=False)
+  params = module.init(jax.random.key(0), x)
+  eye = np.eye(width, dtype=np.float32)
+  params["params"]["value"]["kernel"] = eye.reshape(width, heads, -1)
+  params["params"]["out"]["kernel"] = eye.reshape(heads, -1, width)
+  params = jax.tree.map(jnp.asarray, params)
+  if api == "linen":
+    y = module.apply(params, x, rngs={"dropout": jax.random.key(1)})
+  else:
+    ours = twin.MultiHeadAttention(
+      heads, width, dropout_rate=rate, deterministic=False, rngs=nnx.Rngs(0)
+    )
+    _copy(params["params"], ours)
+    y = ours(x)
+  got = np.asarray(y.values).reshape(24, heads, -1)
+  want = np.asarray(x.values).reshape(24, heads, -1) / (1 - rate)
+  kept = np.all(np.isclose(got, want, rtol=1e-6, atol=1e-6), axis=-1)
+  dropped = np.all(got == 0, axis=-1)
+  assert np.all(kept | dropped), got
+  assert kept.any() and dropped.any()
+
+
 # -- (e) errors ------------------------------------------------------------------------
 
 OTHER_COUNT = _lod([2, 3, 1], KV_FEATURES, 1)  # 3 sequences in 4 slots

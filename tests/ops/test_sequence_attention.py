@@ -79,9 +79,23 @@ def _weights(q, k, causal: bool, scale: float) -> np.ndarray:
   return e / np.where(total > 0, total, 1)
 
 
-def reference(q, k, v, q_offsets, k_offsets, causal, g):
+def kept(rng, n: int, heads: int, lq: int, lk: int, rate: float) -> np.ndarray:
+  """The dropout's multiplier of sequence `n`'s weights ``[heads, lq, lk]``,
+  as `sequence_attention` documents it: weight ``(i, j)`` of head ``h`` is
+  kept, times ``1 / (1 - rate)``, where element ``j`` of the bits of
+  ``fold_in(fold_in(fold_in(rng, n), h), i)`` is at least ``rate * 2**32``."""
+  bits = np.zeros((heads, lq, lk), np.uint64)
+  for h in range(heads):
+    for i in range(lq):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, n), h), i)
+      bits[h, i] = np.asarray(jax.random.bits(key, (lk,), jnp.uint32))
+  return (bits >= int(rate * 2**32)) / (1 - rate)
+
+
+def reference(q, k, v, q_offsets, k_offsets, causal, g, rate=0.0, rng=None):
   """Each sequence alone (NumPy, float64): the attention's values and the
-  gradients of ``sum(out * g)`` with respect to `q`, `k` and `v`."""
+  gradients of ``sum(out * g)`` with respect to `q`, `k` and `v`; with a
+  `rate`, the weights dropped by `kept`."""
   q, k, v, g = (np.asarray(a, np.float64) for a in (q, k, v, g))
   scale = 1 / np.sqrt(q.shape[-1])
   out, gq, gk, gv = (
@@ -90,11 +104,13 @@ def reference(q, k, v, q_offsets, k_offsets, causal, g):
     np.zeros_like(k),
     np.zeros_like(v),
   )
-  for (a, b), (c, d) in zip(_spans(q_offsets), _spans(k_offsets), strict=True):
+  spans = zip(_spans(q_offsets), _spans(k_offsets), strict=True)
+  for n, ((a, b), (c, d)) in enumerate(spans):
     p = _weights(q[a:b], k[c:d], causal, scale)
-    out[a:b] = np.einsum("hqk,khd->qhd", p, v[c:d])
-    gv[c:d] = np.einsum("hqk,qhd->khd", p, g[a:b])
-    dp = np.einsum("qhd,khd->hqk", g[a:b], v[c:d])
+    m = kept(rng, n, q.shape[1], b - a, d - c, rate) if rate else 1.0
+    out[a:b] = np.einsum("hqk,khd->qhd", p * m, v[c:d])
+    gv[c:d] = np.einsum("hqk,qhd->khd", p * m, g[a:b])
+    dp = m * np.einsum("qhd,khd->hqk", g[a:b], v[c:d])
     ds = scale * p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
     gq[a:b] = np.einsum("hqk,khd->qhd", ds, k[c:d])
     gk[c:d] = np.einsum("hqk,qhd->khd", ds, q[a:b])
@@ -117,13 +133,19 @@ def _case(q_lengths, k_lengths, seed, *, q_buckets=Q_BUCKETS, k_buckets=K_BUCKET
   return q, k, v, g
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "plan"))
-def _attend_and_grads(q, k, v, g, *, causal, plan):
+@functools.partial(jax.jit, static_argnames=("causal", "plan", "rate"))
+def _attend_and_grads(q, k, v, g, *, causal, plan, rate=0.0, rng=None):
   """The attention and the gradients of ``sum(out.values * g)``."""
 
   def loss(qv, kv, vv):
     out = sequence_attention(
-      q.with_values(qv), k.with_values(kv), v.with_values(vv), causal=causal, plan=plan
+      q.with_values(qv),
+      k.with_values(kv),
+      v.with_values(vv),
+      causal=causal,
+      dropout_rate=rate,
+      dropout_rng=rng,
+      plan=plan,
     )
     return jnp.sum(out.values * g), out
 
@@ -133,11 +155,14 @@ def _attend_and_grads(q, k, v, g, *, causal, plan):
   return out, grads
 
 
-def _check(q, k, v, g, causal, plan, tol=F64) -> None:
+def _check(q, k, v, g, causal, plan, tol=F64, rate=0.0, rng=None) -> None:
   """The op against `reference`, and its LoD, padding and faults."""
-  out, grads = _attend_and_grads(q, k, v, g, causal=causal, plan=plan)
+  drop = {"rate": rate, "rng": rng}
+  out, grads = _attend_and_grads(q, k, v, g, causal=causal, plan=plan, **drop)
   offsets = (q.offsets[-1], k.offsets[-1])
-  want, want_grads = reference(q.values, k.values, v.values, *offsets, causal, g)
+  want, want_grads = reference(
+    q.values, k.values, v.values, *offsets, causal, g, **drop
+  )
   assert_close(out.values, want, **tol)
   assert_close(grads, want_grads, **tol)
   assert out.values.dtype == q.values.dtype
@@ -262,6 +287,64 @@ def test_scale(float64):
   offsets = (q.offsets[-1], k.offsets[-1])
   want, _ = reference(q.values * np.sqrt(DIM), k.values, v.values, *offsets, False, g)
   assert_close(got.values, want, **F64)
+
+
+# -- dropout on the weights --------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("plan", [*PLANS, "fused"])
+def test_dropout_equals_the_reference_with_the_documented_weights(
+  float64, plan, causal
+):
+  """Values and gradients with the weights that `kept` drops, on every plan
+  (the fused kernel's tiles run `"xla"`'s forward pass with dropout): which
+  weights drop depends on the key, the sequence, the head and the cell,
+  not on the plan or on the other sequences."""
+  plan = FUSED if plan == "fused" else PLANS[plan]
+
+  @settings(max_examples=4, deadline=None)
+  @example(([3, 0, 4, 2], [2, 5, 0, 3], 9))
+  @given(_pairs())
+  def check(case):
+    q_lengths, k_lengths, seed = case
+    q, k, v, g = _case([q_lengths], [k_lengths], seed)
+    _check(q, k, v, g, causal, plan, rate=0.4, rng=jax.random.key(seed))
+
+  check()
+
+
+def test_dropout_keys_and_rates():
+  """A raw key is its typed key; rate 0 ignores the key; rate 1 drops every
+  weight (zeros, and zero gradients); another key drops other weights."""
+  q, k, v, g = _case([[3, 2, 4]], [[3, 2, 4]], seed=11)
+  q, k, v = (x.astype(np.float32) for x in (q, k, v))
+  g = g.astype(np.float32)
+  run = functools.partial(_attend_and_grads, q, k, v, g, causal=False, plan=None)
+  typed = run(rate=0.5, rng=jax.random.key(3))
+  raw = run(rate=0.5, rng=jax.random.PRNGKey(3))
+  for a, b in zip(jax.tree.leaves(typed), jax.tree.leaves(raw), strict=True):
+    np.testing.assert_array_equal(a, b)
+  plain, ignored = run(), run(rate=0.0, rng=jax.random.key(3))
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(ignored), strict=True):
+    np.testing.assert_array_equal(a, b)
+  other = run(rate=0.5, rng=jax.random.key(4))
+  assert not np.array_equal(other[0].values, typed[0].values)
+  out, grads = run(rate=1.0, rng=jax.random.key(3))
+  for x in (out.values, *grads):
+    np.testing.assert_array_equal(x, np.zeros_like(x))
+
+
+def test_dropout_reaches_no_other_sequence():
+  """`check_independent` with dropout: a sequence's kept weights and rows
+  depend on its own rows only."""
+  x = _tensor([[3, 0, 4, 2, 1]], Q_BUCKETS, 6, np.float32)
+
+  def attend(x):
+    rng = jax.random.key(5)
+    return sequence_attention(x, x, x, dropout_rate=0.3, dropout_rng=rng)
+
+  check_independent(attend, x, jit=True)
 
 
 # -- no sequence reaches another ---------------------------------------------------
@@ -452,6 +535,16 @@ ERRORS = [
    "Expected `causal` to be a bool, got 1"),
   ("scale", _small(), _small(), _small(), {"scale": "1"}, TypeError,
    "Expected `scale` to be a static float"),
+  ("rate", _small(), _small(), _small(), {"dropout_rate": 1.5}, ValueError,
+   r"Expected `dropout_rate` in \[0, 1\], got 1.5"),
+  ("rate-negative", _small(), _small(), _small(), {"dropout_rate": -0.1}, ValueError,
+   r"Expected `dropout_rate` in \[0, 1\], got -0.1"),
+  ("no-rng", _small(), _small(), _small(), {"dropout_rate": 0.1}, ValueError,
+   "Expected a `dropout_rng` with `dropout_rate` 0.1, got None"),
+  ("rng", _small(), _small(), _small(),
+   {"dropout_rate": 0.1, "dropout_rng": np.ones(3, np.uint32)}, TypeError,
+   r"Expected `dropout_rng` to be a JAX key \(jax.random.key\(0\)\) or None, got "
+   r"ndarray of shape \(3,\)"),
 ]  # fmt: skip
 
 

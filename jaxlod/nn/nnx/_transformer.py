@@ -53,9 +53,9 @@ class MultiHeadAttention(nnx.Module):
   The parameters are ``flax.nnx.MultiHeadAttention``'s: ``query``, ``key``
   and ``value`` (``nnx.LinearGeneral`` to ``[num_heads, head_dim]``) and
   ``out`` (``nnx.LinearGeneral`` from ``[num_heads, head_dim]`` to
-  `out_features`). The dropout, as in the Linen twin, is on the
-  attention's output ``[token_capacity, num_heads, head_dim]`` before
-  ``out`` (the op forms no weights to drop), drawing from ``rngs.dropout``.
+  `out_features`). The dropout, as in the Linen twin, is on the attention
+  weights, with keys drawn from ``rngs.dropout`` (kept, as Flax's
+  ``nnx.MultiHeadAttention`` keeps it, where `dropout_rate` > 0).
 
   Args:
     num_heads: the number of heads.
@@ -104,7 +104,7 @@ class MultiHeadAttention(nnx.Module):
     rngs: nnx.Rngs,
   ):
     """Checks the arguments (see the class docstring) and builds the four
-    projections and the dropout.
+    projections and the dropout's keys.
 
     Raises:
       TypeError, ValueError: as `jaxlod.nn.MultiHeadAttention`'s call does
@@ -147,7 +147,7 @@ class MultiHeadAttention(nnx.Module):
     self.value = nnx.LinearGeneral(self.in_kv_features, heads, **common)
     out = in_features if out_features is None else out_features
     self.out = nnx.LinearGeneral(heads, out, axis=(-2, -1), **common)
-    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
 
   def __call__(
     self,
@@ -173,14 +173,11 @@ class MultiHeadAttention(nnx.Module):
       what = "`in_features`" if name == "inputs_q" else "`in_kv_features`"
       check_width(name, x.values.shape[-1], width, what)
     project = [getattr(self, name) for name in QKV]
+    rng = None
+    if not deterministic and self.dropout_rate > 0:
+      rng = self.rngs()
     return attend(
-      inputs,
-      project,
-      self.dropout,
-      self.out,
-      self.causal,
-      self.plan,
-      deterministic,
+      inputs, project, self.out, self.causal, self.plan, self.dropout_rate, rng
     )
 
 
