@@ -99,7 +99,7 @@ class AttentionPlan:
     ((32, 2), (28, 2), (24, 2), (20, 3), (16, 4), (12, 5), (8, 8), (4, 16))
   """
 
-  tile_tokens: int = 128
+  tile_tokens: int = 256
   ratio: float = 1.25
   minimum: int = 4
   multiple: int = 4
@@ -132,7 +132,7 @@ class AttentionPlan:
 def default_attention_plan(backend: str | None = None) -> AttentionPlan:
   """The `AttentionPlan` for `backend` (default: `jax.default_backend()`).
 
-  * ``"cpu"``: ``AttentionPlan()``: tiles of 128 rows, lengths a ratio of
+  * ``"cpu"``: ``AttentionPlan()``: tiles of 256 rows, lengths a ratio of
     1.25 apart (``benchmarks/sequence_attention.py``).
   * ``"gpu"``, ``"tpu"`` and any other: tiles of 1,024 rows, where larger
     products cost little more than small ones, with XLA's products (the

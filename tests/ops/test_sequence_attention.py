@@ -610,7 +610,7 @@ def test_tiles():
     (32, 2), (28, 2), (24, 2), (20, 3), (16, 4), (12, 5), (8, 8), (4, 16)
   )  # fmt: skip
   assert AttentionPlan().tiles(0) == ()
-  assert AttentionPlan().tiles(3) == ((3, 42),)
+  assert AttentionPlan().tiles(3) == ((3, 85),)
   assert PLANS["tiles-of-1"].tiles(5) == ((5, 1), (4, 1), (3, 1), (2, 1), (1, 1))
   for plan in [*PLANS.values(), FUSED, AttentionPlan(tile_tokens=1024)]:
     for time in [1, 4, 7, 33, 100]:
@@ -630,7 +630,7 @@ def test_default_plans_per_backend():
 
 
 def test_plans_are_hashable_and_static():
-  plans = [AttentionPlan(), AttentionPlan(tile_tokens=128, ratio=1.25)]
+  plans = [AttentionPlan(), AttentionPlan(tile_tokens=256, ratio=1.25)]
   assert plans[0] == plans[1] and hash(plans[0]) == hash(plans[1])
   assert len({*plans, FUSED, *PLANS.values()}) == 4
   with pytest.raises(AttributeError):
