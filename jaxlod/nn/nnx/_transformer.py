@@ -65,8 +65,9 @@ class MultiHeadAttention(nnx.Module):
     out_features: the width of the outputs; `None`: `in_features`.
     in_kv_features: the width of the key and value rows; `None`:
       `in_features`.
-    causal, dropout_rate, deterministic, kernel_init, bias_init, use_bias,
-      dtype, param_dtype, plan: as `jaxlod.nn.MultiHeadAttention`'s
+    causal, dropout_rate, deterministic, kernel_init, bias_init: as
+      `jaxlod.nn.MultiHeadAttention`'s attributes.
+    use_bias, dtype, param_dtype, plan: as `jaxlod.nn.MultiHeadAttention`'s
       attributes.
     rngs: the RNGs of the initializers and of the dropout.
 
@@ -192,8 +193,9 @@ class TransformerEncoderLayer(nnx.Module):
     num_heads: the attention's heads.
     in_features: the width of the rows (in and out).
     mlp_features: the width of the MLP's hidden layer.
-    qkv_features, dropout_rate, attention_dropout_rate, causal,
-      deterministic, kernel_init, bias_init, dtype, param_dtype, plan: as
+    qkv_features, dropout_rate, attention_dropout_rate, causal: as
+      `jaxlod.nn.TransformerEncoderLayer`'s attributes.
+    deterministic, kernel_init, bias_init, dtype, param_dtype, plan: as
       `jaxlod.nn.TransformerEncoderLayer`'s attributes.
     rngs: the RNGs of the initializers and of dropout.
 
@@ -299,10 +301,11 @@ class TransformerEncoder(nnx.Module):
     num_heads: every layer's heads.
     in_features: the width of the rows (in and out).
     mlp_features: every layer's MLP width.
-    qkv_features, positions, max_length, dropout_rate,
-      attention_dropout_rate, causal, deterministic, kernel_init, bias_init,
-      dtype, param_dtype, plan: as `jaxlod.nn.TransformerEncoder`'s
-      attributes.
+    qkv_features, positions, max_length, dropout_rate: as
+      `jaxlod.nn.TransformerEncoder`'s attributes.
+    attention_dropout_rate, causal, deterministic, kernel_init, bias_init: as
+      `jaxlod.nn.TransformerEncoder`'s attributes.
+    dtype, param_dtype, plan: as `jaxlod.nn.TransformerEncoder`'s attributes.
     rngs: the RNGs of the initializers and of dropout.
 
   Example:
