@@ -54,7 +54,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
 # thousand tests passes Linux's default `vm.max_map_count` (65,530), and the
 # next compilation segfaults. Past this many mappings a worker drops JAX's
 # caches between two test modules; programs needed again come back from the
-# persistent compilation cache.
+# persistent compilation cache, or compile again where they took under its
+# threshold (0.5 s) the first time.
 MAX_MAPPINGS = 30_000
 
 
