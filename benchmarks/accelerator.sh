@@ -4,24 +4,25 @@
 #   benchmarks/accelerator.sh [OUTPUT_DIR]          # on the accelerator
 #   benchmarks/accelerator.sh --smoke OUTPUT_DIR    # end to end, tiny, any backend
 #
-# Runs, one after another, each in its own process:
+# Runs, one after another, each in its own process, the figures that matter
+# most first:
 #   rnn.py             --candidates on W1, W2 and W3 (every loop plan
 #                      candidate beside jaxlod, the baselines and cuDNN),
 #                      and the fused Pallas kernel's arm, jaxlod_fused,
 #                      which rnn.py always runs (issue 54: its times against
 #                      cuDNN's and its compile time against Flax padded to
 #                      the capacity, in each workload's `fused`)
-#   decode.py          --plan default,cpu (the backend's plan and the ladder
-#                      of before, side by side)
-#   g2p_throughput.py  --plan cpu,default on the `fast` shape: before and
-#                      after in the same rounds
-#   attention.py       the backend's plan
-#   decode_corpus.py   continuous refill against per-batch decoding of the
-#                      G2P test set (issue 55), 256 slots, chunks of 4 steps
-#   sequence_attention.py  self-attention inside each sequence against Flax
-#                      padded, on W1's and W2's lengths (issue 65)
 #   scan.py            the minGRU step with linear_scan against padded scans
 #                      and dynamic_rnn on W1 and W3 (issue 56)
+#   decode_corpus.py   continuous refill against per-batch decoding of the
+#                      G2P test set (issue 55), 256 slots, chunks of 4 steps
+#   decode.py          --plan default,cpu (the backend's plan and the ladder
+#                      of before, side by side)
+#   attention.py       the backend's plan
+#   sequence_attention.py  self-attention inside each sequence against Flax
+#                      padded, on W1's and W2's lengths (issue 65)
+#   g2p_throughput.py  --plan cpu,default on the `fast` shape: before and
+#                      after in the same rounds
 # and writes NAME.json into OUTPUT_DIR (default: benchmarks/results/DEVICE/,
 # DEVICE being jax.devices()[0].device_kind lowercased, spaces as `_`, e.g.
 # nvidia_h200), each script's progress (stderr) into OUTPUT_DIR/logs/. It
@@ -30,8 +31,8 @@
 #
 # Time: the whole run stays within ACCELERATOR_BUDGET_S seconds (default
 # 560, under the device's 10 minutes a command): each script gets at most
-# its own share (rnn 220 s, decode 60 s, g2p_throughput 80 s, attention 50
-# s, decode_corpus 70 s, sequence_attention 50 s, scan what is left) and at most
+# its own share (rnn 250 s, scan 60 s, decode_corpus 70 s, decode 50 s,
+# attention 40 s, sequence_attention 50 s, g2p_throughput what is left) and at most
 # what is left of the budget, and is stopped (`timeout`) past it; rnn.py
 # rewrites its JSON after each workload, so a stopped run keeps those it
 # finished. A script left under 30 s is skipped.
@@ -113,7 +114,7 @@ else
   corpus=(--repeats 5 --slots 256 --refill 128 --chunk 4)
   seqattn=(--workloads W1,W2 --repeats 3)
   scan=(--workloads W1,W3 --repeats 10)
-  caps=(220 60 80 50 70 50 0) # 0: what is left
+  caps=(250 60 70 50 40 50 0) # 0: what is left
 fi
 min_s=30
 failed=()
@@ -161,12 +162,12 @@ run_script() {
 }
 
 run_script rnn "${caps[0]}" --plan "$default" "${rnn[@]}"
-run_script decode "${caps[1]}" --plan "$default,cpu" "${decode[@]}"
-run_script g2p_throughput "${caps[2]}" --plan "cpu,$default" "${g2p[@]}"
-run_script attention "${caps[3]}" --plan "$default" "${attention[@]}"
-run_script decode_corpus "${caps[4]}" "${corpus[@]}"
+run_script scan "${caps[1]}" "${scan[@]}"
+run_script decode_corpus "${caps[2]}" "${corpus[@]}"
+run_script decode "${caps[3]}" --plan "$default,cpu" "${decode[@]}"
+run_script attention "${caps[4]}" --plan "$default" "${attention[@]}"
 run_script sequence_attention "${caps[5]}" "${seqattn[@]}"
-run_script scan "${caps[6]}" "${scan[@]}"
+run_script g2p_throughput "${caps[6]}" --plan "cpu,$default" "${g2p[@]}"
 
 total=$(($(date +%s%3N) - start_ms))
 printf '%-16s %4d.%03d s  (budget %d s)\n' total $((total / 1000)) $((total % 1000)) \
