@@ -386,13 +386,6 @@ def _over_tiles(sides, ends, tiles, body, carry):
   return carry
 
 
-def _swap(x: jax.Array) -> jax.Array:
-  """``[s, heads, q, k]`` as ``[s, heads, k, q]``: a product that sums over
-  the query rows then runs as XLA:CPU's fast batched product (a
-  contraction over the left operand's second-last axis does not)."""
-  return jnp.swapaxes(x, -1, -2)
-
-
 def _compute_dtype(dtype: Any) -> Any:
   """The softmax's and the products' dtype: float32 at least."""
   return jnp.promote_types(dtype, jnp.float32)
@@ -465,8 +458,8 @@ def _attention_bwd(static, residuals, g):
     gq, gk, gv = grads
     return (
       q_win.write(gq, jnp.einsum("shqk,shkd->shqd", ds, k_t)),
-      k_win.write(gk, jnp.einsum("shkq,shqd->shkd", _swap(ds), q_t)),
-      k_win.write(gv, jnp.einsum("shkq,shqd->shkd", _swap(weights), g_t)),
+      k_win.write(gk, jnp.einsum("shqk,shqd->shkd", ds, q_t)),
+      k_win.write(gv, jnp.einsum("shqk,shqd->shkd", weights, g_t)),
     )
 
   q_rows, k_rows = q.shape[0] + q_side.spare, k.shape[0] + k_side.spare
