@@ -19,8 +19,6 @@ Usage: ``python -m benchmarks.scan_revisions --revisions REV1,REV2
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,31 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.revisions import load_module
 from benchmarks.rnn import WORKLOADS
 from benchmarks.scan import HIDDEN, batch, coefficients, rel_diff, workload
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 from jaxlod.nn import MinGRU
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "jaxlod/ops/_scan.py"
-
-
-def load_scan(revision: str, folder: Path) -> Any:
-  """`linear_scan` of ``jaxlod/ops/_scan.py`` at `revision`."""
-  text = subprocess.run(
-    ["git", "show", f"{revision}:{SOURCE}"],
-    cwd=ROOT,
-    check=True,
-    capture_output=True,
-    text=True,
-  ).stdout
-  name = f"_scan_at_{len(list(folder.iterdir()))}"
-  path = folder / f"{name}.py"
-  path.write_text(text)
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.linear_scan
 
 
 def step(linear_scan: Any) -> Any:
@@ -72,7 +52,9 @@ def run(revisions: list[str], names: list[str], repeats: int) -> dict[str, Any]:
   machine = machine_info()
   report: dict[str, Any] = {}
   with tempfile.TemporaryDirectory() as folder:
-    scans = {rev: load_scan(rev, Path(folder)) for rev in revisions}
+    scans = {
+      rev: load_module(rev, SOURCE, Path(folder)).linear_scan for rev in revisions
+    }
     for name in names:
       data = batch(workload(name), np.random.default_rng(0))
       x = data["lod"]

@@ -228,3 +228,19 @@ def test_sequence_attention_results():
       assert workload["work_ratio"][arm] == pytest.approx(cells / real)
     assert workload["compiles_over_100_batches"] == 1
   assert report["targets"]["work_ratio"] == 1.5
+
+
+def test_attention_revisions_results():
+  """benchmarks/attention_revisions.py's run: each revision's ratio is its
+  median over the first's, and its outputs and gradients equal the
+  first's to float32's rounding."""
+  report = _load("attention_revisions")
+  first, *_ = report["revisions"]
+  assert set(report["workloads"]) == {"W1", "W2", "long"}
+  for workload in report["workloads"].values():
+    for mode in ("forward", "train"):
+      medians = workload[mode]["median_s"]
+      assert set(medians) == set(report["revisions"])
+      for rev, ratio in workload[mode]["ratio"].items():
+        assert ratio == pytest.approx(medians[rev] / medians[first])
+      assert max(workload[mode]["max_abs_diff"].values()) < 1e-4

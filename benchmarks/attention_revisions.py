@@ -1,0 +1,121 @@
+"""`jaxlod.ops.sequence_attention` at two or more revisions of the
+repository, side by side in one process: the attention alone of
+`benchmarks/sequence_attention.py` (its ``core_jaxlod`` arm), forward and
+training step.
+
+The op's module, ``jaxlod/ops/_sequence_attention.py``, is read from each
+git revision and loaded beside the rest of the working tree's jaxlod
+(`benchmarks.revisions`), so that every revision runs on the same batch
+and machine load. The training step is the gradient of the sum of the
+squared outputs with respect to the rows (query, key and value are the
+same rows, as in the ``core_jaxlod`` arm). ``ratio`` is each revision's
+median over the first's; ``max_abs_diff`` compares each revision's
+outputs and gradients with the first's.
+
+Usage: ``python -m benchmarks.attention_revisions --revisions REV1,REV2
+[--workloads W1,W2,long] [--repeats N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.revisions import load_module
+from benchmarks.sequence_attention import HEAD_DIM, HEADS, WORKLOADS, make_batch
+from benchmarks.timing import machine_info, measure_interleaved, write_report
+
+SOURCE = "jaxlod/ops/_sequence_attention.py"
+
+
+def steps(attention: Any, lod: Any) -> dict[str, Any]:
+  """The forward pass and the training step of `attention` on `lod`'s LoD."""
+
+  def forward(values):
+    x = lod.with_values(values)
+    return attention(x, x, x).values
+
+  return {
+    "forward": jax.jit(forward),
+    "train": jax.jit(jax.grad(lambda values: jnp.sum(forward(values) ** 2))),
+  }
+
+
+def workload(name: str, ops: dict[str, Any], repeats: int) -> dict[str, Any]:
+  """One workload's medians, ratios and differences per revision and mode."""
+  data = make_batch(WORKLOADS[name], np.random.default_rng(0))
+  lod = data["lod"]
+  values = jnp.asarray(lod.values).reshape(-1, HEADS, HEAD_DIM)
+  lod = lod.with_values(values)
+  fns = {rev: steps(op, lod) for rev, op in ops.items()}
+  calls = {
+    (rev, mode): (lambda f=f: f(values), jax.block_until_ready)
+    for rev, modes in fns.items()
+    for mode, f in modes.items()
+  }
+  print(f"{name}: timing {', '.join(ops)}", file=sys.stderr)
+  timing = measure_interleaved(calls, repeats)
+  first = next(iter(ops))
+  report: dict[str, Any] = {"tokens": int(data["lengths"].sum())}
+  for mode in ("forward", "train"):
+    out = {rev: np.asarray(fns[rev][mode](values)) for rev in ops}
+    base = timing[first, mode]["median_s"]
+    report[mode] = {
+      "median_s": {rev: timing[rev, mode]["median_s"] for rev in ops},
+      "ratio": {rev: timing[rev, mode]["median_s"] / base for rev in ops},
+      "max_abs_diff": {rev: float(np.abs(out[rev] - out[first]).max()) for rev in ops},
+    }
+  return report
+
+
+def run(revisions: list[str], names: list[str], repeats: int) -> dict[str, Any]:
+  start = time.perf_counter()
+  machine = machine_info()
+  with tempfile.TemporaryDirectory() as folder:
+    ops = {
+      rev: load_module(rev, SOURCE, Path(folder)).sequence_attention
+      for rev in revisions
+    }
+    report = {name: workload(name, ops, repeats) for name in names}
+  return {
+    "revisions": revisions,
+    "workloads": report,
+    "heads": HEADS,
+    "head_dim": HEAD_DIM,
+    "repeats": repeats,
+    "machine": machine,
+    "wall_s": time.perf_counter() - start,
+  }
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--revisions", required=True, help="git revisions, e.g. A,B")
+  parser.add_argument(
+    "--workloads", default="W1,W2,long", help="of benchmarks/sequence_attention.py"
+  )
+  parser.add_argument("--repeats", type=int, default=9, help="timed rounds")
+  parser.add_argument("--json", help="also write the report here")
+  args = parser.parse_args(argv)
+  revisions = [r for r in args.revisions.split(",") if r]
+  names = [n for n in args.workloads.split(",") if n]
+  unknown = sorted(set(names) - set(WORKLOADS))
+  if unknown or not names:
+    parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
+  if len(revisions) < 2:
+    parser.error("--revisions: give at least two")
+  if args.repeats < 1:
+    parser.error("--repeats must be at least 1")
+  write_report(run(revisions, names, args.repeats), args.json)
+
+
+if __name__ == "__main__":
+  main()
