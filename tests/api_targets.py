@@ -842,3 +842,22 @@ target(
     "seed": arg(0, "int>=0"),
   },
 )
+
+
+def _identity_step(plan, x):
+  del plan
+  return x
+
+
+target(
+  "ops.tune_plan",
+  ops.tune_plan,
+  {
+    "fn": arg(lambda: _identity_step, "callable"),
+    "candidates": arg(lambda: (ops.LoopPlan(),), "callables", none_ok=True),
+    "repeats": arg(1, "int>=1"),
+    "rtol": arg(1e-5, "float>=0"),
+    "atol": arg(1e-6, "float>=0"),
+  },
+  call=lambda fn, **kwargs: ops.tune_plan(fn, jnp.ones(2), **kwargs),
+)

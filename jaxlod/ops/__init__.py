@@ -31,6 +31,7 @@ from jaxlod.ops._loop._dispatch import dynamic_rnn
 from jaxlod.ops._loop._fused import fused_rnn
 from jaxlod.ops._loop._hoisted import Separable
 from jaxlod.ops._loop._plan import LoopPlan, default_plan
+from jaxlod.ops._loop._tune import tune_plan
 from jaxlod.ops._loss import sequence_cross_entropy
 from jaxlod.ops._memory_attention import (
   Memory,
@@ -120,4 +121,5 @@ __all__ = [
   "sequence_softmax",
   "sequence_unpad",
   "shrink_memory",
+  "tune_plan",
 ]

@@ -10,5 +10,7 @@ layer run a recurrence over a LoDTensor. Its public names are
   * `_hoisted`: the `Separable` cell and `hoisted_rnn`, its input projection
     before the loop and its recurrent gradient after it;
   * `_fused`: `fused_rnn`, a separable cell's loop as one Pallas kernel;
-  * `_dispatch`: `dynamic_rnn`, the front door that picks one of the three.
+  * `_dispatch`: `dynamic_rnn`, the front door that picks one of the three;
+  * `_tune`: `tune_plan`, the fastest of several plans on a user's own
+    step and batch, timed.
 """
