@@ -123,6 +123,18 @@ def test_results_within_the_tolerances_match():
   )
 
 
+def test_the_tolerance_scales_with_each_results_largest_value():
+  # Rounding under another plan moves a near-zero entry by a fraction of
+  # the leaf's scale: within rtol of 1000, the candidate matches.
+  big = jnp.array([1000.0, 0.0])
+
+  def fn(plan, x):
+    return x + jnp.array([0.0, 0.05]) if plan == ONE else _sleeping(0.02, x)
+
+  assert tune_plan(fn, big, candidates=(LADDER, ONE), repeats=2) == ONE
+  assert tune_plan(fn, big, candidates=(LADDER, ONE), repeats=2, rtol=1e-5) == LADDER
+
+
 def test_the_fastest_matching_candidate_wins():
   sleeps = {LADDER: 0.03, ONE: 0.015, TWO: 0.0, LoopPlan(bodies=4): 0.0}
 
