@@ -21,6 +21,9 @@
 #   attention.py       the backend's plan
 #   sequence_attention.py  self-attention inside each sequence against Flax
 #                      padded, on W1's and W2's lengths (issue 65)
+#   sweep.py           a reduced grid of the drop-in RNN against padding
+#                      (issue 66): batch 8 and 128, time 16 and 256, hidden
+#                      256, even and log-normal lengths, the cheapest first
 #   g2p_throughput.py  --plan cpu,default on the `fast` shape: before and
 #                      after in the same rounds
 # and writes NAME.json into OUTPUT_DIR (default: benchmarks/results/DEVICE/,
@@ -32,10 +35,11 @@
 # Time: the whole run stays within ACCELERATOR_BUDGET_S seconds (default
 # 560, under the device's 10 minutes a command): each script gets at most
 # its own share (rnn 250 s, scan 60 s, decode_corpus 70 s, decode 50 s,
-# attention 40 s, sequence_attention 50 s, g2p_throughput what is left) and at most
-# what is left of the budget, and is stopped (`timeout`) past it; rnn.py
-# rewrites its JSON after each workload, so a stopped run keeps those it
-# finished. A script left under 30 s is skipped.
+# attention 40 s, sequence_attention 50 s, sweep 40 s, g2p_throughput what
+# is left) and at most what is left of the budget, and is stopped
+# (`timeout`) past it; rnn.py rewrites its JSON after each workload and
+# sweep.py after each cell, so a stopped run keeps those it finished. A
+# script left under 30 s is skipped.
 #
 # --smoke (or ACCELERATOR_SMOKE=1): every script at its smallest (rnn.py's
 # tiny workload S, one repeat or round) with the accelerator's plan forced
@@ -103,7 +107,8 @@ if [[ $smoke == 1 ]]; then
   corpus=(--train-steps 1 --repeats 1 --slots 16 --refill 8)
   seqattn=(--workloads S --repeats 1)
   scan=(--workloads S --repeats 1)
-  caps=(0 0 0 0 0 0 0) # no limit
+  sweep=(--batches 8 --times 8 --hiddens 16 --profiles even --plans ladder --repeats 1)
+  caps=(0 0 0 0 0 0 0 0) # no limit
 else
   budget=${ACCELERATOR_BUDGET_S:-560}
   default=default
@@ -114,7 +119,9 @@ else
   corpus=(--repeats 5 --slots 256 --refill 128 --chunk 4)
   seqattn=(--workloads W1,W2 --repeats 3)
   scan=(--workloads W1,W3 --repeats 10)
-  caps=(250 60 70 50 40 50 0) # 0: what is left
+  sweep=(--batches 8,128 --times 16,256 --hiddens 256 --profiles even,lognormal
+    --plans ladder,bodies1,hoist --repeats 3)
+  caps=(250 60 70 50 40 50 40 0) # 0: what is left
 fi
 min_s=30
 failed=()
@@ -167,7 +174,8 @@ run_script decode_corpus "${caps[2]}" "${corpus[@]}"
 run_script decode "${caps[3]}" --plan "$default,cpu" "${decode[@]}"
 run_script attention "${caps[4]}" --plan "$default" "${attention[@]}"
 run_script sequence_attention "${caps[5]}" "${seqattn[@]}"
-run_script g2p_throughput "${caps[6]}" --plan "cpu,$default" "${g2p[@]}"
+run_script sweep "${caps[6]}" "${sweep[@]}"
+run_script g2p_throughput "${caps[7]}" --plan "cpu,$default" "${g2p[@]}"
 
 total=$(($(date +%s%3N) - start_ms))
 printf '%-16s %4d.%03d s  (budget %d s)\n' total $((total / 1000)) $((total % 1000)) \

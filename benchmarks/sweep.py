@@ -150,13 +150,15 @@ def jax_arm(layer: nn.Module, cell: nn.RNNCellBase, x: np.ndarray, lengths):
 
 
 def torch_arm(params: Any, x: np.ndarray, lengths: np.ndarray, packed: bool):
-  """PyTorch's LSTM on the padded batch, or packed inside the step."""
-  hidden = x.shape[-1]
+  """PyTorch's LSTM on the padded batch, or packed inside the step, on the
+  GPU (cuDNN) when JAX runs on one and torch sees it."""
+  hidden, device = x.shape[-1], rnn.default_torch_device()
   module = torch.nn.LSTM(hidden, hidden, batch_first=True)
   weights = rnn._flax_to_torch_weights(_lstm_workload(hidden), params)
   module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()})
-  tx, tl = torch.from_numpy(x), torch.from_numpy(lengths)
-  mask = (torch.arange(x.shape[1])[None, :] < tl[:, None]).unsqueeze(-1)
+  module.to(device)
+  tx, tl = torch.from_numpy(x).to(device), torch.from_numpy(lengths)
+  mask = (torch.arange(x.shape[1])[None, :] < tl[:, None]).unsqueeze(-1).to(device)
 
   def run():
     if not packed:
@@ -179,9 +181,14 @@ def torch_arm(params: Any, x: np.ndarray, lengths: np.ndarray, packed: bool):
     squares, h = run()
     loss = squares + h.sum()
     loss.backward()
-    return loss.item()
+    return loss.item()  # waits for the GPU
 
-  return rnn.Arm(forward, train, (), None, {}, lambda result: result)
+  def sync(result):
+    if device != "cpu":
+      torch.cuda.synchronize(device)
+    return result
+
+  return rnn.Arm(forward, train, (), None, {}, sync)
 
 
 def _lstm_workload(hidden: int) -> rnn.Workload:
@@ -389,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   start = time.perf_counter()
   report = {
-    "machine": rnn.machine_info(),
+    "machine": rnn.machine_info(rnn.default_torch_device()),
     "repeats": args.repeats,
     "plans": {name: repr(PLANS[name]) for name in args.plans},
     "cells": [],
