@@ -18,7 +18,6 @@ Usage: ``python -m benchmarks.attention_revisions --revisions REV1,REV2
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.revisions import load_module
+from benchmarks.revisions import parse_args as revisions_args
 from benchmarks.sequence_attention import HEAD_DIM, HEADS, WORKLOADS, make_batch
 from benchmarks.timing import machine_info, measure_interleaved, write_report
 
@@ -97,24 +97,10 @@ def run(revisions: list[str], names: list[str], repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--revisions", required=True, help="git revisions, e.g. A,B")
-  parser.add_argument(
-    "--workloads", default="W1,W2,long", help="of benchmarks/sequence_attention.py"
+  revisions, names, repeats, path = revisions_args(
+    __doc__, argv, WORKLOADS, "W1,W2,long", 9
   )
-  parser.add_argument("--repeats", type=int, default=9, help="timed rounds")
-  parser.add_argument("--json", help="also write the report here")
-  args = parser.parse_args(argv)
-  revisions = [r for r in args.revisions.split(",") if r]
-  names = [n for n in args.workloads.split(",") if n]
-  unknown = sorted(set(names) - set(WORKLOADS))
-  if unknown or not names:
-    parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
-  if len(revisions) < 2:
-    parser.error("--revisions: give at least two")
-  if args.repeats < 1:
-    parser.error("--repeats must be at least 1")
-  write_report(run(revisions, names, args.repeats), args.json)
+  write_report(run(revisions, names, repeats), path)
 
 
 if __name__ == "__main__":

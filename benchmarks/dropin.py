@@ -95,11 +95,13 @@ def _train_step(loss: Any, traces: dict) -> Any:
   return jax.jit(step)
 
 
-def padded_arm(layer_type: type, cell: nn.RNNCellBase, batch: rnn.Batch, time: int):
-  """An arm of ``layer_type(cell, return_carry=True)`` (``flax.linen.RNN`` or
-  `jaxlod.nn.RNN`: the same attributes, call and parameter tree) on the
-  batch padded to `time` steps; `rnn.flax_arm`'s functions, for either."""
-  layer = layer_type(cell, return_carry=True)
+def layer_arm(
+  layer: nn.Module, cell: nn.RNNCellBase, x: Any, lengths: Any, compare: Any = None
+) -> rnn.Arm:
+  """An arm of `layer` (``flax.linen.RNN(cell, return_carry=True)`` or
+  `jaxlod.nn.RNN` of the same attributes, call and parameter tree) on the
+  padded ``x [batch, time, features]`` and ``lengths [batch]``;
+  `rnn.flax_arm`'s functions, for either."""
 
   def forward(params, x, lengths):
     init = rnn.zero_carry(cell, x.shape[0], x.shape[-1])
@@ -111,13 +113,21 @@ def padded_arm(layer_type: type, cell: nn.RNNCellBase, batch: rnn.Batch, time: i
     real = jnp.arange(y.shape[1])[None, :] < lengths[:, None]
     return rnn.masked_square_sum(y, real) + jnp.sum(rnn.final_hidden(carry))
 
+  traces = {"train": 0}
+  inputs = (jnp.asarray(x), jnp.asarray(lengths, jnp.int32))
+  return rnn.Arm(jax.jit(forward), _train_step(loss, traces), inputs, compare, traces)
+
+
+def padded_arm(layer_type: type, cell: nn.RNNCellBase, batch: rnn.Batch, time: int):
+  """`layer_arm` of ``layer_type(cell, return_carry=True)`` on the batch
+  padded to `time` steps, its real rows compared."""
+
   def compare(result):
     carry, y = result
     return rnn.real_rows_of_padded(y, batch.lengths), carry
 
-  traces = {"train": 0}
-  inputs = (jnp.asarray(batch.padded[:, :time]), jnp.asarray(batch.lengths, jnp.int32))
-  return rnn.Arm(jax.jit(forward), _train_step(loss, traces), inputs, compare, traces)
+  layer = layer_type(cell, return_carry=True)
+  return layer_arm(layer, cell, batch.padded[:, :time], batch.lengths, compare)
 
 
 def build_arms(w: rnn.Workload, batch: rnn.Batch) -> dict[str, rnn.Arm]:

@@ -71,7 +71,7 @@ import numpy as np
 
 import jaxlod.nn
 import jaxlod.ops
-from benchmarks import rnn
+from benchmarks import dropin, rnn
 from benchmarks.timing import write_report
 
 try:
@@ -130,25 +130,6 @@ def padded_batch(lengths: np.ndarray, time_: int, features: int) -> np.ndarray:
   return x
 
 
-def jax_arm(layer: nn.Module, cell: nn.RNNCellBase, x: np.ndarray, lengths):
-  """``forward`` and ``train`` of `layer` (``flax.linen.RNN`` or the drop-in,
-  same attributes and parameter tree) on the padded batch, as `rnn.Arm`."""
-
-  def forward(params, x, lengths):
-    init = rnn.zero_carry(cell, x.shape[0], x.shape[-1])
-    variables = {"params": {"cell": params}}
-    return layer.apply(variables, x, initial_carry=init, seq_lengths=lengths)
-
-  def loss(params, x, lengths):
-    carry, y = forward(params, x, lengths)
-    real = jnp.arange(y.shape[1])[None, :] < lengths[:, None]
-    return rnn.masked_square_sum(y, real) + jnp.sum(rnn.final_hidden(carry))
-
-  inputs = (jnp.asarray(x), jnp.asarray(lengths, jnp.int32))
-  train = jax.jit(jax.value_and_grad(loss))
-  return rnn.Arm(jax.jit(forward), train, inputs, None)
-
-
 def torch_arm(params: Any, x: np.ndarray, lengths: np.ndarray, packed: bool):
   """PyTorch's LSTM on the padded batch, or packed inside the step, on the
   GPU (cuDNN) when JAX runs on one and torch sees it."""
@@ -197,13 +178,16 @@ def _lstm_workload(hidden: int) -> rnn.Workload:
 
 
 def build_arms(cell, params, x, lengths, plans: list[str]) -> dict[str, rnn.Arm]:
+  layers = {
+    "dropin": jaxlod.nn.RNN(cell, return_carry=True),
+    "flax": nn.RNN(cell, return_carry=True),
+  }
   arms = {
-    "dropin": jax_arm(jaxlod.nn.RNN(cell, return_carry=True), cell, x, lengths),
-    "flax": jax_arm(nn.RNN(cell, return_carry=True), cell, x, lengths),
+    name: dropin.layer_arm(layer, cell, x, lengths) for name, layer in layers.items()
   }
   for name in plans:
     layer = jaxlod.nn.RNN(cell, return_carry=True, plan=PLANS[name])
-    arms[f"plan_{name}"] = jax_arm(layer, cell, x, lengths)
+    arms[f"plan_{name}"] = dropin.layer_arm(layer, cell, x, lengths)
   if torch is not None:
     arms["torch_padded"] = torch_arm(params, x, lengths, packed=False)
     if x.shape[0] * x.shape[1] <= TORCH_PACKED_MAX_CELLS:
