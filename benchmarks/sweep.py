@@ -225,9 +225,7 @@ def mode_summary(medians: dict[str, float], ideal: float) -> dict[str, Any]:
     "speedup_vs_best_padded": padded[best] / dropin,
     "speedup_vs_flax": medians["flax"] / dropin,
     "fraction_of_ideal": medians["flax"] / dropin / ideal,
-    "speedup_vs_torch_packed": medians.get("torch_packed", dropin) / dropin
-    if "torch_packed" in medians
-    else None,
+    "speedup_vs_torch_packed": rnn._ratio(medians.get("torch_packed"), dropin),
     "fastest_plan": fastest and fastest.removeprefix("plan_"),
     "fastest_plan_speedup_vs_best_padded": fastest and padded[best] / plans[fastest],
   }
