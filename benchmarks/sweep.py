@@ -90,8 +90,10 @@ PLANS: dict[str, jaxlod.ops.LoopPlan] = {
   "bodies2": jaxlod.ops.LoopPlan(bodies=2),
   "bodies4": jaxlod.ops.LoopPlan(bodies=4),
   "hoist": jaxlod.ops.LoopPlan(hoist=True),
+  "padded": jaxlod.ops.LoopPlan(padded=True),
+  "padded_hoist": jaxlod.ops.LoopPlan(padded=True, hoist=True),
 }
-DEFAULT_PLANS = ("ladder", "bodies1", "bodies2", "hoist")
+DEFAULT_PLANS = ("ladder", "bodies1", "hoist", "padded", "padded_hoist")
 # The goals, reported beside the figures (not asserted here).
 GOALS = {"worst_speedup_vs_best_padded": 1.0, "median_fraction_of_ideal": 0.8}
 IDEAL_AT_LEAST = 1.5

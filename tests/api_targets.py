@@ -502,6 +502,7 @@ target(
     "chunk": arg(1, "size>=1"),
     "hoist": arg(False, "bool"),
     "fused": arg(False, "bool"),
+    "padded": arg(False, "bool"),
   },
 )
 target(

@@ -36,9 +36,10 @@ from jaxlod._checks import (
 )
 from jaxlod._faults import Fault
 from jaxlod._host import as_array, check_leaves
-from jaxlod._lod import LoDTensor, is_lod
+from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._layer_checks import check_rnn_layer, split_pair
 from jaxlod.nn._recurrent import override, run_directions
+from jaxlod.ops._loop._padded_scan import PaddedBatch, flip_real
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pad import sequence_pad, sequence_unpad
 
@@ -163,6 +164,33 @@ def layout(inputs: jax.Array, seq_lengths: Any, time_major: bool, axes: int) -> 
   return Layout(batch, time, time_major, features, lengths)
 
 
+def loop_input(x: Any) -> tuple[Any, int, tuple[int, ...], Any]:
+  """A `DynamicRNN` body's input: a LoDTensor (checked) or a drop-in RNN's
+  `PaddedBatch`, with its batch size, one row's feature shape and its
+  dtype."""
+  if isinstance(x, PaddedBatch):
+    return x, x.values.shape[0], x.values.shape[2:], x.values.dtype
+  x = check_lod(x, "x")
+  return x, x.capacity.sequences[-1], x.feature_shape, x.values.dtype
+
+
+def batch_rows(inputs: jax.Array, shape: Layout) -> jax.Array:
+  """A padded `inputs` as ``[count, time, *features]``, the batch axes
+  flattened and each sequence's rows first."""
+  if shape.time_major:
+    inputs = jnp.moveaxis(inputs, 0, len(shape.batch))
+  return inputs.reshape(shape.count, shape.time, *shape.features)
+
+
+def to_layout(padded: jax.Array, shape: Layout) -> jax.Array:
+  """``padded [count, time, ...]`` in the layout of `shape`: ``[*batch,
+  time, ...]``, or ``[time, *batch, ...]`` with its `time_major`."""
+  padded = padded.reshape(*shape.batch, *padded.shape[1:])
+  if shape.time_major:
+    padded = jnp.moveaxis(padded, len(shape.batch), 0)
+  return padded
+
+
 def pack_padded(inputs: jax.Array, shape: Layout, buckets: Buckets | None) -> LoDTensor:
   """The real rows of a padded `inputs` as a one-level LoDTensor.
 
@@ -172,10 +200,7 @@ def pack_padded(inputs: jax.Array, shape: Layout, buckets: Buckets | None) -> Lo
   outside ``[0, time]`` are checked as `jaxlod.ops.sequence_unpad` checks
   them (through `jax.experimental.checkify`).
   """
-  if shape.time_major:
-    inputs = jnp.moveaxis(inputs, 0, len(shape.batch))
-  rows = inputs.reshape(shape.count, shape.time, *shape.features)
-  return sequence_unpad(rows, shape.lengths, capacity=buckets)
+  return sequence_unpad(batch_rows(inputs, shape), shape.lengths, capacity=buckets)
 
 
 def batch_carry(carry: Any, shape: Layout, count_capacity: int) -> Any:
@@ -212,19 +237,6 @@ def unbatch_carry(carry: Any, shape: Layout) -> Any:
   return jax.tree.map(back, carry)
 
 
-def flip_real(padded: jax.Array, lengths: jax.Array) -> jax.Array:
-  """Each row's first ``lengths[i]`` steps of ``padded [count, time, ...]``
-  in reverse order, the padding kept at the end (``flax.linen``'s
-  ``flip_sequences``)."""
-  time = padded.shape[1]
-  if time == 0:
-    return padded
-  steps = jnp.arange(time - 1, -1, -1)[None, :]
-  index = (steps + lengths[:, None]) % time
-  index = index.reshape(index.shape + (1,) * (padded.ndim - 2))
-  return jnp.take_along_axis(padded, index, axis=1)
-
-
 def unpack_padded(outputs: Any, shape: Layout, reverse: bool, keep_order: bool) -> Any:
   """The outputs over a packed batch in the padded layout of `shape`.
 
@@ -238,10 +250,7 @@ def unpack_padded(outputs: Any, shape: Layout, reverse: bool, keep_order: bool) 
     padded = padded[: shape.count]
     if reverse and not keep_order:
       padded = flip_real(padded, shape.lengths)
-    padded = padded.reshape(*shape.batch, *padded.shape[1:])
-    if shape.time_major:
-      padded = jnp.moveaxis(padded, len(shape.batch), 0)
-    return padded
+    return to_layout(padded, shape)
 
   return jax.tree.map(back, outputs, is_leaf=is_lod)
 
@@ -296,22 +305,31 @@ def run_padded(
   buckets = check_buckets(layer.buckets)
   inputs = as_array(inputs, "inputs", "an array or a LoDTensor")
   shape = layout(inputs, seq_lengths, time_major, feature_axes(layer.cell))
-  x = pack_padded(inputs, shape, buckets)
   if initial_carry is None:
     initial_carry = default_carry((*shape.batch, *shape.features))
-  carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
-  carry, outputs = run(loop._replace(return_carry=True), x, carry)
-  outputs = nan_where_unsound(
-    unpack_padded(outputs, shape, reverse, keep_order), x, shape
-  )
-  carry = nan_where_unsound(unbatch_carry(carry, shape), x, shape, time=False)
+  loop = loop._replace(return_carry=True)
+  if plan is not None and plan.padded:
+    x = PaddedBatch(batch_rows(inputs, shape), shape.lengths)
+    carry, outputs = run(loop, x, batch_carry(initial_carry, shape, shape.count))
+    faults = jnp.zeros((), jnp.int32)
+    if reverse and keep_order:
+      outputs = jax.tree.map(lambda y: flip_real(y, shape.lengths), outputs)
+    outputs = jax.tree.map(lambda y: to_layout(y, shape), outputs)
+  else:
+    x = pack_padded(inputs, shape, buckets)
+    carry = batch_carry(initial_carry, shape, x.capacity.sequences[-1])
+    carry, outputs = run(loop, x, carry)
+    faults = x.faults
+    outputs = unpack_padded(outputs, shape, reverse, keep_order)
+  outputs = nan_where_unsound(outputs, faults, shape)
+  carry = nan_where_unsound(unbatch_carry(carry, shape), faults, shape, time=False)
   return (carry, outputs) if return_carry else outputs
 
 
-def nan_where_unsound(tree: Any, x: LoDTensor, shape: Layout, time: bool = True) -> Any:
+def nan_where_unsound(tree: Any, faults: Any, shape: Layout, time: bool = True) -> Any:
   """`tree`'s float leaves NaN at every sequence of the batch whose length
-  is outside ``[0, time]``, and everywhere when the packing `x` overflowed
-  its capacities (`jaxlod.Fault.CAPACITY`).
+  is outside ``[0, time]``, and everywhere when the packing overflowed its
+  capacities (`jaxlod.Fault.CAPACITY` in its `faults`).
 
   Eagerly and under `jax.experimental.checkify` such inputs raise; under
   plain `jit` this makes them loud instead of finite and wrong: the layer
@@ -321,7 +339,7 @@ def nan_where_unsound(tree: Any, x: LoDTensor, shape: Layout, time: bool = True)
   """
   lengths = shape.lengths
   bad = (lengths < 0) | (lengths > shape.time)
-  bad = bad | ((jnp.asarray(x.faults) & int(Fault.CAPACITY)) != 0)
+  bad = bad | ((jnp.asarray(faults) & int(Fault.CAPACITY)) != 0)
   bad = bad.reshape(shape.batch)
   if time:
     bad = bad[None] if shape.time_major else bad[..., None]

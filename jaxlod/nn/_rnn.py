@@ -14,10 +14,10 @@ from flax.core import FrozenDict
 from jaxlod._buckets import Buckets
 from jaxlod._checks import check_sizes, finite_float32
 from jaxlod._host import check_leaves
-from jaxlod._lod import LoDTensor, check_lod
+from jaxlod._lod import LoDTensor
 from jaxlod.nn._hoist import separate_linen
 from jaxlod.nn._layer_checks import check_cell, check_layers
-from jaxlod.nn._padded import run_bidirectional, run_padded
+from jaxlod.nn._padded import loop_input, run_bidirectional, run_padded
 from jaxlod.nn._recurrent import (
   count_steps,
   example_row,
@@ -31,6 +31,7 @@ from jaxlod.nn._recurrent import (
   run_stack,
   stack_rates,
 )
+from jaxlod.ops._loop._padded_scan import PaddedBatch
 from jaxlod.ops._loop._plan import LoopPlan
 from jaxlod.ops._rank import RankTable, check_table
 
@@ -64,7 +65,7 @@ def pure_method(module: nn.Module, method: str, *example: Any) -> Callable:
 
 def run_linen(
   layer: Any,
-  x: LoDTensor,
+  x: LoDTensor | PaddedBatch,
   initial_carry: Any,
   init_key: jax.Array | None,
   reverse: bool | None,
@@ -73,18 +74,18 @@ def run_linen(
 ) -> Any:
   """`DynamicRNN`'s body: ``layer.cell`` over the last level of `x` with the
   layer's loop settings (`reverse`, `return_carry`, `remat`, `ladder`,
-  `plan`); `RNN` calls it with a `LoopSettings`."""
-  x = check_lod(x, "x")
-  count = x.capacity.sequences[-1]
+  `plan`); `RNN` calls it with a `LoopSettings`, and under a padded plan
+  with its padded arrays as a `PaddedBatch`."""
+  x, count, features, dtype = loop_input(x)
   if initial_carry is None:
     check_cell(layer.cell, "initialize_carry(rng, input_shape)")
     key = jax.random.key(0) if init_key is None else init_key
-    initial_carry = layer.cell.initialize_carry(key, (count, *x.feature_shape))
+    initial_carry = layer.cell.initialize_carry(key, (count, *features))
   else:
     # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
     check_cell(layer.cell)
     check_leaves(initial_carry, "initial_carry")
-  x_row = jnp.zeros((1, *x.feature_shape), x.values.dtype)
+  x_row = jnp.zeros((1, *features), dtype)
   first = example_row(initial_carry)
   if loop_plan(layer).separates:
     step, unwrap = separate_linen(layer.cell, first, x_row), lambda final: final

@@ -19,7 +19,7 @@ from jax.experimental import checkify
 import jaxlod.nn as linen
 import jaxlod.nn.nnx as twin
 from jaxlod import Buckets, LoDTensor
-from jaxlod.ops import rank_table
+from jaxlod.ops import LoopPlan, rank_table
 from tests.helpers import LINEN_CELLS, NNX_CELLS
 
 B1, B2, TIME, FEATURES, HIDDEN = 2, 3, 5, 3, 4
@@ -27,6 +27,14 @@ TOL = {"rtol": 1e-10, "atol": 1e-10}  # float64: the same sums in another order
 # (reverse, keep_order) of each direction compared.
 DIRECTIONS = ((False, False), (True, False), (True, True))
 LENGTHS = st.lists(st.integers(0, TIME), min_size=B1 * B2, max_size=B1 * B2)
+# The packed loop and the padded scan, plain and hoisted (more of the
+# padded plans: tests/nn/test_padded_plan.py).
+PLANS = {
+  "default": None,
+  "padded": LoopPlan(padded=True),
+  "padded_hoist": LoopPlan(padded=True, hoist=True),
+  "padded_chunk3": LoopPlan(padded=True, chunk=3),
+}
 
 
 def _inputs(seed: int = 0) -> np.ndarray:
@@ -72,9 +80,19 @@ def _flat_batch(x: jax.Array, time_major: bool) -> jax.Array:
 # -- Linen ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("time_major", [False, True], ids=["batch-major", "time-major"])
-@pytest.mark.parametrize("name", LINEN_CELLS)
-def test_linen_matches_flax(name, time_major):
+# Every cell in both layouts under the default plan, and under each padded
+# plan in one layout (GRU and MGU time-major).
+LINEN_CASES = [
+  (name, time_major, "default") for name in LINEN_CELLS for time_major in (False, True)
+] + [
+  (name, name in ("GRUCell", "MGUCell"), plan)
+  for name in LINEN_CELLS
+  for plan in ("padded", "padded_hoist", "padded_chunk3")
+]
+
+
+@pytest.mark.parametrize(("name", "time_major", "plan"), LINEN_CASES)
+def test_linen_matches_flax(name, time_major, plan):
   cell = LINEN_CELLS[name](HIDDEN, param_dtype=jnp.float64)
   kw = {"time_major": time_major, "return_carry": True}
   with jax.enable_x64(True):
@@ -90,7 +108,7 @@ def test_linen_matches_flax(name, time_major):
         theirs = nn.RNN(cell, **kw, **d).apply(
           params, _flat_batch(x, time_major), seq_lengths=flat
         )
-        ours = linen.RNN(cell, **kw, **d).apply(
+        ours = linen.RNN(cell, plan=PLANS[plan], **kw, **d).apply(
           params, _layout(x, time_major), seq_lengths=lengths
         )
         out.append((theirs, ours))
@@ -162,8 +180,9 @@ def test_linen_gradients_match_flax():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), want[0], got[0])
 
 
-def test_linen_one_trace_per_padded_shape():
-  rnn = linen.RNN(nn.GRUCell(HIDDEN))
+@pytest.mark.parametrize("plan", ["default", "padded"])
+def test_linen_one_trace_per_padded_shape(plan):
+  rnn = linen.RNN(nn.GRUCell(HIDDEN), plan=PLANS[plan])
   x = jnp.asarray(_inputs(), jnp.float32)
   params = jax.jit(rnn.init)(jax.random.key(0), x)
   traces = []
@@ -275,8 +294,9 @@ def test_linen_bidirectional_matches_flax(time_major):
 # -- NNX ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("plan", ["default", "padded", "padded_hoist"])
 @pytest.mark.parametrize("name", NNX_CELLS)
-def test_nnx_matches_flax(name):
+def test_nnx_matches_flax(name, plan):
   time_major = name in ("GRUCell", "SimpleCell")  # both layouts, fewer compiles
   kw = {"time_major": time_major, "return_carry": True}
   with jax.enable_x64(True):
@@ -292,7 +312,9 @@ def test_nnx_matches_flax(name):
         theirs = nnx.RNN(cell, **kw, **d)(
           _flat_batch(x, time_major), seq_lengths=lengths.reshape(-1)
         )
-        ours = twin.RNN(cell, **kw, **d)(_layout(x, time_major), seq_lengths=lengths)
+        ours = twin.RNN(cell, plan=PLANS[plan], **kw, **d)(
+          _layout(x, time_major), seq_lengths=lengths
+        )
         out.append((theirs, ours))
       return out
 
@@ -474,15 +496,17 @@ def test_bidirectional_errors(api):
     call(x, seq_lengths=jnp.array([2, 6]))
 
 
+@pytest.mark.parametrize("plan", ["default", "padded"])
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
-def test_a_batch_of_no_sequences_gives_empty_results_as_flax_does(kind):
+def test_a_batch_of_no_sequences_gives_empty_results_as_flax_does(kind, plan):
   """Inputs ``[0, 5, 3]``: outputs ``(0, 5, 4)`` and a carry ``(0, 4)``,
   eagerly and under `jit`."""
   x = jnp.zeros((0, 5, 3))
   want = nn.RNN(nn.GRUCell(4), return_carry=True)
   want_carry, want_out = want.apply(want.init(jax.random.key(0), x), x)
+  plan = PLANS[plan]
   if kind == "linen":
-    layer = linen.RNN(nn.GRUCell(4), return_carry=True)
+    layer = linen.RNN(nn.GRUCell(4), return_carry=True, plan=plan)
     params = layer.init(jax.random.key(0), x)
 
     def run(x):
@@ -491,7 +515,7 @@ def test_a_batch_of_no_sequences_gives_empty_results_as_flax_does(kind):
     calls = (run, jax.jit(run))
   else:
     cell = nnx.GRUCell(3, 4, rngs=nnx.Rngs(0))
-    layer = twin.RNN(cell, return_carry=True)
+    layer = twin.RNN(cell, return_carry=True, plan=plan)
 
     jitted = nnx.jit(lambda layer, x: layer(x))
     calls = (layer, lambda x: jitted(layer, x))
@@ -501,14 +525,16 @@ def test_a_batch_of_no_sequences_gives_empty_results_as_flax_does(kind):
     assert out.shape == want_out.shape == (0, 5, 4)
 
 
-def _bad_calls(kind):
-  """The drop-in RNN and Bidirectional of `kind`, each as ``call(x,
-  lengths) -> (carry, outputs)`` under plain `jit`."""
+def _bad_calls(kind, plan=None):
+  """The drop-in RNN and Bidirectional of `kind` under `plan`, each as
+  ``call(x, lengths) -> (carry, outputs)`` under plain `jit`."""
   x = jnp.ones((2, 5, 3))
   if kind == "linen":
-    rnn = linen.RNN(nn.GRUCell(4), return_carry=True)
+    rnn = linen.RNN(nn.GRUCell(4), return_carry=True, plan=plan)
     pair = linen.Bidirectional(
-      linen.RNN(nn.GRUCell(4)), linen.RNN(nn.GRUCell(4)), return_carry=True
+      linen.RNN(nn.GRUCell(4), plan=plan),
+      linen.RNN(nn.GRUCell(4), plan=plan),
+      return_carry=True,
     )
     calls = []
     for layer in (rnn, pair):
@@ -517,23 +543,24 @@ def _bad_calls(kind):
         jax.jit(lambda x, n, layer=layer, p=params: layer.apply(p, x, seq_lengths=n))
       )
     return calls
-  rnn = twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(0)), return_carry=True)
+  rnn = twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(0)), return_carry=True, plan=plan)
   pair = twin.Bidirectional(
-    twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(1))),
-    twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(2))),
+    twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(1)), plan=plan),
+    twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(2)), plan=plan),
     return_carry=True,
   )
   jitted = nnx.jit(lambda layer, x, n: layer(x, seq_lengths=n))
   return [lambda x, n, layer=layer: jitted(layer, x, n) for layer in (rnn, pair)]
 
 
+@pytest.mark.parametrize("plan", ["default", "padded"])
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
-def test_bad_lengths_under_plain_jit_are_nan_in_their_sequences(kind):
+def test_bad_lengths_under_plain_jit_are_nan_in_their_sequences(kind, plan):
   """``seq_lengths=[8, -2]`` on a time axis of 5 gave the results of ``[5,
   0]``; each bad sequence is NaN, outputs and carry, and a good one beside
   it is finite."""
   x = jnp.ones((2, 5, 3))
-  for call in _bad_calls(kind):
+  for call in _bad_calls(kind, PLANS[plan]):
     carry, out = call(x, jnp.array([8, -2]))
     assert np.isnan(np.asarray(out)).all()
     for leaf in jax.tree.leaves(carry):

@@ -31,7 +31,9 @@ PLANS = {
   "one_body_chunk3": LoopPlan(bodies=1, chunk=3),
   "two_bodies_chunk8": LoopPlan(bodies=2, chunk=8),
   "ladder_chunk4": LoopPlan(chunk=4),
+  "padded": LoopPlan(padded=True),
 }
+PADDED = PLANS["padded"]
 
 
 def _losses(step, params, x, init_carry, reverse, remat, plan, table=None):
@@ -67,7 +69,7 @@ def test_every_plan_matches_the_masked_scan_float32(plan, cell, reverse, remat):
 
 
 @pytest.mark.parametrize(
-  "plan", sorted(set(PLANS) - {"cpu", "one_body", "one_body_chunk3"})
+  "plan", sorted(set(PLANS) - {"cpu", "one_body", "one_body_chunk3", "padded"})
 )
 @pytest.mark.parametrize("cell", ["custom", "lstm"])
 @pytest.mark.parametrize(
@@ -203,6 +205,9 @@ def test_ladders_of_bodies():
   assert LoopPlan(bodies=3).ladder(64, (64,)) == (64, 32, 16)
   assert LoopPlan(bodies=2).ladder(20, (20,)) == (20, 16)
   assert LoopPlan(bodies=4).ladder(2, (2,)) == (2, 1)
+  # A padded plan runs a LoDTensor's loop at one body, its ladder aside.
+  assert LoopPlan(padded=True).ladder(64, (64, 52, 44)) == (64,)
+  assert LoopPlan(bodies=3, padded=True).ladder(64, (64,)) == (64,)
 
 
 @pytest.mark.parametrize(
@@ -215,6 +220,13 @@ def test_ladders_of_bodies():
     (dict(chunk="8"), TypeError, r"Expected `chunk` to be a static int, got '8'"),
     (dict(chunk=2**31), ValueError, r"Expected `chunk` in \[1, 2147483647\]"),
     (dict(hoist=1), TypeError, r"Expected `hoist` to be a bool, got 1"),
+    (dict(padded="yes"), TypeError, r"Expected `padded` to be a bool, got 'yes'"),
+    (
+      dict(padded=True, fused=True),
+      ValueError,
+      r"Expected at most one of `fused` and `padded` \(a padded scan runs no "
+      r"kernel\), got both True\.",
+    ),
   ],
 )
 def test_bad_plans_raise(kwargs, error, message):
@@ -242,6 +254,12 @@ def test_bad_plan_arguments_raise():
     ValueError, match=r"Got both `ladder` \(2,\) and `plan` with bodies=1"
   ):
     dynamic_rnn(step, x, init_carry=jnp.zeros(2), ladder=(2,), plan=ACCELERATOR)
+  with pytest.raises(
+    ValueError,
+    match=r"Got both `ladder` \(2,\) and `plan` with bodies=None, padded=True; "
+    r"pass one: a plan with `bodies` or `padded` chooses its own batch sizes\.",
+  ):
+    dynamic_rnn(step, x, init_carry=jnp.zeros(2), ladder=(2,), plan=PADDED)
 
 
 def test_an_explicit_ladder_runs_under_the_default_plan():
@@ -252,3 +270,4 @@ def test_an_explicit_ladder_runs_under_the_default_plan():
   assert plan_with_ladder(None, (8, 4)).bodies is None
   assert plan_with_ladder(None, (8, 4)).chunk == default_plan().chunk
   assert plan_with_ladder(ACCELERATOR, None) is ACCELERATOR
+  assert plan_with_ladder(PADDED, None) is PADDED

@@ -193,9 +193,15 @@ def test_default_candidates_start_with_the_default_plan_once_each(backend):
   plans = default_candidates(backend)
   assert plans[0] == default_plan(backend)
   assert len(set(plans)) == len(plans)
-  assert {LADDER, ONE, TWO, LoopPlan(bodies=1, chunk=8), LoopPlan(hoist=True)} <= set(
-    plans
-  )
+  assert {
+    LADDER,
+    ONE,
+    TWO,
+    LoopPlan(bodies=1, chunk=8),
+    LoopPlan(hoist=True),
+    LoopPlan(padded=True),
+    LoopPlan(padded=True, hoist=True),
+  } <= set(plans)
   fused = [plan for plan in plans if plan.fused]
   assert fused == ([] if backend == "cpu" else [LoopPlan(fused=True)])
 

@@ -12,11 +12,12 @@ from flax import nnx
 from jaxlod import _checks
 from jaxlod._buckets import Buckets
 from jaxlod._host import check_leaves
-from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod._lod import LoDTensor, is_lod
 from jaxlod.nn._hoist import separate_nnx
 from jaxlod.nn._layer_checks import check_cell, check_layers, check_rnn_layer
 from jaxlod.nn._padded import (
   check_buckets,
+  loop_input,
   run_bidirectional,
   run_padded,
   unrolled,
@@ -32,6 +33,7 @@ from jaxlod.nn._recurrent import (
   run_stack,
   stack_rates,
 )
+from jaxlod.ops._loop._padded_scan import PaddedBatch
 from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
 from jaxlod.ops._pool import check_pool_type
 from jaxlod.ops._rank import RankTable, check_ladder, check_table
@@ -118,7 +120,7 @@ def initialize_carry(
 
 def run_nnx(
   layer: Any,
-  x: LoDTensor,
+  x: LoDTensor | PaddedBatch,
   initial_carry: Any,
   rngs: nnx.Rngs | nnx.RngStream | None,
   reverse: bool | None,
@@ -127,11 +129,11 @@ def run_nnx(
 ) -> Any:
   """`DynamicRNN`'s body: ``layer.cell`` over the last level of `x` with the
   layer's loop settings (`reverse`, `return_carry`, `remat`, `ladder`,
-  `plan`); `RNN` calls it with a `LoopSettings`."""
-  x = check_lod(x, "x")
+  `plan`); `RNN` calls it with a `LoopSettings`, and under a padded plan
+  with its padded arrays as a `PaddedBatch`."""
+  x, count, features, _ = loop_input(x)
   if initial_carry is None:
-    shape = (x.capacity.sequences[-1], *x.feature_shape)
-    initial_carry = initialize_carry(layer.cell, shape, rngs)
+    initial_carry = initialize_carry(layer.cell, (count, *features), rngs)
   else:
     # `dynamic_rnn` checks the leading dimensions (naming `init_carry`).
     check_cell(layer.cell)

@@ -5,7 +5,9 @@ runs from its step and its plan.
   * a `Separable` cell runs hoisted (`hoisted_rnn`: its input projection
     before the loop, its recurrent kernel's gradient after it);
   * a `Separable` cell under a plan with ``fused=True`` runs through the
-    Pallas kernel (`fused_rnn`), one launch per direction of the pass.
+    Pallas kernel (`fused_rnn`), one launch per direction of the pass;
+  * a `PaddedBatch` (the drop-in RNNs' padded arrays under a plan with
+    ``padded=True``) runs the padded masked scan (`padded_rnn`).
 
 The layers of `jaxlod.nn` call it too: they read a Flax cell's parameters
 into a `Separable` where their plan hoists, and pass a step function
@@ -21,8 +23,9 @@ from jaxlod._checks import check_bool, check_callable
 from jaxlod._lod import is_lod
 from jaxlod.ops._loop._fused import fused_rnn
 from jaxlod.ops._loop._hoisted import Separable, hoisted_rnn
+from jaxlod.ops._loop._padded_scan import PaddedBatch, padded_rnn
 from jaxlod.ops._loop._phased_rnn import check_inputs, phased_rnn
-from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
+from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder, resolve_plan
 from jaxlod.ops._rank import RankTable
 
 
@@ -153,8 +156,14 @@ def dispatch(
 ) -> Any:
   """`dynamic_rnn` over `inputs` that `check_inputs` has checked (the layers
   call it with theirs): the phased loop, or for a `Separable` the hoisted
-  loop or the fused kernel. `settings`: ``init_carry``, ``reverse``,
-  ``table``, ``ladder`` and ``remat``, as `dynamic_rnn` takes them."""
+  loop or the fused kernel; for a `PaddedBatch` (the drop-in RNNs' padded
+  arrays), the padded masked scan, its outputs padded arrays. `settings`:
+  ``init_carry``, ``reverse``, ``table``, ``ladder`` and ``remat``, as
+  `dynamic_rnn` takes them."""
+  if isinstance(inputs, PaddedBatch):
+    loop = (settings["init_carry"], settings["reverse"], settings["remat"])
+    outputs, carry = padded_rnn(step_fn, inputs, *loop, resolve_plan(plan).chunk)
+    return (outputs, carry) if return_sequences else carry
   if not isinstance(step_fn, Separable):
     check_callable(step_fn, "step_fn")
     return phased_rnn(

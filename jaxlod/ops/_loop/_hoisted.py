@@ -210,7 +210,7 @@ def previous_hidden(
   return jnp.where((rows < offsets[-1]).reshape(shape), prev, jnp.zeros((), y.dtype))
 
 
-def _recurrent_step(cell: Separable, w_rec: jax.Array, b_rec: jax.Array | None):
+def recurrent_step(cell: Separable, w_rec: jax.Array, b_rec: jax.Array | None):
   """The phased loop's step for `cell`: ``step(carry, (xp_t[, probe_t]), _)``
   adds the recurrent product ``h @ w_rec`` (and `b_rec` and the probe to the
   probe columns) to the projected input and runs the cell's gates."""
@@ -288,7 +288,7 @@ def hoisted_rnn(
   settings = dict(reverse=reverse, ladder=ladder, remat=remat, plan=plan)
 
   def run(w_rec, b_rec, xs, init, table):
-    step = _recurrent_step(cell, w_rec, b_rec)
+    step = recurrent_step(cell, w_rec, b_rec)
     return phased_rnn(
       step,
       xs,

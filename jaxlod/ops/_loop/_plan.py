@@ -60,11 +60,20 @@ class LoopPlan:
       interpret mode on a CPU). `False` by default on every backend, until
       the benchmark (``benchmarks/rnn.py``'s ``jaxlod_fused`` arm) shows it
       faster.
+    padded: the drop-in RNNs (`jaxlod.nn.RNN` and its NNX twin) run a
+      padded array as ``flax.linen.RNN`` does, without packing it: one
+      `lax.scan` over every padded step at the full batch (``chunk`` steps
+      unrolled per iteration), each sequence's carry kept past its length,
+      with `hoist`'s input projection over all padded rows. Where the
+      batch is small or the steps are few, packing, ranking and unpacking
+      cost more than the padded steps they skip. A loop over a LoDTensor
+      runs one body at the full batch, as ``bodies=1``.
 
   Raises:
     TypeError: for `bodies` not `None` or a static int, `chunk` not a
-      static int, or `hoist` or `fused` not a bool.
-    ValueError: for `bodies` or `chunk` below 1 (or beyond int32).
+      static int, or `hoist`, `fused` or `padded` not a bool.
+    ValueError: for `bodies` or `chunk` below 1 (or beyond int32), or both
+      `fused` and `padded` (a padded scan runs no kernel).
 
   Example:
     >>> from jaxlod.ops import LoopPlan
@@ -78,6 +87,7 @@ class LoopPlan:
   chunk: int = 1
   hoist: bool = False
   fused: bool = False
+  padded: bool = False
 
   def __post_init__(self):
     # Stored as Python values: a NumPy int or bool would hash and print
@@ -87,6 +97,12 @@ class LoopPlan:
     object.__setattr__(self, "chunk", static_int(self.chunk, "chunk", 1))
     object.__setattr__(self, "hoist", check_bool(self.hoist, "hoist"))
     object.__setattr__(self, "fused", check_bool(self.fused, "fused"))
+    object.__setattr__(self, "padded", check_bool(self.padded, "padded"))
+    if self.fused and self.padded:
+      raise ValueError(
+        "Expected at most one of `fused` and `padded` (a padded scan runs no "
+        "kernel), got both True."
+      )
 
   @property
   def separates(self) -> bool:
@@ -110,6 +126,8 @@ class LoopPlan:
     """
     count_capacity = static_int(count_capacity, "count_capacity", 0)
     ladder = normalize_ladder(count_capacity, ladder)
+    if self.padded:
+      return (count_capacity,)
     if self.bodies is None:
       return ladder
     sizes = [count_capacity]
@@ -186,15 +204,17 @@ def plan_with_ladder(plan: LoopPlan | None, ladder: Any) -> LoopPlan:
 
   Raises:
     TypeError: for a `plan` that is not a `LoopPlan` or `None`.
-    ValueError: for both a `ladder` and a `plan` whose `bodies` is set.
+    ValueError: for both a `ladder` and a `plan` whose `bodies` is set or
+      that is `padded`.
   """
   explicit = plan is not None
   plan = resolve_plan(plan)
-  if ladder is None or plan.bodies is None:
+  if ladder is None or (plan.bodies is None and not plan.padded):
     return plan
   if explicit:
     raise ValueError(
-      f"Got both `ladder` {tuple(ladder)} and `plan` with bodies={plan.bodies}; "
-      "pass one: a plan with `bodies` chooses its own batch sizes."
+      f"Got both `ladder` {tuple(ladder)} and `plan` with bodies={plan.bodies}"
+      f"{', padded=True' if plan.padded else ''}; pass one: a plan with "
+      "`bodies` or `padded` chooses its own batch sizes."
     )
-  return dataclasses.replace(plan, bodies=None)
+  return dataclasses.replace(plan, bodies=None, padded=False)

@@ -29,8 +29,9 @@ from jaxlod._checks import (
 from jaxlod.ops._loop._plan import LoopPlan, default_plan, plan_backend
 
 # The plans tried on every backend after its `default_plan`: the ladder,
-# one, two and four bodies, one body in chunks of eight steps, and the
-# ladder with the input projection hoisted.
+# one, two and four bodies, one body in chunks of eight steps, the ladder
+# with the input projection hoisted, and the drop-in RNNs' padded scan,
+# plain and hoisted.
 _CANDIDATES = (
   LoopPlan(),
   LoopPlan(bodies=1),
@@ -38,6 +39,8 @@ _CANDIDATES = (
   LoopPlan(bodies=4),
   LoopPlan(bodies=1, chunk=8),
   LoopPlan(hoist=True),
+  LoopPlan(padded=True),
+  LoopPlan(padded=True, hoist=True),
 )
 # Tried on a GPU or TPU only: on a CPU the fused kernel runs in Pallas's
 # interpret mode, far slower than any loop.
@@ -53,7 +56,8 @@ def default_candidates(backend: str | None = None) -> tuple[LoopPlan, ...]:
   `default_plan` of `backend` (default: `jax.default_backend()`) first, the
   reference; then `LoopPlan()` (the ladder), ``LoopPlan(bodies=1)``,
   ``LoopPlan(bodies=2)``, ``LoopPlan(bodies=4)``, ``LoopPlan(bodies=1,
-  chunk=8)`` and ``LoopPlan(hoist=True)``; on any backend but the CPU also
+  chunk=8)``, ``LoopPlan(hoist=True)``, ``LoopPlan(padded=True)`` and
+  ``LoopPlan(padded=True, hoist=True)``; on any backend but the CPU also
   ``LoopPlan(bodies=1, chunk=8, hoist=True)`` and ``LoopPlan(fused=True)``.
   Each plan once, in that order.
 

@@ -1,0 +1,129 @@
+"""The drop-in RNNs under a padded plan (``LoopPlan(padded=True)``): the
+masked `lax.scan` over the padded batch, with no packing. Here: gradients
+against Flax's own padded scan in float64 and float32, remat, a LoDTensor
+under the plan, bad lengths and the errors. Values for every Flax cell
+under each padded plan, the NNX twin, one trace per padded shape, empty
+batches and NaN for bad lengths under `jit`: tests/nn/test_dropin.py, per
+plan."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import jaxlod.nn as linen
+from jaxlod import LoDTensor
+from jaxlod.ops import LoopPlan
+from tests.nn.test_dropin import (
+  B1,
+  B2,
+  FEATURES,
+  HIDDEN,
+  TIME,
+  _inputs,
+)
+
+PLANS = {
+  "padded": LoopPlan(padded=True),
+  "padded_hoist": LoopPlan(padded=True, hoist=True),
+  "padded_chunk3": LoopPlan(padded=True, chunk=3),
+}
+
+
+def _gradients(layer, params, x, lengths, flat):
+  """Gradients w.r.t. the parameters and the inputs of a loss over the real
+  steps' outputs and the final carries of the nonempty sequences (Flax's
+  carry for an empty one is its last padded step's)."""
+  mask = (jnp.arange(TIME) < lengths.reshape(-1, 1))[..., None]
+  nonempty = lengths.reshape(-1, 1) > 0
+
+  def loss(params, x):
+    carry, y = layer.apply(
+      params, x, seq_lengths=lengths.reshape(-1) if flat else lengths
+    )
+    y = y.reshape(B1 * B2, TIME, HIDDEN)
+    c, h = (a.reshape(B1 * B2, HIDDEN) for a in carry)
+    return jnp.sum(jnp.where(mask, y, 0.0) ** 2) + jnp.sum(
+      jnp.where(nonempty, c * h, 0)
+    )
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+
+@pytest.mark.parametrize("plan", ["padded", "padded_hoist"])
+@pytest.mark.parametrize(
+  ("dtype", "tol"),
+  [(jnp.float64, 1e-10), (jnp.float32, 1e-5)],
+  ids=["float64", "float32"],
+)
+def test_linen_padded_plan_gradients_match_flax(plan, dtype, tol):
+  with jax.enable_x64(dtype == jnp.float64):
+    cell = nn.LSTMCell(HIDDEN, param_dtype=dtype)
+    lengths = jnp.array([[5, 2, 1], [3, 0, 4]], jnp.int32)
+    x = jnp.asarray(_inputs(), dtype)
+    flat = x.reshape(B1 * B2, TIME, FEATURES)
+    for reverse in (False, True):
+      theirs = nn.RNN(cell, return_carry=True, reverse=reverse)
+      params = theirs.init(jax.random.key(1), flat)
+      want = _gradients(theirs, params, flat, lengths, True)
+      ours = linen.RNN(cell, return_carry=True, reverse=reverse, plan=PLANS[plan])
+      got = _gradients(ours, params, x, lengths, False)
+      np.testing.assert_allclose(want[1].reshape(x.shape), got[1], rtol=tol, atol=tol)
+      for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def test_linen_padded_plan_with_remat_matches_the_packed_plan():
+  cell = nn.OptimizedLSTMCell(HIDDEN, param_dtype=jnp.float64)
+  lengths = jnp.array([[5, 2, 1], [3, 0, 4]], jnp.int32)
+  with jax.enable_x64(True):
+    x = jnp.asarray(_inputs())
+    packed = linen.RNN(cell, return_carry=True)
+    params = packed.init(jax.random.key(1), x)
+    want = _gradients(packed, params, x, lengths, False)
+    padded = linen.RNN(cell, return_carry=True, remat=True, plan=PLANS["padded"])
+    got = _gradients(padded, params, x, lengths, False)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_lod_under_the_padded_plan_runs_one_body():
+  """A LoDTensor has no padding to keep: the padded plan runs its loop at
+  one body, the full batch, with the results of the ladder's."""
+  x = LoDTensor.from_sequences(
+    [np.ones((3, 2)), np.ones((1, 2)), np.ones((0, 2))], dtype="f4"
+  )
+  cell = nn.GRUCell(HIDDEN)
+  params = linen.DynamicRNN(cell).init(jax.random.key(0), x)
+  want = linen.DynamicRNN(cell).apply(params, x)
+  got = linen.RNN(cell, plan=PLANS["padded"]).apply(params, x)
+  np.testing.assert_allclose(want.values, got.values, rtol=1e-6, atol=1e-6)
+  assert got.recursive_lengths() == x.recursive_lengths()
+
+
+def test_padded_plan_bad_lengths_eagerly_and_under_checkify():
+  """Eagerly an error naming the length, under `checkify` the error (under
+  plain `jit`, NaN: tests/nn/test_dropin.py)."""
+  x = jnp.ones((2, TIME, 3))
+  layer = linen.RNN(nn.GRUCell(4), return_carry=True, plan=PLANS["padded"])
+  params = layer.init(jax.random.key(0), x)
+
+  def call(x, n):
+    return layer.apply(params, x, seq_lengths=n)
+
+  with pytest.raises(ValueError, match=r"got seq_lengths\[1\] = 7\."):
+    call(x, jnp.array([2, 7]))
+  err, _ = checkify.checkify(jax.jit(call))(x, jnp.array([2, 7]))
+  with pytest.raises(checkify.JaxRuntimeError, match=r"got a length of 7\."):
+    err.throw()
+
+
+def test_padded_plan_with_a_ladder_raises():
+  layer = linen.RNN(nn.GRUCell(4), plan=PLANS["padded"], ladder=(2, 1))
+  x = jnp.ones((2, TIME, 3))
+  with pytest.raises(ValueError, match=r"Got both `ladder` \(2, 1\) and `plan`"):
+    layer.init(jax.random.key(0), x)
