@@ -18,8 +18,10 @@ parameters, of the squared outputs at real steps plus the final hidden
 state) and, with ``--modes train,forward``, the forward pass of:
 
   * ``dropin``: `jaxlod.nn.RNN(cell, return_carry=True)` on the padded
-    array and the lengths, as a Flax user calls it, under the default plan
-    (the packing, the rank table and the unpacking inside the step);
+    array and the lengths, as a Flax user calls it, under the plan it
+    picks for the padded shape (`jaxlod.ops.default_plan` of the batch and
+    the steps, recorded per cell as ``dropin_plan``), the packing, the rank
+    table and the unpacking inside the step;
   * ``plan_<name>``: the same under each plan of ``--plans`` (`PLANS`):
     what a per-shape rule could choose;
   * ``flax``: ``flax.linen.RNN(cell, return_carry=True)`` with
@@ -248,6 +250,8 @@ def run_cell(batch, time_, hidden, profile, plans, modes, repeats) -> dict:
     "profile": profile,
     "lengths": {"sum": int(lengths.sum()), "min": int(lengths.min())},
     "ideal": ideal,
+    # What the drop-in ran: the backend's plan for this padded shape.
+    "dropin_plan": repr(jaxlod.ops.default_plan(sequences=batch, time=time_)),
   }
   for mode in modes:
     timing = rnn.time_arms(arms, params, mode, repeats)

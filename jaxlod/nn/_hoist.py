@@ -277,6 +277,19 @@ _NNX = {
 }
 
 
+def separable(cell: Any) -> bool:
+  """Whether a plan with ``hoist=True`` can run `cell`: exactly one of
+  Flax's separable Linen cells, or an NNX one whose Linear layers compute
+  as Flax's defaults do."""
+  if type(cell) in _LINEN:
+    return True
+  try:
+    separate_nnx(cell)
+  except (TypeError, ValueError):
+    return False
+  return True
+
+
 def separate_nnx(cell: nnx.Module) -> Separable:
   """An NNX cell as a `Separable` over its parameters (read, not copied:
   gradients reach them under `nnx.grad`).

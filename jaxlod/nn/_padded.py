@@ -37,10 +37,11 @@ from jaxlod._checks import (
 from jaxlod._faults import Fault
 from jaxlod._host import as_array, check_leaves
 from jaxlod._lod import LoDTensor, check_lod, is_lod
+from jaxlod.nn._hoist import separable
 from jaxlod.nn._layer_checks import check_rnn_layer, split_pair
 from jaxlod.nn._recurrent import override, run_directions
 from jaxlod.ops._loop._padded_scan import PaddedBatch, flip_real
-from jaxlod.ops._loop._plan import LoopPlan, plan_with_ladder
+from jaxlod.ops._loop._plan import LoopPlan, default_plan, plan_with_ladder
 from jaxlod.ops._pad import sequence_pad, sequence_unpad
 
 
@@ -87,9 +88,13 @@ def feature_axes(cell: Any) -> int:
     return 1
 
 
-def unrolled(plan: LoopPlan | None, ladder: Any, unroll: Any) -> LoopPlan | None:
-  """The plan of a drop-in RNN: ``unroll`` > 1 sets `LoopPlan.chunk` (steps
-  per iteration of the while loop), 1 (Flax's default) keeps `plan`'s.
+def unrolled(
+  plan: LoopPlan | None, ladder: Any, unroll: Any, default: LoopPlan | None = None
+) -> LoopPlan | None:
+  """The plan of a drop-in RNN: `plan`, else `default` (a padded shape's,
+  see `shape_plan`) with `ladder`, else `None` (the backend's at trace
+  time); ``unroll`` > 1 sets `LoopPlan.chunk` (steps per iteration of the
+  loop), 1 (Flax's default) keeps the plan's.
 
   Raises:
     TypeError, ValueError: for an `unroll` that is not an int >= 1.
@@ -97,9 +102,20 @@ def unrolled(plan: LoopPlan | None, ladder: Any, unroll: Any) -> LoopPlan | None
   unroll = static_int(unroll, "unroll", minimum=1)
   if plan is not None or ladder is not None:
     plan_with_ladder(plan, ladder)  # checks `plan`, and `plan` with `ladder`
-  if unroll == 1:
+  if unroll == 1 and default is None:
     return plan
-  return dataclasses.replace(plan_with_ladder(plan, ladder), chunk=unroll)
+  plan = plan_with_ladder(plan, ladder, default)
+  return plan if unroll == 1 else dataclasses.replace(plan, chunk=unroll)
+
+
+def shape_plan(cell: Any, shape: Layout) -> LoopPlan:
+  """The plan a drop-in RNN given none runs a padded batch of `shape` under:
+  `jaxlod.ops.default_plan` for its sequences and steps, without `hoist`
+  for a cell that is not one of Flax's separable cells."""
+  plan = default_plan(sequences=shape.count, time=shape.time)
+  if plan.hoist and not separable(cell):
+    plan = dataclasses.replace(plan, hoist=False)
+  return plan
 
 
 def check_buckets(buckets: Any) -> Buckets | None:
@@ -307,7 +323,10 @@ def run_padded(
   shape = layout(inputs, seq_lengths, time_major, feature_axes(layer.cell))
   if initial_carry is None:
     initial_carry = default_carry((*shape.batch, *shape.features))
-  loop = loop._replace(return_carry=True)
+  if layer.plan is None:
+    default = shape_plan(layer.cell, shape)
+    plan = unrolled(None, layer.ladder, layer.unroll, default)
+  loop = loop._replace(return_carry=True, plan=plan)
   if plan is not None and plan.padded:
     x = PaddedBatch(batch_rows(inputs, shape), shape.lengths)
     carry, outputs = run(loop, x, batch_carry(initial_carry, shape, shape.count))

@@ -244,3 +244,31 @@ def test_attention_revisions_results():
       for rev, ratio in workload[mode]["ratio"].items():
         assert ratio == pytest.approx(medians[rev] / medians[first])
       assert max(workload[mode]["max_abs_diff"].values()) < 1e-4
+
+
+def test_sweep_results():
+  """benchmarks/sweep.py's run: every cell's ratios are its medians', the
+  fastest plan is the plan arm of the least median, every arm's results
+  are Flax's, and the summary is the cells'; its picture is on the
+  benchmarks page."""
+  report = _load("sweep")
+  cells = report["cells"]
+  assert cells and not report["skipped"]
+  for cell in cells:
+    train, ideal = cell["train"], cell["ideal"]
+    medians = train["median_s"]
+    best = min(medians[k] for k in ("flax", "torch_padded") if k in medians)
+    assert train["speedup_vs_best_padded"] == pytest.approx(best / medians["dropin"])
+    assert train["fraction_of_ideal"] == pytest.approx(
+      medians["flax"] / medians["dropin"] / ideal
+    )
+    plans = {k.removeprefix("plan_"): v for k, v in medians.items() if "plan_" in k}
+    assert train["fastest_plan"] == min(plans, key=plans.get)
+    assert cell["results_match"]
+  summary = report["summary"]["train"]
+  assert summary["cells"] == len(cells)
+  assert summary["worst_speedup_vs_best_padded"] == pytest.approx(
+    min(c["train"]["speedup_vs_best_padded"] for c in cells)
+  )
+  picture = RESULTS.parents[1] / "docs" / "guide" / "sweep.png"
+  assert picture.is_file() and picture.stat().st_size > 10_000

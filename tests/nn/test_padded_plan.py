@@ -1,5 +1,6 @@
-"""The drop-in RNNs under a padded plan (``LoopPlan(padded=True)``): the
-masked `lax.scan` over the padded batch, with no packing. Here: gradients
+"""The drop-in RNNs' plans: the rule that picks one per padded shape, and
+the padded plan (``LoopPlan(padded=True)``), the masked `lax.scan` over
+the padded batch with no packing. Here: the rule's choices; gradients
 against Flax's own padded scan in float64 and float32, remat, a LoDTensor
 under the plan, bad lengths and the errors. Values for every Flax cell
 under each padded plan, the NNX twin, one trace per padded shape, empty
@@ -13,9 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental import checkify
 
 import jaxlod.nn as linen
+import jaxlod.nn.nnx as twin
 from jaxlod import LoDTensor
 from jaxlod.ops import LoopPlan
 from tests.nn.test_dropin import (
@@ -127,3 +130,72 @@ def test_padded_plan_with_a_ladder_raises():
   x = jnp.ones((2, TIME, 3))
   with pytest.raises(ValueError, match=r"Got both `ladder` \(2, 1\) and `plan`"):
     layer.init(jax.random.key(0), x)
+
+
+# -- the plan per shape -----------------------------------------------------------
+
+
+@pytest.fixture
+def hoisted_calls(monkeypatch):
+  """The front door's calls of the hoisted loop, recorded at trace time."""
+  from jaxlod.ops._loop import _dispatch
+
+  calls = []
+
+  def spy(cell, x, **settings):
+    calls.append(settings["plan"])
+    return hoisted(cell, x, **settings)
+
+  hoisted = _dispatch.hoisted_rnn
+  monkeypatch.setattr(_dispatch, "hoisted_rnn", spy)
+  return calls
+
+
+def _trace(layer, batch, time, **call):
+  x = jnp.ones((batch, time, 3))
+  lengths = jnp.full((batch,), time, jnp.int32)
+  jax.eval_shape(
+    lambda: layer.init_with_output(jax.random.key(0), x, seq_lengths=lengths, **call)
+  )
+
+
+@pytest.mark.parametrize(
+  ("batch", "time", "hoist"),
+  [(4, 16, True), (8, 300, True), (32, 64, True), (32, 65, False), (64, 8, False)],
+)
+def test_the_drop_in_picks_its_plan_per_shape(hoisted_calls, batch, time, hoist):
+  _trace(linen.RNN(nn.LSTMCell(HIDDEN)), batch, time)
+  assert [plan.hoist for plan in hoisted_calls] == ([True] if hoist else [])
+
+
+def test_the_nnx_drop_in_picks_its_plan_per_shape(hoisted_calls):
+  cell = nnx.OptimizedLSTMCell(3, HIDDEN, rngs=nnx.Rngs(0))
+  for batch, hoisted in ((4, 1), (64, 1)):
+    twin.RNN(cell)(jnp.ones((batch, TIME, 3)))
+    assert len(hoisted_calls) == hoisted
+
+
+def test_an_explicit_plan_wins_over_the_shape(hoisted_calls):
+  _trace(linen.RNN(nn.LSTMCell(HIDDEN), plan=LoopPlan()), 4, 16)
+  assert hoisted_calls == []
+
+
+def test_the_shape_plan_keeps_the_layers_ladder_and_unroll(hoisted_calls):
+  _trace(linen.RNN(nn.LSTMCell(HIDDEN), ladder=(4, 2), unroll=3), 4, 16)
+  assert hoisted_calls == [LoopPlan(chunk=3, hoist=True)]
+
+
+def test_a_cell_that_is_not_separable_runs_unhoisted_at_any_shape(hoisted_calls):
+  class Scaled(nn.GRUCell):  # a subclass may change the math: not hoisted
+    pass
+
+  cell = Scaled(HIDDEN, param_dtype=jnp.float64)
+  lengths = jnp.array([5, 2, 0, 3], jnp.int32)
+  with jax.enable_x64(True):
+    x = jnp.asarray(_inputs()).reshape(-1, TIME, FEATURES)[:4]
+    params = nn.RNN(cell).init(jax.random.key(0), x)
+    want = nn.RNN(cell).apply(params, x, seq_lengths=lengths)
+    got = linen.RNN(cell).apply(params, x, seq_lengths=lengths)
+  mask = (np.arange(TIME) < np.asarray(lengths)[:, None])[..., None]
+  np.testing.assert_allclose(np.where(mask, want, 0), got, rtol=1e-10, atol=1e-10)
+  assert hoisted_calls == []

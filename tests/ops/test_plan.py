@@ -182,6 +182,37 @@ def test_default_plan_per_backend():
   assert not default_plan("gpu").hoist  # not the default before it is measured
 
 
+def test_default_plan_per_shape():
+  """On a CPU the padded shape picks the plan (benchmarks/sweep.py); on an
+  accelerator, and without a shape, the backend alone."""
+  hoisted, ladder = LoopPlan(hoist=True), LoopPlan()
+  for sequences, time in [(1, 1), (8, 8), (8, 1024), (32, 8), (32, 64), (0, 0)]:
+    assert default_plan("cpu", sequences=sequences, time=time) == hoisted
+  for sequences, time in [(32, 65), (32, 1024), (33, 8), (128, 8), (128, 1024)]:
+    assert default_plan("cpu", sequences=sequences, time=time) == ladder
+  assert default_plan("gpu", sequences=8, time=8) == ACCELERATOR
+  assert default_plan("cpu") == ladder
+  assert default_plan("cpu", sequences=np.int64(8), time=np.int32(8)) == hoisted
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error", "message"),
+  [
+    (
+      dict(sequences=8),
+      ValueError,
+      r"Expected both `sequences` and `time` or neither, got sequences=8, "
+      r"time=None\.",
+    ),
+    (dict(sequences=-1, time=8), ValueError, r"Expected `sequences` >= 0, got -1"),
+    (dict(sequences=8, time=1.5), TypeError, r"Expected `time` to be a static int"),
+  ],
+)
+def test_default_plan_bad_shapes_raise(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    default_plan("cpu", **kwargs)
+
+
 def test_a_plan_is_static_hashable_data():
   plan = LoopPlan(bodies=2, chunk=4)
   assert hash(plan) == hash(LoopPlan(bodies=2, chunk=4))

@@ -147,6 +147,15 @@ class LoopPlan:
 _ACCELERATOR = LoopPlan(bodies=1, chunk=8)
 
 
+# The CPU's rule per padded shape, from benchmarks/results/sweep.json (the
+# drop-in LSTM's training step): the hoisted ladder was the fastest plan
+# at 8 sequences whatever the steps, and at 32 sequences up to 64 steps;
+# the plain ladder at 32 sequences over 256 steps and more, and at 128.
+_HOIST_SEQUENCES = 8
+_HOIST_FEW_SEQUENCES = 32
+_HOIST_FEW_STEPS = 64
+
+
 def plan_backend(backend: str | None) -> str:
   """The backend a default plan is chosen for: `backend`, or
   `jax.default_backend()` for `None`.
@@ -161,23 +170,49 @@ def plan_backend(backend: str | None) -> str:
   return backend
 
 
-def default_plan(backend: str | None = None) -> LoopPlan:
-  """The plan for `backend` (default: `jax.default_backend()`).
+def default_plan(
+  backend: str | None = None, *, sequences: int | None = None, time: int | None = None
+) -> LoopPlan:
+  """The plan for `backend` (default: `jax.default_backend()`), and on a
+  CPU for a padded batch of `sequences` rows and `time` steps.
 
-  * ``"cpu"``: `LoopPlan()`, the ladder and one step per iteration.
+  * ``"cpu"``: `LoopPlan()`, the ladder and one step per iteration. Given
+    the batch's `sequences` and `time` (the drop-in RNNs pass their padded
+    shape), the rule measured by ``benchmarks/sweep.py``:
+    ``LoopPlan(hoist=True)`` for at most 8 sequences, or at most 32 over
+    at most 64 steps, where the input projection as one product over all
+    rows beats a product per step; the ladder otherwise, where its
+    shrinking batches pay most (see "Plans per shape" in the guide).
   * ``"gpu"``, ``"tpu"`` and any other: ``LoopPlan(bodies=1, chunk=8)``:
     one body at the full batch (rows are nearly free there; a TPU pads
-    rows to tiles) and 8 steps per host wait.
+    rows to tiles) and 8 steps per host wait, whatever the shape.
 
   The loops call this at trace time when given no plan, so a jitted
   function traced for one backend keeps that backend's plan; pass a plan
   to choose another (the tests force the accelerator's on the CPU).
 
   Raises:
-    TypeError: for a `backend` that is not a string.
+    TypeError: for a `backend` that is not a string, or `sequences` or
+      `time` that is not a static int or `None`.
+    ValueError: for `sequences` or `time` below 0, or only one of them.
   """
   backend = plan_backend(backend)
-  return LoopPlan() if backend == "cpu" else _ACCELERATOR
+  if backend != "cpu":
+    return _ACCELERATOR
+  if sequences is None and time is None:
+    return LoopPlan()
+  if sequences is None or time is None:
+    raise ValueError(
+      f"Expected both `sequences` and `time` or neither, got sequences={sequences}, "
+      f"time={time}."
+    )
+  sequences = static_int(sequences, "sequences", 0)
+  time = static_int(time, "time", 0)
+  if sequences <= _HOIST_SEQUENCES or (
+    sequences <= _HOIST_FEW_SEQUENCES and time <= _HOIST_FEW_STEPS
+  ):
+    return LoopPlan(hoist=True)
+  return LoopPlan()
 
 
 def resolve_plan(plan: LoopPlan | None, name: str = "plan") -> LoopPlan:
@@ -196,11 +231,14 @@ def resolve_plan(plan: LoopPlan | None, name: str = "plan") -> LoopPlan:
   return plan
 
 
-def plan_with_ladder(plan: LoopPlan | None, ladder: Any) -> LoopPlan:
+def plan_with_ladder(
+  plan: LoopPlan | None, ladder: Any, default: LoopPlan | None = None
+) -> LoopPlan:
   """The plan of a loop given `plan` and a `ladder` (either may be `None`).
 
-  A ladder asked for explicitly runs: with no `plan`, the backend's plan
-  keeps its other choices and takes the ladder for its bodies.
+  A ladder asked for explicitly runs: with no `plan`, the default plan
+  (`default`, or the backend's `default_plan()`) keeps its other choices
+  and takes the ladder for its bodies.
 
   Raises:
     TypeError: for a `plan` that is not a `LoopPlan` or `None`.
@@ -208,7 +246,7 @@ def plan_with_ladder(plan: LoopPlan | None, ladder: Any) -> LoopPlan:
       that is `padded`.
   """
   explicit = plan is not None
-  plan = resolve_plan(plan)
+  plan = resolve_plan(plan) if explicit or default is None else default
   if ladder is None or (plan.bodies is None and not plan.padded):
     return plan
   if explicit:
