@@ -515,7 +515,15 @@ target(
   lambda a: separable().split(a),
   {"a": arg(lambda: np.ones((3, 2), np.float32), "array")},
 )
-target("ops.default_plan", ops.default_plan, {"backend": arg(None, "backend")})
+target(
+  "ops.default_plan",
+  ops.default_plan,
+  {
+    "backend": arg("cpu", "backend"),
+    "sequences": arg(8, "size>=0"),
+    "time": arg(16, "size>=0"),
+  },
+)
 target(
   "ops.DecodeSettings",
   ops.DecodeSettings,
