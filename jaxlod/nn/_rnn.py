@@ -238,7 +238,11 @@ class RNN(nn.Module):
       time, sequences=count, time=time)`` with ``count`` the product of the
       batch axes, so a jitted caller compiles once per padded shape
       whatever the lengths.
-    remat, ladder, plan: as `DynamicRNN`'s.
+    remat, ladder, plan: as `DynamicRNN`'s. Given no `plan`, a padded
+      batch runs the plan `jaxlod.ops.default_plan` picks for its sequences
+      and steps (on a CPU the hoisted ladder for small batches), a cell
+      that cannot be hoisted unhoisted; ``LoopPlan(padded=True)`` runs the
+      padded batch as Flax does, with no packing.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -260,7 +260,12 @@ class RNN(nnx.Module):
       (carry, y)`` treating rows independently.
     time_major, return_carry, reverse, keep_order, unroll: as
       `jaxlod.nn.RNN`'s attributes.
-    buckets, remat, ladder, plan: as `jaxlod.nn.RNN`'s attributes.
+    buckets, remat, ladder, plan: as `jaxlod.nn.RNN`'s attributes. Given
+      no `plan`, a padded batch runs the plan `jaxlod.ops.default_plan`
+      picks for its sequences and steps (on a CPU the hoisted ladder for
+      small batches), a cell that cannot be hoisted unhoisted;
+      ``LoopPlan(padded=True)`` runs the padded batch as Flax does, with
+      no packing.
     state_axes: ``flax.nnx.scan``'s setting, accepted for compatibility
       and not read: the cell's state is shared by every step, and a cell
       that updates its state inside the loop raises, naming the cell and the
