@@ -95,13 +95,11 @@ def _train_step(loss: Any, traces: dict) -> Any:
   return jax.jit(step)
 
 
-def layer_arm(
-  layer: nn.Module, cell: nn.RNNCellBase, x: Any, lengths: Any, compare: Any = None
-) -> rnn.Arm:
-  """An arm of `layer` (``flax.linen.RNN(cell, return_carry=True)`` or
-  `jaxlod.nn.RNN` of the same attributes, call and parameter tree) on the
-  padded ``x [batch, time, features]`` and ``lengths [batch]``;
-  `rnn.flax_arm`'s functions, for either."""
+def layer_functions(layer: nn.Module, cell: nn.RNNCellBase) -> tuple[Any, Any]:
+  """``(forward, loss)`` of `layer` (``flax.linen.RNN(cell,
+  return_carry=True)`` or `jaxlod.nn.RNN` of the same attributes, call and
+  parameter tree), each of ``(params, x, lengths)``: the loss is the sum of
+  squares of the outputs at real steps plus the final hidden state's sum."""
 
   def forward(params, x, lengths):
     init = rnn.zero_carry(cell, x.shape[0], x.shape[-1])
@@ -113,6 +111,16 @@ def layer_arm(
     real = jnp.arange(y.shape[1])[None, :] < lengths[:, None]
     return rnn.masked_square_sum(y, real) + jnp.sum(rnn.final_hidden(carry))
 
+  return forward, loss
+
+
+def layer_arm(
+  layer: nn.Module, cell: nn.RNNCellBase, x: Any, lengths: Any, compare: Any = None
+) -> rnn.Arm:
+  """An arm of `layer` (see `layer_functions`) on the padded ``x [batch,
+  time, features]`` and ``lengths [batch]``; `rnn.flax_arm`'s functions,
+  for either."""
+  forward, loss = layer_functions(layer, cell)
   traces = {"train": 0}
   inputs = (jnp.asarray(x), jnp.asarray(lengths, jnp.int32))
   return rnn.Arm(jax.jit(forward), _train_step(loss, traces), inputs, compare, traces)

@@ -266,16 +266,18 @@ def run_cell(batch, time_, hidden, profile, plans, modes, repeats) -> dict:
 # -- the grid ---------------------------------------------------------------------
 
 
+def cell_key(cell: dict) -> str:
+  """A cell's name, ``B<batch>_T<time>_H<hidden>_<profile>``."""
+  return f"B{cell['batch']}_T{cell['time']}_H{cell['hidden']}_{cell['profile']}"
+
+
 def summarize(cells: list[dict], mode: str = "train") -> dict[str, Any]:
   """The worst cell's speed-up over the fastest padded arm, and the median
   and worst fraction of the ideal where the ideal is at least 1.5."""
   done = [c for c in cells if mode in c]
   if not done:
     return {}
-
-  def key(c):
-    return f"B{c['batch']}_T{c['time']}_H{c['hidden']}_{c['profile']}"
-
+  key = cell_key
   worst = min(done, key=lambda c: c[mode]["speedup_vs_best_padded"])
   padded = [c for c in done if c["ideal"] >= IDEAL_AT_LEAST]
   fractions = [c[mode]["fraction_of_ideal"] for c in padded]

@@ -272,3 +272,15 @@ def test_sweep_results():
   )
   picture = RESULTS.parents[1] / "docs" / "guide" / "sweep.png"
   assert picture.is_file() and picture.stat().st_size > 10_000
+
+
+def test_tune_check_results():
+  """benchmarks/tune_check.py's run: on each cell `tune_plan` picked the
+  plan the committed sweep measured fastest, with the default's results."""
+  report = _load("tune_check")
+  assert len(report["cells"]) >= 3
+  cells = report["cells"].values()
+  for cell in cells:
+    assert cell["agrees"] == (cell["picked"] == cell["sweep_fastest"])
+    assert cell["max_rel_diff_vs_reference"] < 1e-4
+  assert report["agree_everywhere"] == all(c["agrees"] for c in cells)
