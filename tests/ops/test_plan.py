@@ -208,9 +208,10 @@ def test_default_plan_per_shape():
     (dict(sequences=8, time=1.5), TypeError, r"Expected `time` to be a static int"),
   ],
 )
-def test_default_plan_bad_shapes_raise(kwargs, error, message):
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_default_plan_bad_shapes_raise(kwargs, error, message, backend):
   with pytest.raises(error, match=message):
-    default_plan("cpu", **kwargs)
+    default_plan(backend, **kwargs)
 
 
 def test_a_plan_is_static_hashable_data():

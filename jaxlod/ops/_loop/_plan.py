@@ -197,17 +197,18 @@ def default_plan(
     ValueError: for `sequences` or `time` below 0, or only one of them.
   """
   backend = plan_backend(backend)
-  if backend != "cpu":
-    return _ACCELERATOR
-  if sequences is None and time is None:
-    return LoopPlan()
-  if sequences is None or time is None:
+  if (sequences is None) != (time is None):
     raise ValueError(
       f"Expected both `sequences` and `time` or neither, got sequences={sequences}, "
       f"time={time}."
     )
-  sequences = static_int(sequences, "sequences", 0)
-  time = static_int(time, "time", 0)
+  if sequences is not None:
+    sequences = static_int(sequences, "sequences", 0)
+    time = static_int(time, "time", 0)
+  if backend != "cpu":
+    return _ACCELERATOR
+  if sequences is None:
+    return LoopPlan()
   if sequences <= _HOIST_SEQUENCES or (
     sequences <= _HOIST_FEW_SEQUENCES and time <= _HOIST_FEW_STEPS
   ):
