@@ -235,12 +235,19 @@ def mode_summary(medians: dict[str, float], ideal: float) -> dict[str, Any]:
   }
 
 
-def run_cell(batch, time_, hidden, profile, plans, modes, repeats) -> dict:
+def cell_inputs(batch: int, time_: int, hidden: int, profile: str) -> tuple:
+  """A cell's ``(lengths, x, cell, params)``: the profile's lengths, the
+  padded inputs, the LSTM cell and its parameters."""
   lengths = profile_lengths(profile, batch, time_)
   x = padded_batch(lengths, time_, hidden)
   cell = nn.OptimizedLSTMCell(hidden)
   carry = rnn.zero_carry(cell, 1, hidden)
   params = cell.init(jax.random.key(1), carry, jnp.zeros((1, hidden)))["params"]
+  return lengths, x, cell, params
+
+
+def run_cell(batch, time_, hidden, profile, plans, modes, repeats) -> dict:
+  lengths, x, cell, params = cell_inputs(batch, time_, hidden, profile)
   arms = build_arms(cell, params, x, lengths, plans)
   ideal = batch * time_ / int(lengths.sum())
   report = {

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,11 +64,7 @@ def parse_cell(name: str) -> tuple[int, int, int, str]:
 def cell_step(batch: int, time_: int, hidden: int, profile: str) -> tuple:
   """The sweep's cell: ``(step, params, x, lengths)``, ``step(plan, params,
   x, lengths)`` the drop-in's training step under `plan`."""
-  lengths = sweep.profile_lengths(profile, batch, time_)
-  x = sweep.padded_batch(lengths, time_, hidden)
-  cell = nn.OptimizedLSTMCell(hidden)
-  carry = rnn.zero_carry(cell, 1, hidden)
-  params = cell.init(jax.random.key(1), carry, jnp.zeros((1, hidden)))["params"]
+  lengths, x, cell, params = sweep.cell_inputs(batch, time_, hidden, profile)
 
   def step(plan, params, x, lengths):
     layer = jaxlod.nn.RNN(cell, return_carry=True, plan=plan)

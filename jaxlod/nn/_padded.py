@@ -327,7 +327,7 @@ def run_padded(
     default = shape_plan(layer.cell, shape)
     plan = unrolled(None, layer.ladder, layer.unroll, default)
   loop = loop._replace(return_carry=True, plan=plan)
-  if plan is not None and plan.padded:
+  if plan.padded:
     x = PaddedBatch(batch_rows(inputs, shape), shape.lengths)
     carry, outputs = run(loop, x, batch_carry(initial_carry, shape, shape.count))
     faults = jnp.zeros((), jnp.int32)
