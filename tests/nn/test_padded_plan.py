@@ -29,6 +29,7 @@ from tests.nn.test_dropin import (
   TIME,
   _inputs,
 )
+from tests.nn.test_hoist import LINEN_CELLS
 
 PLANS = {
   "padded": LoopPlan(padded=True),
@@ -78,6 +79,43 @@ def test_linen_padded_plan_gradients_match_flax(plan, dtype, tol):
       np.testing.assert_allclose(want[1].reshape(x.shape), got[1], rtol=tol, atol=tol)
       for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0]), strict=True):
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(LINEN_CELLS))
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_every_separable_cell_under_the_hoisted_padded_plan_has_flaxs_gradients(
+  name, reverse
+):
+  """The hoisted padded plan takes the recurrent kernel's gradient as one
+  product after the loop (and a gated cell's recurrent bias through its
+  probe columns): float64 gradients of the parameters, the inputs and the
+  initial carry equal Flax's, with an empty sequence and a full one."""
+  lengths = jnp.array([5, 2, 0, 3], jnp.int32)
+  mask = (jnp.arange(TIME) < lengths[:, None])[..., None]
+  nonempty = (lengths > 0)[:, None]
+
+  def loss(layer, params, x, carry):
+    carry, y = layer.apply(params, x, initial_carry=carry, seq_lengths=lengths)
+    ends = sum(jnp.sum(jnp.where(nonempty, c, 0) ** 2) for c in jax.tree.leaves(carry))
+    return jnp.sum(jnp.where(mask, y, 0.0) ** 2) + ends
+
+  with jax.enable_x64(True):
+    cell = LINEN_CELLS[name](jnp.float64)
+    x = jnp.asarray(_inputs()).reshape(-1, TIME, FEATURES)[:4]
+    carry = jax.tree.map(
+      lambda c: 0.5 * jnp.ones_like(c),
+      cell.initialize_carry(jax.random.key(2), x[:, 0].shape),
+    )
+    theirs = nn.RNN(cell, return_carry=True, reverse=reverse)
+    params = theirs.init(jax.random.key(1), x)
+    ours = linen.RNN(
+      cell, return_carry=True, reverse=reverse, plan=PLANS["padded_hoist"]
+    )
+    grad = jax.grad(loss, argnums=(1, 2, 3))
+    want = grad(theirs, params, x, carry)
+    got = jax.jit(grad, static_argnums=0)(ours, params, x, carry)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
 
 
 def test_linen_padded_plan_with_remat_matches_the_packed_plan():

@@ -22,6 +22,9 @@ where a gate scales it first (the candidate columns of a GRU and of an MGU
 with its reset gate). The state a row started from is the output of the
 row before it in its sequence (after it, with ``reverse=True``), or the
 initial carry at the sequence's first row.
+
+`hoisted_inputs` and `hoisted_loop` are the two halves any loop can take:
+the padded scan (`jaxlod.ops._loop._padded_scan`) hoists through them too.
 """
 
 from __future__ import annotations
@@ -231,16 +234,34 @@ def recurrent_step(cell: Separable, w_rec: jax.Array, b_rec: jax.Array | None):
   return step
 
 
-def _recurrent_grads(cell: Separable, residuals: tuple, g_xs: tuple, reverse: bool):
-  """The gradients of the recurrent kernel and bias from the cotangents of
-  the loop's inputs `g_xs`: one product over all rows, ``previous_h.T @
-  d(h @ w_rec)``, and the probe columns' sum."""
-  y, init, w_rec, b_rec, offsets = residuals
-  cot = g_xs[0].values  # where the product is added to the input projection
+def hoisted_inputs(cell: Separable, values: jax.Array, init_carry: Any) -> tuple:
+  """The loop's inputs for `cell`: the input projection of every row of
+  ``values [..., features]`` as one product, ``[..., width]``, and where the
+  cell has probe columns, zeros ``[..., probe]`` to add to them (the
+  cotangent of the product there)."""
+  xp = dense(values, cell.w_in, cell.b_in, cell.dtype, cell.precision)
+  if not cell.probe:
+    return (xp,)
+  h0, w, b = cell.hidden(init_carry), cell.w_rec, cell.b_rec
+  dtype = result_dtype(h0, w, b, dtype=cell.dtype)
+  return xp, jnp.zeros((*xp.shape[:-1], cell.probe), dtype)
+
+
+def _kernel_grads(cell: Separable, prev: jax.Array, g_xs: tuple, w_rec, b_rec) -> tuple:
+  """The gradients of the recurrent kernel and bias: one product over all
+  rows, ``prev.T @ d(h @ w_rec)``, and the probe columns' sum.
+
+  Args:
+    cell: the cell.
+    prev: the state each row's step started from, ``[..., hidden]``.
+    g_xs: the cotangents of the loop's inputs, arrays ``[..., width]`` and,
+      where the cell has probe columns, ``[..., probe]`` (the rows as in
+      `prev`).
+    w_rec, b_rec: the recurrent kernel and bias, for their dtypes.
+  """
+  cot = g_xs[0]  # where the product is added to the input projection
   if cell.probe:
-    probe = g_xs[1].values
-    cot = jnp.concatenate([cot[..., : -cell.probe], probe], axis=-1)
-  prev = previous_hidden(y, offsets, cell.hidden(init), reverse)
+    cot = jnp.concatenate([cot[..., : -cell.probe], g_xs[1]], axis=-1)
   prev = prev.astype(cot.dtype).reshape(-1, prev.shape[-1])
   g_w = jax.lax.dot_general(
     prev,
@@ -250,8 +271,45 @@ def _recurrent_grads(cell: Separable, residuals: tuple, g_xs: tuple, reverse: bo
   )
   g_b = None
   if b_rec is not None:
-    g_b = jnp.sum(probe.reshape(-1, cell.probe), axis=0).astype(b_rec.dtype)
+    g_b = jnp.sum(g_xs[1].reshape(-1, cell.probe), axis=0).astype(b_rec.dtype)
   return g_w.astype(w_rec.dtype), g_b
+
+
+def hoisted_loop(cell: Separable, run: Callable, previous: Callable) -> Callable:
+  """A loop of `cell`'s recurrent step whose recurrent kernel's gradient is
+  one product after the backward loop, through a `jax.custom_vjp`.
+
+  Args:
+    cell: the cell.
+    run: ``run(w_rec, b_rec, xs, init, aux) -> (outputs, final_carry)``, the
+      loop over the loop's inputs `xs` (`hoisted_inputs`, as arrays or
+      LoDTensors); `aux` is not differentiated (a rank table, lengths).
+    previous: ``previous(outputs, init, aux)``: the state each row's step
+      started from, its rows as those of `xs`.
+
+  Returns:
+    ``loop(w_rec, b_rec, xs, init, aux)``, `run`'s results. Its VJP runs
+    `run`'s with the weights closed over, so the loop does no per-step
+    work for their gradients.
+  """
+
+  @jax.custom_vjp
+  def loop(w_rec, b_rec, xs, init, aux):
+    return run(w_rec, b_rec, xs, init, aux)
+
+  def loop_fwd(w_rec, b_rec, xs, init, aux):
+    out, vjp = jax.vjp(lambda xs, init: run(w_rec, b_rec, xs, init, aux), xs, init)
+    return out, (vjp, previous(out, init, aux), w_rec, b_rec)
+
+  def loop_bwd(res, g):
+    vjp, prev, w_rec, b_rec = res
+    g_xs, g_init = vjp(g)
+    rows = tuple(getattr(a, "values", a) for a in g_xs)  # a LoDTensor's rows
+    g_w, g_b = _kernel_grads(cell, prev, rows, w_rec, b_rec)
+    return g_w, g_b, g_xs, g_init, None
+
+  loop.defvjp(loop_fwd, loop_bwd)
+  return loop
 
 
 def hoisted_rnn(
@@ -279,12 +337,7 @@ def hoisted_rnn(
     ``(outputs, final_carry)`` as `jaxlod.ops.dynamic_rnn` returns them:
     outputs ``values [token_capacity, *batch, hidden]``.
   """
-  xp = dense(x.values, cell.w_in, cell.b_in, cell.dtype, cell.precision)
-  xs = (x.with_values(xp),)
-  if cell.probe:
-    h0, w, b = cell.hidden(init_carry), cell.w_rec, cell.b_rec
-    dtype = result_dtype(h0, w, b, dtype=cell.dtype)
-    xs += (x.with_values(jnp.zeros((*xp.shape[:-1], cell.probe), dtype)),)
+  xs = tuple(x.with_values(v) for v in hoisted_inputs(cell, x.values, init_carry))
   settings = dict(reverse=reverse, ladder=ladder, remat=remat, plan=plan)
 
   def run(w_rec, b_rec, xs, init, table):
@@ -299,21 +352,9 @@ def hoisted_rnn(
       **settings,
     )
 
-  @jax.custom_vjp
-  def loop(w_rec, b_rec, xs, init, table):
-    return run(w_rec, b_rec, xs, init, table)
+  def previous(out, init, table):
+    y = out[0]  # the outputs, with the loop's LoD
+    return previous_hidden(y.values, y.offsets[-1], cell.hidden(init), reverse)
 
-  def loop_fwd(w_rec, b_rec, xs, init, table):
-    # The recurrent weights are closed over, not differentiated: the loop
-    # does no per-step work for their gradients.
-    out, vjp = jax.vjp(lambda xs, init: run(w_rec, b_rec, xs, init, table), xs, init)
-    return out, (vjp, (out[0].values, init, w_rec, b_rec, xs[0].offsets[-1]))
-
-  def loop_bwd(res, g):
-    vjp, residuals = res
-    g_xs, g_init = vjp(g)
-    g_w, g_b = _recurrent_grads(cell, residuals, g_xs, reverse)
-    return g_w, g_b, g_xs, g_init, None
-
-  loop.defvjp(loop_fwd, loop_bwd)
+  loop = hoisted_loop(cell, run, previous)
   return loop(cell.w_rec, cell.b_rec, xs, init_carry, table)

@@ -4,7 +4,10 @@ run by the drop-in RNNs under a plan with ``padded=True``.
 Where padding can cost little (a few short steps, a small batch), packing
 the rows, ranking the sequences and unpacking the outputs cost more than
 the padded steps they skip: this is Flax's own loop, a `lax.scan` over
-every padded step with each sequence's carry kept past its length.
+every padded step with each sequence's carry kept past its length. A
+separable cell (``hoist=True``) runs as `hoisted_rnn` runs it: its input
+projection one product before the loop, its recurrent kernel's gradient one
+product after it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxlod.ops._loop._hoisted import Separable, dense, recurrent_step, result_dtype
+from jaxlod.ops._loop._hoisted import (
+  Separable,
+  hoisted_inputs,
+  hoisted_loop,
+  recurrent_step,
+)
 
 
 class PaddedBatch(NamedTuple):
@@ -49,16 +57,57 @@ def _where_rows(live: jax.Array, new: jax.Array, old: Any) -> jax.Array:
   return jnp.where(live, new, jnp.asarray(old, new.dtype))
 
 
-def _separable_inputs(cell: Separable, values: jax.Array, init_carry: Any) -> tuple:
-  """A separable cell's step and its time-major inputs: the input projection
-  of every padded row as one product, before the loop."""
-  xp = dense(values, cell.w_in, cell.b_in, cell.dtype, cell.precision)
-  h0 = cell.hidden(init_carry)
-  dtype = result_dtype(h0, cell.w_rec, cell.b_rec, dtype=cell.dtype)
-  # The probe columns add nothing from the input: a zero the step broadcasts.
-  probe = jnp.zeros((), dtype)
-  step = recurrent_step(cell, cell.w_rec, cell.b_rec)
-  return (lambda carry, xp_t, _: step(carry, (xp_t, probe), None)), xp
+def _scan(
+  step_fn: Callable,
+  xs: Any,
+  init_carry: Any,
+  lengths: jax.Array,
+  remat: bool,
+  unroll: int,
+) -> tuple[Any, Any]:
+  """``(outputs, final_carry)`` of `step_fn` over the time-major inputs `xs`
+  (leaves ``[time, count, ...]``), outputs time-major and zero past each
+  length, each carry kept past its length."""
+
+  def body(carry: Any, inputs: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+    t, x_t = inputs
+    new, y_t = step_fn(carry, x_t, None)
+    live = t < lengths
+    new = jax.tree.map(lambda n, o: _where_rows(live, n, o), new, carry)
+    return new, jax.tree.map(lambda y: _where_rows(live, y, 0), y_t)
+
+  if remat:
+    body = jax.checkpoint(body)
+  time = jax.tree.leaves(xs)[0].shape[0]
+  carry, ys = jax.lax.scan(body, init_carry, (jnp.arange(time), xs), unroll=unroll)
+  return ys, carry
+
+
+def _hoisted_scan(
+  cell: Separable,
+  values: jax.Array,
+  lengths: jax.Array,
+  init_carry: Any,
+  remat: bool,
+  unroll: int,
+) -> tuple[jax.Array, Any]:
+  """`_scan` of a separable cell: the input projection of every padded row
+  is one product before the loop, and the recurrent kernel's gradient one
+  product after it (`hoisted_loop`). A step past a sequence's length keeps
+  its carry, so the cotangent of its product is zero and adds nothing."""
+  xs = hoisted_inputs(cell, jnp.moveaxis(values, 1, 0), init_carry)
+
+  def run(w_rec, b_rec, xs, init, lengths):
+    step = recurrent_step(cell, w_rec, b_rec)
+    return _scan(step, xs, init, lengths, remat, unroll)
+
+  def previous(out, init, lengths):
+    ys = out[0]  # [time, count, hidden]; the state step t started from:
+    h0 = cell.hidden(init).astype(ys.dtype)
+    return jnp.concatenate([h0[None], ys])[: ys.shape[0]]
+
+  loop = hoisted_loop(cell, run, previous)
+  return loop(cell.w_rec, cell.b_rec, xs, init_carry, lengths)
 
 
 def padded_rnn(
@@ -76,7 +125,7 @@ def padded_rnn(
     step_fn: ``step_fn(carry, x_t, None) -> (new_carry, y_t)``, leaves
       ``[count, ...]``, as `jaxlod.ops.dynamic_rnn`'s; or a `Separable`
       cell, whose input projection runs over every padded row before the
-      loop.
+      loop and whose recurrent kernel's gradient is one product after it.
     x: the `PaddedBatch`, ``values [count, time, *features]``.
     init_carry: pytree of ``[count, ...]`` leaves.
     reverse: run each sequence from its own last step to its first; the
@@ -97,18 +146,8 @@ def padded_rnn(
   if reverse:
     values = flip_real(values, lengths)
   if isinstance(step_fn, Separable):
-    step_fn, values = _separable_inputs(step_fn, values, init_carry)
-  xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), values)
-
-  def body(carry: Any, inputs: tuple[jax.Array, Any]) -> tuple[Any, Any]:
-    t, x_t = inputs
-    new, y_t = step_fn(carry, x_t, None)
-    live = t < lengths
-    new = jax.tree.map(lambda n, o: _where_rows(live, n, o), new, carry)
-    return new, jax.tree.map(lambda y: _where_rows(live, y, 0), y_t)
-
-  if remat:
-    body = jax.checkpoint(body)
-  time = jax.tree.leaves(values)[0].shape[1]
-  carry, ys = jax.lax.scan(body, init_carry, (jnp.arange(time), xs), unroll=unroll)
+    ys, carry = _hoisted_scan(step_fn, values, lengths, init_carry, remat, unroll)
+  else:
+    xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), values)
+    ys, carry = _scan(step_fn, xs, init_carry, lengths, remat, unroll)
   return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), ys), carry
