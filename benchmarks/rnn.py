@@ -755,13 +755,15 @@ def first_calls(arm: Arm, params: Any) -> tuple[dict[str, float], str | None]:
   return seconds, None
 
 
-def time_arms(arms: dict, params: Any, mode: str, repeats: int) -> dict:
+def time_arms(
+  arms: dict, params: Any, mode: str, repeats: int, min_seconds: float = 0.0
+) -> dict:
   def call(arm: Arm) -> Callable:
     fn = getattr(arm, mode)
     return lambda: fn(params, *arm.inputs)
 
   calls = {name: (call(arm), arm.sync) for name, arm in arms.items() if arm is not None}
-  measured = measure_interleaved(calls, repeats)
+  measured = measure_interleaved(calls, repeats, min_seconds=min_seconds)
   for name, t in measured.items():
     print(f"  {mode:8s} {name:14s} {t['median_s']:.4f} s", file=sys.stderr)
   return {name: measured.get(name) for name in arms}

@@ -46,10 +46,14 @@ the ideal is at least 1.5, against the issue's goals.
 Run:
   python -m benchmarks.sweep [--batches 8,32,128] [--times 8,16,64,256,1024]
       [--hiddens 64,256] [--profiles full,even,lognormal] [--repeats N]
-      [--plans ladder,bodies1,...] [--modes train[,forward]]
+      [--min-seconds S] [--plans ladder,bodies1,...] [--modes train[,forward]]
       [--budget-s S] [--json PATH] [--picture PATH]
 
-``--json`` is rewritten after every cell, so a stopped run keeps what it
+``--repeats`` rounds time every cell; ``--min-seconds`` adds rounds to a
+cell whose round is short, up to as many as fill that long (at most
+`benchmarks.timing.MAX_ROUNDS`; each cell's ``rounds`` records them):
+a cell of a few milliseconds moves with the machine's noise over a few
+rounds. ``--json`` is rewritten after every cell, so a stopped run keeps what it
 measured; ``--budget-s`` skips the cells left once the run has taken that
 long (each skipped cell is listed). ``--picture`` draws the grid
 (matplotlib): per cell, the training step's speed-up over the fastest
@@ -246,7 +250,9 @@ def cell_inputs(batch: int, time_: int, hidden: int, profile: str) -> tuple:
   return lengths, x, cell, params
 
 
-def run_cell(batch, time_, hidden, profile, plans, modes, repeats) -> dict:
+def run_cell(
+  batch, time_, hidden, profile, plans, modes, repeats, min_seconds=0.0
+) -> dict:
   lengths, x, cell, params = cell_inputs(batch, time_, hidden, profile)
   arms = build_arms(cell, params, x, lengths, plans)
   ideal = batch * time_ / int(lengths.sum())
@@ -261,9 +267,10 @@ def run_cell(batch, time_, hidden, profile, plans, modes, repeats) -> dict:
     "dropin_plan": repr(jaxlod.ops.default_plan(sequences=batch, time=time_)),
   }
   for mode in modes:
-    timing = rnn.time_arms(arms, params, mode, repeats)
+    timing = rnn.time_arms(arms, params, mode, repeats, min_seconds)
     medians = {name: t["median_s"] for name, t in timing.items()}
     report[mode] = mode_summary(medians, ideal)
+    report[mode]["rounds"] = len(timing["dropin"]["times_s"])
     report[mode]["compile_s"] = {name: t["compile_s"] for name, t in timing.items()}
   report["max_rel_diff_vs_flax"] = differences(arms, params)
   report["results_match"] = max(report["max_rel_diff_vs_flax"].values()) <= MATCH_RTOL
@@ -369,6 +376,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--plans", default=",".join(DEFAULT_PLANS))
   parser.add_argument("--modes", default="train")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--min-seconds", type=float, default=0.0)
   parser.add_argument("--budget-s", type=float, default=None)
   parser.add_argument("--json", type=Path, default=None)
   parser.add_argument("--picture", type=Path, default=None)
@@ -386,6 +394,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       parser.error(f"{flag}: got {given}, choose from {list(known)}")
   if args.repeats < 1:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  if not args.min_seconds >= 0:
+    parser.error(f"--min-seconds must be >= 0, got {args.min_seconds}")
   return args
 
 
@@ -395,6 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   report = {
     "machine": rnn.machine_info(rnn.default_torch_device()),
     "repeats": args.repeats,
+    "min_seconds": args.min_seconds,
     "plans": {name: repr(PLANS[name]) for name in args.plans},
     "cells": [],
     "skipped": [],
@@ -404,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       report["skipped"].append(dict(zip(CELL_KEYS, cell, strict=True)))
       continue
     print(f"cell B{cell[0]} T{cell[1]} H{cell[2]} {cell[3]}", file=sys.stderr)
-    report["cells"].append(run_cell(*cell, args.plans, args.modes, args.repeats))
+    settings = (args.plans, args.modes, args.repeats, args.min_seconds)
+    report["cells"].append(run_cell(*cell, *settings))
     report["summary"] = {mode: summarize(report["cells"], mode) for mode in args.modes}
     report["wall_s"] = time.perf_counter() - start
     if args.json is not None:  # what is done so far, should the run stop

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import random
 import statistics
 import time
@@ -32,8 +33,15 @@ def _timed(fn: Callable[[], Any], sync: Callable[[Any], Any]) -> tuple[float, in
   return time.perf_counter() - start, _minor_faults() - faults
 
 
+# The most rounds `min_seconds` adds.
+MAX_ROUNDS = 100
+
+
 def measure_interleaved(
-  calls: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], repeats: int
+  calls: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]],
+  repeats: int,
+  *,
+  min_seconds: float = 0.0,
 ) -> dict[str, dict[str, Any]]:
   """Times several calls side by side on a shared, noisy machine.
 
@@ -48,6 +56,11 @@ def measure_interleaved(
     calls: name -> ``(fn, sync)``; ``sync(fn())`` must wait for the result
       (`jax.block_until_ready` for JAX).
     repeats: number of rounds.
+    min_seconds: more rounds where a round is short: as many as the
+      warm-up round's time says fill `min_seconds` in all, at most
+      `MAX_ROUNDS` (and never fewer than `repeats`). A millisecond call's
+      median over a few rounds moves with the machine's noise; over many
+      it settles.
 
   Returns:
     name -> ``{"median_s", "first_call_s", "compile_s", "times_s",
@@ -63,8 +76,10 @@ def measure_interleaved(
   if repeats < 1:
     raise ValueError(f"repeats must be at least 1, got {repeats}.")
   first = {name: _timed(fn, sync)[0] for name, (fn, sync) in calls.items()}
-  for fn, sync in calls.values():
-    sync(fn())
+  warm = sum(_timed(fn, sync)[0] for fn, sync in calls.values())
+  if min_seconds > 0:
+    wanted = math.ceil(min_seconds / max(warm, 1e-9))
+    repeats = max(repeats, min(MAX_ROUNDS, wanted))
   names = list(calls)
   times: dict[str, list[float]] = {name: [] for name in names}
   faults: dict[str, list[int]] = {name: [] for name in names}

@@ -31,7 +31,7 @@ def test_one_cell_end_to_end(tmp_path, capsys):
     [
       *("--batches", "8", "--times", "8", "--hiddens", "16"),
       *("--profiles", "even", "--plans", "ladder,bodies1", "--repeats", "1"),
-      *("--json", str(out)),
+      *("--min-seconds", "0.5", "--json", str(out)),
     ]
   )
   capsys.readouterr()
@@ -47,9 +47,15 @@ def test_one_cell_end_to_end(tmp_path, capsys):
   )
   assert cell["results_match"]
   assert report["summary"]["train"]["cells"] == 1
+  # Each round takes milliseconds: --min-seconds adds rounds to fill 0.5 s.
+  assert train["rounds"] > 1
+  assert report["min_seconds"] == 0.5
 
 
 def test_bad_flags_are_refused(capsys):
   with pytest.raises(SystemExit):
     sweep.main(["--plans", "nope"])
   assert "--plans: got ['nope']" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    sweep.main(["--min-seconds", "-1"])
+  assert "--min-seconds must be >= 0, got -1.0" in capsys.readouterr().err

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import time
 
 import numpy as np
 import pytest
 
-from benchmarks.timing import measure_interleaved
+from benchmarks.timing import MAX_ROUNDS, measure_interleaved
 
 
 def _recording_calls(names, order):
@@ -52,6 +53,25 @@ def test_the_order_is_the_same_in_every_run():
   measure_interleaved(_recording_calls("abc", first), repeats=5)
   measure_interleaved(_recording_calls("abc", second), repeats=5)
   assert first == second
+
+
+def _sleeping_calls(seconds):
+  return {name: (lambda: time.sleep(seconds), lambda result: result) for name in "ab"}
+
+
+def test_min_seconds_adds_rounds_to_fill_it_up_to_the_cap():
+  # Two calls of at least 10 ms: a round takes 20 ms or more, so 0.4 s
+  # wants at most 20 rounds (more than 3 unless a round took 100 ms).
+  result = measure_interleaved(_sleeping_calls(0.01), repeats=3, min_seconds=0.4)
+  assert 3 < len(result["a"]["times_s"]) <= 20
+  assert len(result["a"]["times_s"]) == len(result["b"]["times_s"])
+  fast = measure_interleaved(_recording_calls("ab", []), repeats=3, min_seconds=1.0)
+  assert len(fast["a"]["times_s"]) == MAX_ROUNDS
+
+
+def test_min_seconds_never_takes_rounds_away():
+  result = measure_interleaved(_sleeping_calls(0.01), repeats=4, min_seconds=0.001)
+  assert len(result["a"]["times_s"]) == 4
 
 
 def test_repeats_must_be_positive():
