@@ -10,6 +10,8 @@ import pathlib
 
 import pytest
 
+from jaxlod.ops import default_plan
+
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 RNN_MODE_KEYS = {
   "jaxlod_s",
@@ -249,8 +251,8 @@ def test_attention_revisions_results():
 def test_sweep_results():
   """benchmarks/sweep.py's run: every cell's ratios are its medians', the
   fastest plan is the plan arm of the least median, every arm's results
-  are Flax's, and the summary is the cells'; its picture is on the
-  benchmarks page."""
+  are Flax's, the drop-in ran the rule's plan, and the summary is the
+  cells'; its picture is on the benchmarks page."""
   report = _load("sweep")
   cells = report["cells"]
   assert cells and not report["skipped"]
@@ -265,6 +267,9 @@ def test_sweep_results():
     plans = {k.removeprefix("plan_"): v for k, v in medians.items() if "plan_" in k}
     assert train["fastest_plan"] == min(plans, key=plans.get)
     assert cell["results_match"]
+    # The drop-in arm ran the rule's plan for the cell's padded shape.
+    rule = default_plan("cpu", sequences=cell["batch"], time=cell["time"])
+    assert cell["dropin_plan"] == repr(rule)
   summary = report["summary"]["train"]
   assert summary["cells"] == len(cells)
   assert summary["worst_speedup_vs_best_padded"] == pytest.approx(

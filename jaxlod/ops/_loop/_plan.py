@@ -149,9 +149,10 @@ _ACCELERATOR = LoopPlan(bodies=1, chunk=8)
 
 # The CPU's rule per padded shape, from benchmarks/results/sweep.json (the
 # drop-in LSTM's training step): at 8 sequences the hoisted ladder was a
-# median 1.36 times as fast as the ladder whatever the steps; at 32
-# sequences up to 64 steps a median 1.01 times (a draw); the plain ladder
-# won at 32 sequences over 256 steps and more, and at 128.
+# median 1.30 times as fast as the ladder whatever the steps; at 32
+# sequences up to 64 steps a median 1.02 times (a draw); the plain ladder
+# won where lengths vary at 32 sequences over 256 steps and more (all but
+# one cell) and at 128 (every cell).
 _HOIST_SEQUENCES = 8
 _HOIST_FEW_SEQUENCES = 32
 _HOIST_FEW_STEPS = 64
