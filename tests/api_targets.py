@@ -647,6 +647,10 @@ def _cell(carry, x):
   return carry, x[:, :2]
 
 
+def _double(rows):
+  return rows * 2
+
+
 def _attention(h, values, lengths):
   return ops.masked_attention(jnp.zeros(values.shape[:2]), values, lengths)
 
@@ -681,6 +685,15 @@ target(
     "plan": more(
       arg(None, "plan", none_ok=True), ("loop_plan", lambda: ops.LoopPlan())
     ),
+  },
+)
+target(
+  "ops.map_rows",
+  ops.map_rows,
+  {
+    "fn": arg(lambda: _double, "callable"),
+    "x": arg(lod, "lod"),
+    "ladder": arg(None, "ladder", none_ok=True),
   },
 )
 target(

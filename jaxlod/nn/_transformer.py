@@ -1,8 +1,10 @@
 """Linen Transformer layers over LoDTensors: multi-head attention inside each
 sequence, a pre-norm encoder layer and an encoder stack, padding-free.
 
-Each layer runs on the packed rows of a LoDTensor: the projections are one
-product over every row, and the attention is `jaxlod.ops.sequence_attention`,
+Each layer runs on the packed rows of a LoDTensor: the projections, norms
+and MLPs run over the real rows only (`jaxlod.ops.map_rows`: a static size
+just above them, not the token capacity), and the attention is
+`jaxlod.ops.sequence_attention`,
 which attends within each last-level sequence (never across sequences, never
 to padding) and does the work of the real lengths, not of the longest. The
 positions restart at every sequence, computed from the LoD (jittable). The
@@ -31,8 +33,8 @@ from jaxlod._checks import (
 )
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.nn._layer_checks import check_layer_dtypes
-from jaxlod.nn._recurrent import override, zero_padding
-from jaxlod.ops import AttentionPlan, sequence_attention
+from jaxlod.nn._recurrent import example_row, override, zero_padding
+from jaxlod.ops import AttentionPlan, map_rows, sequence_attention
 from jaxlod.ops._rank import RankTable, check_table
 
 # Flax's defaults for `MultiHeadDotProductAttention` and `Dense` (one object
@@ -170,13 +172,17 @@ class MultiHeadAttention(nn.Module):
       "dtype": self.dtype,
       "param_dtype": self.param_dtype,
     }
-    project = [nn.DenseGeneral(heads, **common, name=n) for n in QKV]
+    project = [
+      linen_rows(nn.DenseGeneral(heads, **common, name=n), example_row(x.values))
+      for n, x in zip(QKV, (q_in, k_in, v_in), strict=True)
+    ]
     out = nn.DenseGeneral(
       width if self.out_features is None else self.out_features,
       axis=(-2, -1),
       **common,
       name="out",
     )
+    out = linen_rows(out, jnp.zeros((1, *heads), q_in.values.dtype))
     rng = None
     if not deterministic and self.dropout_rate > 0:
       rng = self.make_rng("dropout")
@@ -270,13 +276,15 @@ class TransformerEncoderLayer(nn.Module):
       **dense,
       name="attention",
     )
+    row = example_row(x.values)
+    hidden = jnp.zeros((1, self.mlp_features), x.values.dtype)
     return encoder_layer(
       x,
-      nn.LayerNorm(EPSILON, **common, name="attention_norm"),
+      linen_rows(nn.LayerNorm(EPSILON, **common, name="attention_norm"), row),
       attention,
-      nn.LayerNorm(EPSILON, **common, name="mlp_norm"),
-      nn.Dense(self.mlp_features, **dense, name="mlp_in"),
-      nn.Dense(x.values.shape[-1], **dense, name="mlp_out"),
+      linen_rows(nn.LayerNorm(EPSILON, **common, name="mlp_norm"), row),
+      linen_rows(nn.Dense(self.mlp_features, **dense, name="mlp_in"), row),
+      linen_rows(nn.Dense(x.values.shape[-1], **dense, name="mlp_out"), hidden),
       nn.Dropout(self.dropout_rate),
       deterministic,
     )
@@ -395,6 +403,7 @@ class TransformerEncoder(nn.Module):
     norm = nn.LayerNorm(
       EPSILON, dtype=self.dtype, param_dtype=self.param_dtype, name="final_norm"
     )
+    norm = linen_rows(norm, example_row(x.values))
     dropout = nn.Dropout(self.dropout_rate)
     return encode(x, position, layers, norm, dropout, deterministic)
 
@@ -479,6 +488,18 @@ def check_max_length(max_length: int, x: LoDTensor) -> None:
       f"Expected `max_length` >= {time} (the time capacity of `x`: its longest "
       f"sequence may have {time} rows), got {max_length}."
     )
+
+
+def linen_rows(module: nn.Module, example: jax.Array) -> Callable[[jax.Array], Any]:
+  """A bound Linen `module` as a function of rows that
+  `jaxlod.ops.map_rows` can trace: while initializing, the module is
+  called once on `example` (one row) so that its parameters exist; the
+  function applies an unbound copy to the module's variables."""
+  if module.is_initializing():
+    module(example)
+  variables = module.variables
+  unbound = module.clone(parent=None)
+  return lambda rows: unbound.apply(variables, rows)
 
 
 def check_rows(x: Any, name: str) -> LoDTensor:
@@ -577,13 +598,14 @@ def attend(
   values) projected by `project` (to ``[rows, heads, head_dim]``, in one
   dtype), `jaxlod.ops.sequence_attention` (its weights dropped at
   `dropout_rate` from `rng`; `None`: no dropout), then `out`; padding rows
-  zero."""
-  rows = [f(x.values) for f, x in zip(project, inputs, strict=True)]
+  zero. `project` and `out` are functions of rows that `map_rows` traces
+  (NNX layers, or Linen layers through `linen_rows`)."""
+  rows = [map_rows(f, x).values for f, x in zip(project, inputs, strict=True)]
   dtype = jnp.result_type(*rows)
   q, k, v = (x.with_values(r.astype(dtype)) for x, r in zip(inputs, rows, strict=True))
   drop = {"dropout_rate": dropout_rate, "dropout_rng": rng} if rng is not None else {}
   attended = sequence_attention(q, k, v, causal=causal, plan=plan, **drop)
-  return zero_padding(attended, out(attended.values))
+  return map_rows(out, attended)
 
 
 def encoder_layer(
@@ -599,14 +621,16 @@ def encoder_layer(
   """`TransformerEncoderLayer`'s body: the attention's and then the MLP's
   pre-norm residual branches over the rows of a checked `x`, each branch's
   output through `dropout`; padding rows zero. `attention` and `dropout`
-  take ``deterministic=``."""
-  attended = attention(
-    x.with_values(attention_norm(x.values)), deterministic=deterministic
-  )
+  take ``deterministic=``; the norms and the MLP's layers are functions of
+  rows, which run over the real rows (`map_rows`)."""
+  attended = attention(map_rows(attention_norm, x), deterministic=deterministic)
   drop = functools.partial(dropout, deterministic=deterministic)
   h = x.values + drop(attended.values).astype(x.values.dtype)
-  hidden = jax.nn.gelu(mlp_in(mlp_norm(h)))
-  h = h + drop(mlp_out(hidden)).astype(h.dtype)
+
+  def mlp(rows: jax.Array) -> jax.Array:
+    return mlp_out(jax.nn.gelu(mlp_in(mlp_norm(rows))))
+
+  h = h + drop(map_rows(mlp, x.with_values(h)).values).astype(h.dtype)
   # The attention's result carries the faults of its inputs and its own.
   return zero_padding(attended, h)
 
@@ -628,7 +652,7 @@ def encode(
   h = h.with_values(dropout(h.values, deterministic=deterministic))
   for layer in layers:
     h = layer(h, deterministic=deterministic)
-  return zero_padding(h, final_norm(h.values))
+  return map_rows(final_norm, h)
 
 
 def sequence_positions(x: LoDTensor) -> jax.Array:

@@ -59,6 +59,7 @@ from jaxlod.ops._pool import (
 )
 from jaxlod.ops._rank import RankTable, default_ladder, normalize_ladder, rank_table
 from jaxlod.ops._reshape import lod_reset, sequence_reshape, sequence_scatter
+from jaxlod.ops._rows import map_rows
 from jaxlod.ops._scan import linear_scan
 from jaxlod.ops._search import length_normalized
 from jaxlod.ops._sequence_attention import (
@@ -97,6 +98,7 @@ __all__ = [
   "fused_rnn",
   "lod_reset",
   "lod_to_array",
+  "map_rows",
   "masked_attention",
   "normalize_ladder",
   "rank_table",

@@ -1,0 +1,194 @@
+"""`jaxlod.ops.map_rows` against the same function over every row, then the
+padding rows zeroed: values and float64 gradients (of the rows and of the
+arrays the function closes over) at every size of its ladder, pytree
+outputs, a 2-level LoD, an all-empty batch, `check_grads`; the size it runs
+at; one compile over batches of one capacity; the errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+from benchmarks.timing import xla_compiles
+from jaxlod import Buckets, LoDTensor
+from jaxlod.ops import map_rows
+from jaxlod.ops._rows import row_ladder
+
+BUCKETS = Buckets.fixed(tokens=32, sequences=4, time=8)
+LADDER = (24, 16, 8, 4)
+F64 = {"rtol": 1e-13, "atol": 1e-13}
+
+
+@pytest.fixture(autouse=True)
+def float64():
+  with jax.enable_x64(True):
+    yield
+
+
+def batch(lengths, features=3, seed=0) -> LoDTensor:
+  rows = np.random.default_rng(seed).standard_normal((sum(lengths), features))
+  return LoDTensor.from_lengths(rows, [lengths], buckets=BUCKETS)
+
+
+def weights(seed=1):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal((3, 5))), jnp.asarray(rng.standard_normal(5))
+
+
+def mlp(w, b):
+  """A row-wise function with a nonlinearity, closing over `w` and `b`."""
+  return lambda rows: jnp.tanh(rows @ w + b) ** 2
+
+
+def reference(fn, x: LoDTensor) -> jax.Array:
+  """`fn` over every row, padding rows zero."""
+  y = fn(x.values)
+  return jnp.where(x.row_mask()[:, None], y, 0)
+
+
+def losses(x: LoDTensor, ladder):
+  def mine(w, b, values):
+    y = map_rows(mlp(w, b), x.with_values(values), ladder=ladder).values
+    return jnp.sum(jnp.sin(y))
+
+  def theirs(w, b, values):
+    return jnp.sum(jnp.sin(reference(mlp(w, b), x.with_values(values))))
+
+  return mine, theirs
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+  lengths=st.lists(st.integers(0, 8), min_size=1, max_size=4),
+  ladder=st.sampled_from([None, LADDER, (1,), (31, 2)]),
+)
+def test_values_and_gradients_equal_the_function_over_every_row(lengths, ladder):
+  x = batch(lengths)
+  w, b = weights()
+  mine, theirs = losses(x, ladder)
+  np.testing.assert_allclose(
+    map_rows(mlp(w, b), x, ladder=ladder).values, reference(mlp(w, b), x), **F64
+  )
+  got = jax.jit(jax.grad(mine, (0, 1, 2)))(w, b, x.values)
+  want = jax.grad(theirs, (0, 1, 2))(w, b, x.values)
+  for g, h in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, h, **F64)
+
+
+@pytest.mark.parametrize("real", [32, 24, 17, 16, 9, 8, 5, 4, 1, 0])
+def test_every_size_of_the_ladder(real):
+  """Batches whose real rows fall at, just above and just below each size."""
+  lengths = [min(8, real - 8 * i) for i in range(4) if real - 8 * i > 0] or [0]
+  x = batch(lengths)
+  w, b = weights()
+  mine, theirs = losses(x, LADDER)
+  np.testing.assert_allclose(
+    jax.jit(mine)(w, b, x.values), theirs(w, b, x.values), **F64
+  )
+  for g, h in zip(
+    jax.grad(mine, (0, 1, 2))(w, b, x.values),
+    jax.grad(theirs, (0, 1, 2))(w, b, x.values),
+    strict=True,
+  ):
+    np.testing.assert_allclose(g, h, **F64)
+
+
+SIZES = [(9, 16), (8, 8), (17, 24), (25, 32), (1, 4)]
+
+
+@pytest.mark.parametrize(("real", "size"), SIZES)
+def test_it_runs_at_the_smallest_size_that_holds_the_real_rows(real, size):
+  # Not row-wise, on purpose: each row gets the number of rows it ran at.
+  def count(rows):
+    return jnp.zeros_like(rows) + rows.shape[0]
+
+  lengths = [min(8, real - 8 * i) for i in range(4) if real - 8 * i > 0]
+  y = jax.jit(lambda x: map_rows(count, x, ladder=LADDER).values)(batch(lengths))
+  assert np.all(y[:real] == size) and np.all(y[real:] == 0)
+
+
+def test_padding_rows_neither_reach_the_result_nor_get_a_gradient():
+  x = batch([3, 2])
+  poisoned = x.values.at[5:].set(jnp.nan)
+  w, b = weights()
+  y = map_rows(mlp(w, b), x.with_values(poisoned), ladder=LADDER).values
+  assert np.all(np.isfinite(y)) and np.all(y[5:] == 0)
+  mine, _ = losses(x, LADDER)
+  g = jax.grad(mine, (0, 1, 2))(w, b, poisoned)
+  assert all(np.all(np.isfinite(a)) for a in g)
+  assert np.all(g[2][5:] == 0)
+
+
+def test_pytree_outputs_integer_closures_and_a_two_level_lod():
+  lengths = [[2, 1], [3, 0, 2]]
+  rows = np.random.default_rng(0).standard_normal((5, 2))
+  x = LoDTensor.from_lengths(
+    rows, lengths, buckets=Buckets.fixed(tokens=12, sequences=(2, 3), time=(3, 3))
+  )
+  shift = jnp.asarray(3)
+  out = map_rows(lambda r: {"a": r * 2, "b": r[:, :1] + shift}, x, ladder=(8,))
+  assert out["a"].offsets[0].tolist() == x.offsets[0].tolist()
+  np.testing.assert_allclose(out["a"].values[:5], rows * 2, **F64)
+  np.testing.assert_allclose(out["b"].values[:5], rows[:, :1] + 3, **F64)
+  assert np.all(out["a"].values[5:] == 0)
+
+  def loss(v):
+    y = map_rows(lambda r: {"a": r * 2, "b": r[:, :1] * shift}, x.with_values(v))
+    return jnp.sum(y["a"].values ** 2) + jnp.sum(y["b"].values)
+
+  g = jax.jit(jax.grad(loss))(x.values)
+  want = np.zeros((12, 2))
+  want[:5] = 8 * rows
+  want[:5, 0] += 3
+  np.testing.assert_allclose(g, want, **F64)
+
+
+def test_an_empty_batch_and_check_grads():
+  w, b = weights()
+  empty = batch([0, 0])
+  assert np.all(map_rows(mlp(w, b), empty).values == 0)
+  x = batch([4, 3])
+  check_grads(
+    lambda w, b, v: map_rows(mlp(w, b), x.with_values(v), ladder=LADDER).values,
+    (w, b, x.values),
+    order=2,
+    modes=["rev"],
+  )
+
+
+def test_one_compile_over_batches_of_one_capacity():
+  w, b = weights()
+  step = jax.jit(jax.grad(lambda w, b, x: jnp.sum(map_rows(mlp(w, b), x).values)))
+  rng = np.random.default_rng(0)
+  with xla_compiles() as names:
+    for _ in range(6):
+      jax.block_until_ready(step(w, b, batch(list(rng.integers(0, 9, 4)))))
+  assert sum(names.values()) == 1
+
+
+def test_the_default_ladder():
+  assert row_ladder(3072)[0] == 3072
+  assert row_ladder(3072)[-1] == 192
+  sizes = row_ladder(16384)
+  assert all(a / b <= 1.25 + 8 / b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+  assert all(n % 8 == 0 for n in sizes[1:])
+  assert row_ladder(1) == (1,)
+
+
+def test_errors():
+  x = batch([2, 1])
+  with pytest.raises(TypeError, match="`fn` to be callable, got int"):
+    map_rows(3, x)
+  with pytest.raises(TypeError, match="`x`"):
+    map_rows(lambda r: r, x.values)
+  with pytest.raises(ValueError, match="one row per input row"):
+    map_rows(lambda r: jnp.sum(r, axis=0), x)
+  with pytest.raises(ValueError, match="same trailing shapes"):
+    map_rows(lambda r: r[:, : 1 + r.shape[0] % 2], x, ladder=(31,))
+  with pytest.raises(ValueError, match="ladder"):
+    map_rows(lambda r: r, x, ladder=(64,))
