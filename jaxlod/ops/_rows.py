@@ -135,6 +135,8 @@ def _map_bwd(static, residuals, g):
     for i, gc in zip(static.spans[k], g_mine, strict=True):
       if g_consts[i] is not None:
         g_consts[i] = g_consts[i] + gc
+    if not _differentiable(values):  # ids, say: no cotangent
+      return None, tuple(g_consts)
     return _padded(g_rows, real, values.shape[0]), tuple(g_consts)
 
   branches = [functools.partial(branch, k) for k in range(len(static.sizes))]

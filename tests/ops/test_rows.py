@@ -148,6 +148,19 @@ def test_pytree_outputs_integer_closures_and_a_two_level_lod():
   np.testing.assert_allclose(g, want, **F64)
 
 
+def test_integer_rows_an_embedding_lookup():
+  ids = LoDTensor.from_lengths(np.asarray([2, 0, 1]), [[2, 1]], buckets=BUCKETS)
+  table = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4)))
+
+  def loss(table):
+    return jnp.sum(map_rows(lambda r: table[r], ids, ladder=LADDER).values ** 2)
+
+  y = map_rows(lambda r: table[r], ids).values
+  np.testing.assert_allclose(y[:3], table[np.asarray([2, 0, 1])], **F64)
+  assert np.all(y[3:] == 0)
+  np.testing.assert_allclose(jax.jit(jax.grad(loss))(table), 2 * table, **F64)
+
+
 def test_an_empty_batch_and_check_grads():
   w, b = weights()
   empty = batch([0, 0])
