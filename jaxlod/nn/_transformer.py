@@ -1,8 +1,8 @@
 """Linen Transformer layers over LoDTensors: multi-head attention inside each
 sequence, a pre-norm encoder layer and an encoder stack, padding-free.
 
-Each layer runs on the packed rows of a LoDTensor: the projections, norms
-and MLPs run over the real rows only (`jaxlod.ops.map_rows`: a static size
+Each layer runs on the packed rows of a LoDTensor: the projections and the
+MLPs run over the real rows only (`jaxlod.ops.map_rows`: a static size
 just above them, not the token capacity), and the attention is
 `jaxlod.ops.sequence_attention`,
 which attends within each last-level sequence (never across sequences, never
@@ -280,7 +280,7 @@ class TransformerEncoderLayer(nn.Module):
     hidden = jnp.zeros((1, self.mlp_features), x.values.dtype)
     return encoder_layer(
       x,
-      linen_rows(nn.LayerNorm(EPSILON, **common, name="attention_norm"), row),
+      nn.LayerNorm(EPSILON, **common, name="attention_norm"),
       attention,
       linen_rows(nn.LayerNorm(EPSILON, **common, name="mlp_norm"), row),
       linen_rows(nn.Dense(self.mlp_features, **dense, name="mlp_in"), row),
@@ -403,7 +403,6 @@ class TransformerEncoder(nn.Module):
     norm = nn.LayerNorm(
       EPSILON, dtype=self.dtype, param_dtype=self.param_dtype, name="final_norm"
     )
-    norm = linen_rows(norm, example_row(x.values))
     dropout = nn.Dropout(self.dropout_rate)
     return encode(x, position, layers, norm, dropout, deterministic)
 
@@ -600,7 +599,11 @@ def attend(
   `dropout_rate` from `rng`; `None`: no dropout), then `out`; padding rows
   zero. `project` and `out` are functions of rows that `map_rows` traces
   (NNX layers, or Linen layers through `linen_rows`)."""
-  rows = [map_rows(f, x).values for f, x in zip(project, inputs, strict=True)]
+  if inputs[0] is inputs[1] is inputs[2]:  # self-attention: one `map_rows`
+    rows = map_rows(lambda r: [f(r) for f in project], inputs[0])
+    rows = [x.values for x in rows]
+  else:
+    rows = [map_rows(f, x).values for f, x in zip(project, inputs, strict=True)]
   dtype = jnp.result_type(*rows)
   q, k, v = (x.with_values(r.astype(dtype)) for x, r in zip(inputs, rows, strict=True))
   drop = {"dropout_rate": dropout_rate, "dropout_rng": rng} if rng is not None else {}
@@ -621,9 +624,11 @@ def encoder_layer(
   """`TransformerEncoderLayer`'s body: the attention's and then the MLP's
   pre-norm residual branches over the rows of a checked `x`, each branch's
   output through `dropout`; padding rows zero. `attention` and `dropout`
-  take ``deterministic=``; the norms and the MLP's layers are functions of
-  rows, which run over the real rows (`map_rows`)."""
-  attended = attention(map_rows(attention_norm, x), deterministic=deterministic)
+  take ``deterministic=``; the MLP's norm and layers are functions of rows,
+  which run over the real rows as one `map_rows`."""
+  attended = attention(
+    x.with_values(attention_norm(x.values)), deterministic=deterministic
+  )
   drop = functools.partial(dropout, deterministic=deterministic)
   h = x.values + drop(attended.values).astype(x.values.dtype)
 
@@ -652,7 +657,7 @@ def encode(
   h = h.with_values(dropout(h.values, deterministic=deterministic))
   for layer in layers:
     h = layer(h, deterministic=deterministic)
-  return map_rows(final_norm, h)
+  return zero_padding(h, final_norm(h.values))
 
 
 def sequence_positions(x: LoDTensor) -> jax.Array:

@@ -29,18 +29,19 @@ from jaxlod._checks import check_callable
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.ops._rank import default_ladder, normalize_ladder
 
-# The default ladder: sizes a ratio of 1.25 apart (at most a quarter more
-# rows than the real ones), multiples of 8, down to a sixteenth of the
-# capacity (about a dozen sizes).
-RATIO = 1.25
+# The default ladder: sizes a ratio of 1.5 apart (at most half as many rows
+# again as the real ones), multiples of 8, down to a quarter of the
+# capacity: five sizes, as each size is one more branch to compile in the
+# forward and the backward pass.
+RATIO = 1.5
 MULTIPLE = 8
-SMALLEST = 16
+SMALLEST = 4
 
 
 def row_ladder(token_capacity: int) -> tuple[int, ...]:
   """The row counts `map_rows` runs at by default, largest first: from
-  `token_capacity` down by a ratio of 1.25, multiples of 8, to a
-  sixteenth of it."""
+  `token_capacity` down by a ratio of 1.5, multiples of 8, to a quarter
+  of it."""
   smallest = max(1, -(-token_capacity // SMALLEST))
   return default_ladder(
     token_capacity, ratio=RATIO, minimum=smallest, multiple=MULTIPLE
@@ -162,9 +163,9 @@ def map_rows(
 
   ``fn(rows)`` runs at the smallest size of a static ladder of row counts
   that holds `x`'s real rows (those before the last offset), not at the
-  token capacity: a dense layer, a layer norm or an MLP over a batch
-  whose capacity is mostly padding does the work of its real rows (at
-  most a quarter more, with the default ladder). `fn` is traced once per
+  token capacity: a dense layer or an MLP over a batch whose capacity is
+  mostly padding does the work of its real rows (at most half as many
+  again, with the default ladder, or a quarter of the capacity). `fn` is traced once per
   size and a `lax.switch` on the real row count runs one, so every shape
   is static and one compile serves every batch of the capacity. Jittable
   and differentiable (a `jax.custom_vjp`: the backward pass recomputes at
@@ -183,8 +184,9 @@ def map_rows(
       the dtypes the same at every size.
     x: a LoDTensor, values ``[token_capacity, *features]``.
     ladder: the row counts to run at (the token capacity is added);
-      `None`: from the capacity down by a ratio of 1.25, multiples of 8,
-      to a sixteenth of the capacity.
+      `None`: from the capacity down by a ratio of 1.5, multiples of 8,
+      to a quarter of the capacity. Each size is a branch that compiles
+      in the forward and the backward pass.
 
   Returns:
     A LoDTensor with `x`'s LoD over ``fn``'s outputs at every row (a

@@ -185,10 +185,10 @@ def test_one_compile_over_batches_of_one_capacity():
 
 
 def test_the_default_ladder():
-  assert row_ladder(3072)[0] == 3072
-  assert row_ladder(3072)[-1] == 192
+  assert row_ladder(3072) == (3072, 2048, 1368, 912, 768)
   sizes = row_ladder(16384)
-  assert all(a / b <= 1.25 + 8 / b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+  assert sizes[-1] == 16384 // 4
+  assert all(a / b <= 1.5 + 8 / b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
   assert all(n % 8 == 0 for n in sizes[1:])
   assert row_ladder(1) == (1,)
 
