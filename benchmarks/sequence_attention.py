@@ -36,7 +36,13 @@ cells ``sum(l_i**2)``, the work floor of an exact attention (each sequence
 alone at its own length); jaxlod's cells are its plan's tiles for these
 lengths. ``temp_bytes``: XLA's temporary buffers of each compiled training
 step (``memory_analysis``). ``max_abs_diff``: each padded arm's outputs on
-the real rows against jaxlod's. ``compiles_over_100_batches``: XLA
+the real rows against jaxlod's. ``train_speedup_bound_at_flax_cost``: the
+training step's speed-up over ``flax_longest`` of a layer that did, on the
+real rows and cells only, Flax's own work per row outside the attention
+(its layer arm's time less its attention-alone arm's, per padded row) and
+Flax's attention per cell (its attention-alone arm's time per padded
+cell): what doing the real work only gives at Flax's cost per row and per
+cell. ``compiles_over_100_batches``: XLA
 compilations of jaxlod's training step over 100 batches of fresh lengths
 (W1; the forward pass elsewhere).
 
@@ -251,6 +257,16 @@ def compiles(w: Workload, step: Any, params: Any) -> int:
   return sum(names.values())
 
 
+def bound_at_flax_cost(times: dict[str, Any], report: dict[str, Any], w: Workload):
+  """``train_speedup_bound_at_flax_cost`` (see the module's docstring)."""
+  layer = times["flax_longest_train"]["median_s"]
+  attention = times["core_flax_longest_train"]["median_s"]
+  padded_rows = w.batch * report["longest"]
+  real = (layer - attention) * report["real_tokens"] / padded_rows
+  real += attention * report["real_cells"] / report["cells"]["flax_longest"]
+  return layer / real
+
+
 def run_workload(name: str, repeats: int) -> dict[str, Any]:
   """Every arm on one batch of workload `name`."""
   w = WORKLOADS[name]
@@ -308,6 +324,7 @@ def run_workload(name: str, repeats: int) -> dict[str, Any]:
       key = f"core_{key}" if arm.startswith("core") else key
       ratio = times[f"{arm}_{mode}"]["median_s"] / times[f"{base}_{mode}"]["median_s"]
       report[key] = ratio
+  report["train_speedup_bound_at_flax_cost"] = bound_at_flax_cost(times, report, w)
   flax_temp = report["temp_bytes"]["flax_longest"]
   report["temp_fraction_of_flax_longest"] = report["temp_bytes"]["jaxlod"] / flax_temp
   report["core_temp_fraction_of_flax_longest"] = (

@@ -693,8 +693,13 @@ target(
   {
     "fn": arg(lambda: _double, "callable"),
     "x": arg(lod, "lod"),
-    "ladder": arg(None, "ladder", none_ok=True),
+    "chunk": arg(None, "size>=1", none_ok=True),
   },
+)
+target(
+  "ops.default_chunk",
+  ops.default_chunk,
+  {"token_capacity": arg(64, "size>=1"), "backend": arg(None, "backend")},
 )
 target(
   "ops.AttentionPlan",

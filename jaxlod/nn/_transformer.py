@@ -2,8 +2,9 @@
 sequence, a pre-norm encoder layer and an encoder stack, padding-free.
 
 Each layer runs on the packed rows of a LoDTensor: the projections and the
-MLPs run over the real rows only (`jaxlod.ops.map_rows`: a static size
-just above them, not the token capacity), and the attention is
+MLPs run over the real rows only (`jaxlod.ops.map_rows`: chunks of a
+static number of rows, as many as the real rows need, not the token
+capacity), and the attention is
 `jaxlod.ops.sequence_attention`,
 which attends within each last-level sequence (never across sequences, never
 to padding) and does the work of the real lengths, not of the longest. The

@@ -59,7 +59,7 @@ from jaxlod.ops._pool import (
 )
 from jaxlod.ops._rank import RankTable, default_ladder, normalize_ladder, rank_table
 from jaxlod.ops._reshape import lod_reset, sequence_reshape, sequence_scatter
-from jaxlod.ops._rows import map_rows
+from jaxlod.ops._rows import default_chunk, map_rows
 from jaxlod.ops._scan import linear_scan
 from jaxlod.ops._search import length_normalized
 from jaxlod.ops._sequence_attention import (
@@ -92,6 +92,7 @@ __all__ = [
   "Separable",
   "array_to_lod",
   "beam_search",
+  "default_chunk",
   "default_ladder",
   "default_plan",
   "dynamic_rnn",

@@ -2,147 +2,154 @@
 
 A LoDTensor's token capacity holds the largest batch it must take, so a
 dense layer over its values pays for every padding row: on a long-tailed
-batch, several times the real rows. `map_rows` pays for a static size just
-above the real rows instead: a geometric ladder of row counts from the
-capacity down, the function traced once per size, and a `lax.switch` on
-the batch's real row count picks the one to run (the recurrent loop's
-ladder, over rows). Every shape is static, so one compile serves every
-batch of the capacity.
+batch, several times the real rows. `map_rows` pays for the real rows
+instead, rounded up to a chunk: a `lax.scan` over the capacity's chunks of
+a static number of rows runs the function over those that hold real rows
+and skips the others (a `lax.cond`). Every shape is static and there is
+one body to compile, so one compile serves every batch of the capacity.
+
+The chunks tile the rows from the first; the last one ends at the capacity
+at most, so where it would run past it, it starts earlier and overlaps the
+one before. Each chunk writes only its own rows (the ones no earlier chunk
+wrote), so every row is the function of its own row, computed once in the
+result.
 
 The gradient is a `jax.custom_vjp` whose residuals are the inputs only:
-the backward pass takes the vector-Jacobian product at the same size,
+the backward pass takes the vector-Jacobian product of each chunk,
 recomputing what the function's products need (nothing, for a dense
-layer; the first product's output, for an MLP).
+layer; the first product's output, for an MLP), and sums the chunks'
+cotangents of the arrays the function closes over.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlod._checks import check_callable
+from jaxlod._checks import check_callable, static_int
 from jaxlod._lod import LoDTensor, check_lod
-from jaxlod.ops._rank import default_ladder, normalize_ladder
+from jaxlod.ops._loop._plan import plan_backend
 
-# The default ladder: sizes a ratio of 1.5 apart (at most half as many rows
-# again as the real ones), multiples of 8, down to a quarter of the
-# capacity: five sizes, as each size is one more branch to compile in the
-# forward and the backward pass.
-RATIO = 1.5
+# The default chunk's rows, per backend (`default_chunk`).
+CPU_CHUNK = 256
+ACCELERATOR_CHUNK = 2048
 MULTIPLE = 8
-SMALLEST = 4
 
 
-def row_ladder(token_capacity: int) -> tuple[int, ...]:
-  """The row counts `map_rows` runs at by default, largest first: from
-  `token_capacity` down by a ratio of 1.5, multiples of 8, to a quarter
-  of it."""
-  smallest = max(1, -(-token_capacity // SMALLEST))
-  return default_ladder(
-    token_capacity, ratio=RATIO, minimum=smallest, multiple=MULTIPLE
-  )
+def default_chunk(token_capacity: int, backend: str | None = None) -> int:
+  """The rows of `map_rows`' chunk for `token_capacity` on `backend`
+  (default: `jax.default_backend()`).
 
+  The capacity split into equal chunks of at most 256 rows on the CPU
+  (``benchmarks/sequence_attention.py``: a product over 256 rows runs
+  about as fast per row as one over every row), 2,048 elsewhere (an
+  accelerator's product needs more rows to fill it), each rounded up to a
+  multiple of 8 and at most the capacity.
 
-def _padded(y: jax.Array, real: jax.Array, capacity: int) -> jax.Array:
-  """Rows `y` ``[size, ...]`` zero from row `real` on, padded with zero
-  rows to ``[capacity, ...]``."""
-  keep = (jnp.arange(y.shape[0]) < real).reshape((-1,) + (1,) * (y.ndim - 1))
-  y = jnp.where(keep, y, jnp.zeros((), y.dtype))
-  return jnp.pad(y, [(0, capacity - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
+  Example:
+    >>> from jaxlod.ops import default_chunk
+    >>> default_chunk(3072, "cpu"), default_chunk(640, "cpu"), default_chunk(100, "cpu")
+    (256, 216, 100)
+  """
+  token_capacity = static_int(token_capacity, "token_capacity", 1)
+  target = CPU_CHUNK if plan_backend(backend) == "cpu" else ACCELERATOR_CHUNK
+  chunks = -(-token_capacity // target)
+  rows = -(-token_capacity // chunks)
+  return min(token_capacity, -(-rows // MULTIPLE) * MULTIPLE)
 
 
 class _Static(NamedTuple):
-  """The function at each size: `sizes` (largest first), `fns` (``fn(rows,
-  *consts)``, closure-converted) and `spans` (which of the closed-over
-  arrays each takes)."""
+  """The closure-converted ``fn(rows, *consts)`` and its chunk's rows."""
 
-  sizes: tuple[int, ...]
-  fns: tuple[Callable[..., Any], ...]
-  spans: tuple[tuple[int, ...], ...]
+  fn: Callable[..., Any]
+  chunk: int
 
 
-def _converted(fn: Callable, values: jax.Array, sizes: tuple[int, ...]):
-  """`fn` closure-converted at every size, and the arrays it closes over
-  (each once); checks that its outputs keep the rows and the same
-  trailing shapes and dtypes at every size."""
-  fns, spans, consts, index, tails = [], [], [], {}, None
-  for n in sizes:
-    converted, found = jax.closure_convert(fn, values[:n])
-    out = jax.eval_shape(converted, values[:n], *found)
-    leaves = jax.tree.leaves(out)
-    if not leaves or any(leaf.shape[:1] != (n,) for leaf in leaves):
-      raise ValueError(
-        f"Expected `fn` to return arrays of one row per input row, [{n}, ...] "
-        f"for {n} rows, got {jax.tree.map(lambda a: a.shape, out)}."
-      )
-    found_tails = (jax.tree.structure(out), [(a.shape[1:], a.dtype) for a in leaves])
-    if tails is not None and found_tails != tails:
-      raise ValueError(
-        "Expected `fn`'s outputs to have the same trailing shapes and dtypes at "
-        f"every number of rows; got {tails[1]} at {sizes[0]} rows and "
-        f"{found_tails[1]} at {n}."
-      )
-    tails = found_tails
-    for c in found:
-      index.setdefault(id(c), len(consts))
-      if index[id(c)] == len(consts):
-        consts.append(c)
-    spans.append(tuple(index[id(c)] for c in found))
-    fns.append(converted)
-  return _Static(tuple(sizes), tuple(fns), tuple(spans)), tuple(consts)
+def _column(mask: jax.Array, y: jax.Array) -> jax.Array:
+  """A row mask ``[rows]`` shaped to broadcast over `y`'s rows."""
+  return mask.reshape((-1,) + (1,) * (y.ndim - 1))
 
 
-def _rows(values: jax.Array, real: jax.Array, size: int) -> jax.Array:
-  """The first `size` rows of `values`, zero from row `real` on (selected,
-  never multiplied: an inf or a NaN in a padding row stays out)."""
-  return _padded(values[:size], real, size)
+def _over_chunks(static: _Static, values, real, body, carry):
+  """`carry` through ``body(start, rows, mine, carry)`` for each chunk of
+  the first `real` rows of `values`: ``rows [chunk, ...]`` from row
+  `start`, zero from row `real` on (selected, never multiplied: an inf or
+  a NaN in a padding row stays out), and ``mine [chunk]`` the rows the
+  chunk writes (real, and not an earlier chunk's). A `lax.scan` over the
+  capacity's chunks whose `lax.cond` skips those past the real rows (a
+  scan, not a while loop, so that the backward pass has a gradient too)."""
+  chunk, capacity = static.chunk, values.shape[0]
+
+  def run(i, inner):
+    start = jnp.minimum(i * chunk, capacity - chunk)
+    row = start + jnp.arange(chunk)
+    rows = lax.dynamic_slice_in_dim(values, start, chunk)
+    rows = jnp.where(_column(row < real, rows), rows, jnp.zeros((), rows.dtype))
+    mine = (row >= i * chunk) & (row < real)
+    return body(start, rows, mine, inner)
+
+  def step(inner, i):
+    return lax.cond(i * chunk < real, run, lambda i, inner: inner, i, inner), None
+
+  chunks = jnp.arange(-(-capacity // chunk), dtype=jnp.asarray(real).dtype)
+  return lax.scan(step, carry, chunks)[0]
 
 
-def _branch(static: _Static, k: int, values, real, consts):
-  """The function at size ``static.sizes[k]``, its outputs padded to the
-  capacity."""
-  size = static.sizes[k]
-  out = static.fns[k](_rows(values, real, size), *(consts[i] for i in static.spans[k]))
-  return jax.tree.map(lambda y: _padded(y, real, values.shape[0]), out)
+def _put(buffer: jax.Array, start, y: jax.Array, mine: jax.Array) -> jax.Array:
+  """`buffer` with the rows `mine` of `y` written from row `start`."""
+  old = lax.dynamic_slice_in_dim(buffer, start, y.shape[0])
+  y = jnp.where(_column(mine, y), y.astype(buffer.dtype), old)
+  return lax.dynamic_update_slice_in_dim(buffer, y, start, 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _map(static: _Static, values, real, index, consts):
-  """`fn` at the size `index` picks (`real`: the real rows)."""
-  branches = [functools.partial(_branch, static, k) for k in range(len(static.sizes))]
-  return lax.switch(index, branches, values, real, consts)
+def _map(static: _Static, values, real, consts):
+  """`fn` over the first `real` rows of `values`, the others zero."""
+  shapes = jax.eval_shape(static.fn, values[: static.chunk], *consts)
+  rows = values.shape[0]
+  out = jax.tree.map(lambda s: jnp.zeros((rows, *s.shape[1:]), s.dtype), shapes)
+
+  def body(start, chunk, mine, out):
+    y = static.fn(chunk, *consts)
+    return jax.tree.map(lambda b, c: _put(b, start, c, mine), out, y)
+
+  return _over_chunks(static, values, real, body, out)
 
 
-def _map_fwd(static, values, real, index, consts):
-  return _map(static, values, real, index, consts), (values, real, index, consts)
+def _map_fwd(static, values, real, consts):
+  return _map(static, values, real, consts), (values, real, consts)
 
 
 def _map_bwd(static, residuals, g):
-  """The cotangents of the rows and of the closed-over arrays, from the
-  vector-Jacobian product at the forward pass's size (padding rows zero)."""
-  values, real, index, consts = residuals
+  """The cotangents of the rows (zero at padding rows; none for integer
+  rows) and the sums over the chunks of those of the closed-over arrays."""
+  values, real, consts = residuals
+  g_rows = jnp.zeros_like(values) if _differentiable(values) else None
+  g_consts = tuple(jnp.zeros_like(c) if _differentiable(c) else None for c in consts)
 
-  def branch(k, values, real, consts, g):
-    size = static.sizes[k]
-    mine = [consts[i] for i in static.spans[k]]
-    _, vjp = jax.vjp(static.fns[k], _rows(values, real, size), *mine)
-    g_rows, *g_mine = vjp(jax.tree.map(lambda c: _padded(c[:size], real, size), g))
-    g_consts = [jnp.zeros_like(c) if _differentiable(c) else None for c in consts]
-    for i, gc in zip(static.spans[k], g_mine, strict=True):
-      if g_consts[i] is not None:
-        g_consts[i] = g_consts[i] + gc
-    if not _differentiable(values):  # ids, say: no cotangent
-      return None, tuple(g_consts)
-    return _padded(g_rows, real, values.shape[0]), tuple(g_consts)
+  def body(start, chunk, mine, carry):
+    g_rows, g_consts = carry
+    _, vjp = jax.vjp(static.fn, chunk, *consts)
 
-  branches = [functools.partial(branch, k) for k in range(len(static.sizes))]
-  g_rows, g_consts = lax.switch(index, branches, values, real, consts, g)
-  return g_rows, None, None, g_consts
+    def cotangent(c):
+      c = lax.dynamic_slice_in_dim(c, start, chunk.shape[0])
+      return jnp.where(_column(mine, c), c, jnp.zeros((), c.dtype))
+
+    g_chunk, *g_mine = vjp(jax.tree.map(cotangent, g))
+    if g_rows is not None:
+      g_rows = _put(g_rows, start, g_chunk, mine)
+    summed = tuple(
+      None if a is None else a + b for a, b in zip(g_consts, g_mine, strict=True)
+    )
+    return g_rows, summed
+
+  g_rows, g_consts = _over_chunks(static, values, real, body, (g_rows, g_consts))
+  return g_rows, None, g_consts
 
 
 def _differentiable(x: Any) -> bool:
@@ -154,39 +161,35 @@ _map.defvjp(_map_fwd, _map_bwd)
 
 
 def map_rows(
-  fn: Callable[[jax.Array], Any],
-  x: LoDTensor,
-  *,
-  ladder: Sequence[int] | None = None,
+  fn: Callable[[jax.Array], Any], x: LoDTensor, *, chunk: int | None = None
 ) -> LoDTensor:
   """Applies a row-wise function to the real rows of `x` only.
 
-  ``fn(rows)`` runs at the smallest size of a static ladder of row counts
-  that holds `x`'s real rows (those before the last offset), not at the
-  token capacity: a dense layer or an MLP over a batch whose capacity is
-  mostly padding does the work of its real rows (at most half as many
-  again, with the default ladder, or a quarter of the capacity). `fn` is traced once per
-  size and a `lax.switch` on the real row count runs one, so every shape
-  is static and one compile serves every batch of the capacity. Jittable
-  and differentiable (a `jax.custom_vjp`: the backward pass recomputes at
-  the same size what `fn`'s gradient needs), also with respect to the
-  arrays `fn` closes over (a layer's parameters).
+  ``fn(rows)`` runs over chunks of a static number of rows, as many as
+  `x`'s real rows (those before the last offset) need, not over the token
+  capacity: a dense layer or an MLP over a batch whose capacity is mostly
+  padding does the work of its real rows, and at most one chunk more.
+  A `lax.scan` over the capacity's chunks skips those past the real rows
+  (`lax.cond`), so every shape is static and one compile serves every
+  batch of the capacity.
+  Jittable and differentiable (a `jax.custom_vjp`: the backward pass
+  recomputes per chunk what `fn`'s gradient needs), also with respect to
+  the arrays `fn` closes over (a layer's parameters).
 
-  `fn` sees the padding rows of its size as zeros. It must be row-wise:
+  `fn` sees the padding rows of a chunk as zeros. It must be row-wise:
   each output row depends on its own input row only (a dense layer, an
   activation, a norm over features), never on the other rows or on their
-  count; a function that mixes rows gets results that depend on the
-  batch's real row count.
+  count; a function that mixes rows gets results that depend on how the
+  rows fall into chunks.
 
   Args:
-    fn: ``fn(rows)`` with ``rows [size, *features]`` returns an array, or
-      a pytree of arrays, each ``[size, ...]``; the trailing shapes and
-      the dtypes the same at every size.
+    fn: ``fn(rows)`` with ``rows [chunk, *features]`` returns an array, or
+      a pytree of arrays, each ``[chunk, ...]``.
     x: a LoDTensor, values ``[token_capacity, *features]``.
-    ladder: the row counts to run at (the token capacity is added);
-      `None`: from the capacity down by a ratio of 1.5, multiples of 8,
-      to a quarter of the capacity. Each size is a branch that compiles
-      in the forward and the backward pass.
+    chunk: the rows of a chunk, an int >= 1 (larger ones run as the token
+      capacity); `None`: `default_chunk` for the capacity and the backend.
+      Smaller chunks waste less on the last one; larger ones run fewer,
+      larger products.
 
   Returns:
     A LoDTensor with `x`'s LoD over ``fn``'s outputs at every row (a
@@ -194,11 +197,10 @@ def map_rows(
     rows zero.
 
   Raises:
-    TypeError: for an `fn` that is not callable or an `x` that is not a
-      LoDTensor.
-    ValueError: for a ladder size that is not an int in ``[1,
-      token_capacity]``, or outputs that do not keep the rows or change
-      shape or dtype with the size.
+    TypeError: for an `fn` that is not callable, an `x` that is not a
+      LoDTensor or a `chunk` that is not an int.
+    ValueError: for a `chunk` below 1, or outputs that do not keep the
+      rows.
 
   Example:
     >>> import numpy as np
@@ -212,11 +214,18 @@ def map_rows(
   check_callable(fn, "fn")
   x = check_lod(x, "x")
   capacity = x.capacity.tokens
+  if chunk is not None:
+    chunk = static_int(chunk, "chunk", 1)
   if capacity == 0:
     return jax.tree.map(x.with_values, fn(x.values))
-  sizes = row_ladder(capacity) if ladder is None else normalize_ladder(capacity, ladder)
-  static, consts = _converted(fn, x.values, tuple(sizes))
-  real = x.offsets[-1][-1]
-  index = jnp.sum(jnp.asarray(sizes[1:]) >= real).astype(jnp.int32)
-  out = _map(static, x.values, real, index, consts)
+  chunk = default_chunk(capacity) if chunk is None else min(chunk, capacity)
+  converted, consts = jax.closure_convert(fn, x.values[:chunk])
+  out = jax.eval_shape(converted, x.values[:chunk], *consts)
+  leaves = jax.tree.leaves(out)
+  if not leaves or any(leaf.shape[:1] != (chunk,) for leaf in leaves):
+    raise ValueError(
+      f"Expected `fn` to return arrays of one row per input row, [{chunk}, ...] "
+      f"for {chunk} rows, got {jax.tree.map(lambda a: a.shape, out)}."
+    )
+  out = _map(_Static(converted, chunk), x.values, x.offsets[-1][-1], tuple(consts))
   return jax.tree.map(x.with_values, out)
