@@ -211,8 +211,8 @@ def test_scan_results():
 def test_sequence_attention_results():
   """benchmarks/sequence_attention.py's CPU run (issue 65): every arm on W1,
   W2 and the long batch, the speed-ups consistent with the medians, the
-  padded arms equal to jaxlod on the real rows, the cells and one
-  compilation over 100 batches."""
+  padded arms equal to jaxlod on the real rows, the cells, one compilation
+  over 100 batches and the bound at Flax's cost per row and per cell."""
   report = _load("sequence_attention")
   assert report["machine"]["backend"] == "cpu"
   assert set(report["workloads"]) == {"W1", "W2", "long"}
@@ -229,6 +229,13 @@ def test_sequence_attention_results():
     for arm, cells in workload["cells"].items():
       assert workload["work_ratio"][arm] == pytest.approx(cells / real)
     assert workload["compiles_over_100_batches"] == 1
+    layer = times["flax_longest_train"]["median_s"]
+    attention = times["core_flax_longest_train"]["median_s"]
+    rows = workload["workload"]["batch"] * workload["longest"]
+    at_flax_cost = (layer - attention) * workload["real_tokens"] / rows
+    at_flax_cost += attention * real / workload["cells"]["flax_longest"]
+    bound = workload["train_speedup_bound_at_flax_cost"]
+    assert bound == pytest.approx(layer / at_flax_cost)
   assert report["targets"]["work_ratio"] == 1.5
 
 
