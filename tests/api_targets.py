@@ -699,7 +699,11 @@ target(
 target(
   "ops.default_chunk",
   ops.default_chunk,
-  {"token_capacity": arg(64, "size>=1"), "backend": arg(None, "backend")},
+  {
+    "token_capacity": arg(64, "size>=1"),
+    "row_size": arg(512, "size>=0"),
+    "backend": arg(None, "backend"),
+  },
 )
 target(
   "ops.AttentionPlan",

@@ -24,6 +24,7 @@ cotangents of the arrays the function closes over.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,29 +36,39 @@ from jaxlod._checks import check_callable, static_int
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.ops._loop._plan import plan_backend
 
-# The default chunk's rows, per backend (`default_chunk`).
-CPU_CHUNK = 256
-ACCELERATOR_CHUNK = 2048
+# The default chunk's elements (rows times a row's size), per backend
+# (`default_chunk`).
+CPU_ELEMENTS = 256 * 512
+ACCELERATOR_ELEMENTS = 2048 * 512
 MULTIPLE = 8
 
 
-def default_chunk(token_capacity: int, backend: str | None = None) -> int:
-  """The rows of `map_rows`' chunk for `token_capacity` on `backend`
-  (default: `jax.default_backend()`).
+def default_chunk(
+  token_capacity: int, row_size: int = 512, backend: str | None = None
+) -> int:
+  """The rows of `map_rows`' chunk for `token_capacity` rows of `row_size`
+  elements each on `backend` (default: `jax.default_backend()`).
 
-  The capacity split into equal chunks of at most 256 rows on the CPU
-  (``benchmarks/sequence_attention.py``: a product over 256 rows runs
-  about as fast per row as one over every row), 2,048 elsewhere (an
-  accelerator's product needs more rows to fill it), each rounded up to a
+  Chunks of about ``256 * 512`` elements on the CPU (256 rows of 512:
+  ``benchmarks/sequence_attention.py``'s products over 256 rows run about
+  as fast per row as over every row, while narrower rows need more of
+  them to cover a chunk's fixed cost), ``2048 * 512`` elsewhere (an
+  accelerator's product needs more rows to fill it); the capacity split
+  into equal chunks of at most that many rows, each rounded up to a
   multiple of 8 and at most the capacity.
 
   Example:
     >>> from jaxlod.ops import default_chunk
-    >>> default_chunk(3072, "cpu"), default_chunk(640, "cpu"), default_chunk(100, "cpu")
-    (256, 216, 100)
+    >>> default_chunk(3072, 512, "cpu"), default_chunk(3072, 128, "cpu")
+    (256, 1024)
+    >>> default_chunk(640, 512, "cpu"), default_chunk(640, 128, "cpu")
+    (216, 640)
   """
   token_capacity = static_int(token_capacity, "token_capacity", 1)
-  target = CPU_CHUNK if plan_backend(backend) == "cpu" else ACCELERATOR_CHUNK
+  row_size = static_int(row_size, "row_size", 0)
+  cpu = plan_backend(backend) == "cpu"
+  elements = CPU_ELEMENTS if cpu else ACCELERATOR_ELEMENTS
+  target = -(-elements // max(1, row_size))
   chunks = -(-token_capacity // target)
   rows = -(-token_capacity // chunks)
   return min(token_capacity, -(-rows // MULTIPLE) * MULTIPLE)
@@ -187,7 +198,8 @@ def map_rows(
       a pytree of arrays, each ``[chunk, ...]``.
     x: a LoDTensor, values ``[token_capacity, *features]``.
     chunk: the rows of a chunk, an int >= 1 (larger ones run as the token
-      capacity); `None`: `default_chunk` for the capacity and the backend.
+      capacity); `None`: `default_chunk` for the capacity, the size of a
+      row of `x` and the backend.
       Smaller chunks waste less on the last one; larger ones run fewer,
       larger products.
 
@@ -218,7 +230,9 @@ def map_rows(
     chunk = static_int(chunk, "chunk", 1)
   if capacity == 0:
     return jax.tree.map(x.with_values, fn(x.values))
-  chunk = default_chunk(capacity) if chunk is None else min(chunk, capacity)
+  if chunk is None:
+    chunk = default_chunk(capacity, math.prod(x.values.shape[1:]))
+  chunk = min(chunk, capacity)
   converted, consts = jax.closure_convert(fn, x.values[:chunk])
   out = jax.eval_shape(converted, x.values[:chunk], *consts)
   leaves = jax.tree.leaves(out)

@@ -205,7 +205,8 @@ def test_one_compile_over_batches_of_one_capacity():
 
 
 def test_the_default_chunk():
-  assert [default_chunk(n, "cpu") for n in (3072, 8192, 640, 257, 100, 1)] == [
+  capacities = (3072, 8192, 640, 257, 100, 1)
+  assert [default_chunk(n, 512, "cpu") for n in capacities] == [
     256,
     256,
     216,
@@ -213,9 +214,20 @@ def test_the_default_chunk():
     100,
     1,
   ]
-  assert default_chunk(16384, "gpu") == 2048 and default_chunk(3000, "tpu") == 1504
+  # Narrower rows: more of them a chunk (1,024 rows of 128).
+  assert [default_chunk(n, 128, "cpu") for n in capacities] == [
+    1024,
+    1024,
+    640,
+    257,
+    100,
+    1,
+  ]
+  assert default_chunk(16384, 512, "gpu") == 2048
+  assert default_chunk(3000, 512, "tpu") == 1504
+  assert default_chunk(64, 0, "cpu") == 64
   for n in range(1, 2000, 7):
-    chunk = default_chunk(n, "cpu")
+    chunk = default_chunk(n, 512, "cpu")
     assert chunk <= min(n, 256) or chunk == n
     # Equal chunks: the capacity's chunks waste less than a chunk of 8 rows each.
     assert -(-n // chunk) * chunk - n < 8 * -(-n // chunk)
