@@ -713,6 +713,7 @@ target(
     "ratio": arg(1.25, "ratio>1"),
     "minimum": arg(4, "size>=1"),
     "multiple": arg(4, "size>=1"),
+    "weights": arg(2**20, "size>=1"),
     "kernel": arg("xla", "choice"),
   },
 )

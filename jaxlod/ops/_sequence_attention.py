@@ -81,6 +81,13 @@ class AttentionPlan:
       next, shorter sequences.
     minimum: the shortest tile length, at least 1.
     multiple: tile lengths below the longest are multiples of it.
+    weights: the most attention weights (cells, all heads together) a
+      tile computes at once, at least 1: a tile with more runs its heads in
+      groups, one group after another, each of the fewest heads' weights
+      above it (one head at least). It bounds the temporaries of the
+      longest tiles (one sequence of 1,024 rows and 8 heads is 8,388,608
+      weights, 32 MiB in float32, for each of the weights, their gradient
+      and the products between).
     kernel: the attention of one tile. ``"xla"``: products and a masked
       softmax written in `jax.numpy`. ``"dot_product_attention"``:
       `jax.nn.dot_product_attention` with a mask (XLA's or cuDNN's fused
@@ -103,10 +110,11 @@ class AttentionPlan:
   ratio: float = 1.25
   minimum: int = 4
   multiple: int = 4
+  weights: int = 2**20
   kernel: str = "xla"
 
   def __post_init__(self):
-    for name in ("tile_tokens", "minimum", "multiple"):
+    for name in ("tile_tokens", "minimum", "multiple", "weights"):
       object.__setattr__(self, name, static_int(getattr(self, name), name, 1))
     ratio = static_float(self.ratio, "ratio")
     if not ratio > 1:
@@ -278,15 +286,16 @@ def _key_bias(k_mask, causal: bool, dtype: Any) -> jax.Array:
   return jnp.where(keep, jnp.zeros((), dtype), -jnp.inf)
 
 
-def _dropout(q_win: _Window, rng: Any, heads: int, rate: float, dtype: Any):
-  """What dropout at `rate` multiplies a tile's weights by, ``[s, heads, l,
-  l]``: ``1 / (1 - rate)`` at a kept cell, 0 at a dropped one. Cell ``(i,
-  j)`` of head ``h`` of the batch's sequence ``n`` is kept where element
-  ``j`` of ``jax.random.bits(fold_in(fold_in(fold_in(rng, n), h), i), (j +
-  1,))`` is at least ``rate * 2**32``, so that no sequence's cells depend
-  on the plan or on the other sequences."""
+def _dropout(q_win: _Window, rng: Any, heads: jax.Array, rate: float, dtype: Any):
+  """What dropout at `rate` multiplies a tile's weights of the heads
+  `heads` ``[h]`` by, ``[s, h, l, l]``: ``1 / (1 - rate)`` at a kept cell,
+  0 at a dropped one. Cell ``(i, j)`` of head ``h`` of the batch's
+  sequence ``n`` is kept where element ``j`` of
+  ``jax.random.bits(fold_in(fold_in(fold_in(rng, n), h), i), (j + 1,))``
+  is at least ``rate * 2**32``, so that no sequence's cells depend on the
+  plan, its head groups or the other sequences."""
   length = q_win.length
-  shape = (q_win.sequences, heads, length, length)
+  shape = (q_win.sequences, heads.shape[0], length, length)
   if rate >= 1:
     return jnp.zeros(shape, dtype)
   sequence = q_win.side.sequence[q_win._slots()[4]]
@@ -297,7 +306,7 @@ def _dropout(q_win: _Window, rng: Any, heads: int, rate: float, dtype: Any):
 
   for axes in ((None, None, 0), (None, 0, None), (0, None, None)):
     row = jax.vmap(row, axes)
-  bits = row(sequence, jnp.arange(heads), jnp.arange(length))
+  bits = row(sequence, heads, jnp.arange(length))
   keep = bits >= jnp.uint32(min(int(rate * 2**32), 2**32 - 1))
   return jnp.where(keep, jnp.asarray(1 / (1 - rate), dtype), jnp.zeros((), dtype))
 
@@ -386,6 +395,37 @@ def _over_tiles(sides, ends, tiles, body, carry):
   return carry
 
 
+def _groups(plan: AttentionPlan, q_win: _Window, k_win: _Window, heads: int) -> int:
+  """The groups the tile of windows `q_win` and `k_win` runs its `heads`
+  in: the fewest (a divisor of `heads`) whose weights each hold at most
+  ``plan.weights`` cells, or one head a group."""
+  per_head = q_win.sequences * q_win.length * k_win.length
+  fits = (g for g in range(1, heads + 1) if heads % g == 0)
+  return next((g for g in fits if heads // g * per_head <= plan.weights), heads)
+
+
+def _by_heads(fn, groups: int, *arrays: jax.Array):
+  """``fn(*arrays, heads)`` over `groups` equal groups of the heads (axis
+  1 of each array ``[s, heads, ...]``; `heads` the group's head numbers),
+  one group after another (`lax.map`); the outputs ``[s, h, ...]`` joined
+  along the heads again."""
+  count = arrays[0].shape[1]
+  if groups == 1:
+    return fn(*arrays, jnp.arange(count))
+
+  def split(a):
+    return a.reshape(a.shape[0], groups, count // groups, *a.shape[2:]).swapaxes(0, 1)
+
+  heads = jnp.arange(count).reshape(groups, count // groups)
+  outs = lax.map(lambda xs: fn(*xs), (*map(split, arrays), heads))
+
+  def join(o):
+    o = o.swapaxes(0, 1)
+    return o.reshape(o.shape[0], count, *o.shape[3:])
+
+  return jax.tree.map(join, outs)
+
+
 def _compute_dtype(dtype: Any) -> Any:
   """The softmax's and the products' dtype: float32 at least."""
   return jnp.promote_types(dtype, jnp.float32)
@@ -395,28 +435,33 @@ def _compute_dtype(dtype: Any) -> Any:
 def _attention(q, k, v, q_offsets, k_offsets, rng, static):
   """The attention of every sequence, values ``[q_rows, heads, head_dim]``;
   `rng` the dropout's key (`None`: no dropout), `static` ``(tiles, causal,
-  scale, kernel, rate)``."""
+  scale, plan, rate)``."""
   return _attention_fwd(q, k, v, q_offsets, k_offsets, rng, static)[0]
 
 
 def _attention_fwd(q, k, v, q_offsets, k_offsets, rng, static):
   """`_attention` and its residuals: the inputs, the output and each row's
   log-sum-exp ``[rows + spare, heads, 1]`` in rank order."""
-  tiles, causal, scale, kernel, rate = static
+  tiles, causal, scale, plan, rate = static
   q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
   dtype = _compute_dtype(q.dtype)
-  operand = dtype if kernel == "xla" else q.dtype
+  operand = dtype if plan.kernel == "xla" else q.dtype
 
   def body(q_win, k_win, carry):
     out, lse = carry
     q_t = q_win.read(q, operand)
     k_t, v_t = k_win.read(k, operand), k_win.read(v, operand)
     bias = _key_bias(k_win.mask, causal, dtype)
-    if rng is None:
-      o_t, lse_t = _KERNELS[kernel](q_t, k_t, v_t, bias, scale)
-    else:  # `jax.nn.dot_product_attention` has no dropout
-      drop = _dropout(q_win, rng, q.shape[1], rate, dtype)
-      o_t, lse_t = _xla_tile(q_t, k_t, v_t, bias, scale, drop)
+
+    def attend(q_t, k_t, v_t, heads):
+      if rng is None:
+        return _KERNELS[plan.kernel](q_t, k_t, v_t, bias, scale)
+      # `jax.nn.dot_product_attention` has no dropout.
+      drop = _dropout(q_win, rng, heads, rate, dtype)
+      return _xla_tile(q_t, k_t, v_t, bias, scale, drop)
+
+    groups = _groups(plan, q_win, k_win, q.shape[1])
+    o_t, lse_t = _by_heads(attend, groups, q_t, k_t, v_t)
     return q_win.write(out, o_t), q_win.write(lse, lse_t[..., None])
 
   ranked = q.shape[0] + q_side.spare
@@ -432,7 +477,7 @@ def _attention_bwd(static, residuals, g):
   each tile's weights recomputed from the saved log-sum-exp, then the
   products of the softmax's gradient (``ds = p * (dp - delta)``, with
   ``delta`` a row's ``<g, out>``), written to the tile's own rows."""
-  tiles, causal, scale, _, rate = static
+  tiles, causal, scale, plan, rate = static
   q, k, v, out, lse, q_offsets, k_offsets, rng = residuals
   q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
   dtype = _compute_dtype(q.dtype)
@@ -441,26 +486,33 @@ def _attention_bwd(static, residuals, g):
   delta = jnp.sum(g.astype(dtype) * out.astype(dtype), axis=-1, keepdims=True)
 
   def body(q_win, k_win, grads):
+    """One tile's gradients, added to the running ``(gq, gk, gv)``."""
     q_t, g_t = q_win.read(q, dtype), q_win.read(g, dtype)
     k_t, v_t = k_win.read(k, dtype), k_win.read(v, dtype)
     # A row with no key has lse -inf and p 0 (exp(-inf - 0) with lse 0).
     lse_t = q_win.read_ranked(lse)[..., 0]
     lse_t = jnp.where(jnp.isfinite(lse_t), lse_t, 0)
-    scores = _scores(q_t, k_t, _key_bias(k_win.mask, causal, dtype), scale)
-    p = jnp.exp(scores - lse_t[..., None])
-    dp = jnp.einsum("shqd,shkd->shqk", g_t, v_t)
-    weights = p
-    if rng is not None:
-      drop = _dropout(q_win, rng, q.shape[1], rate, dtype)
-      weights, dp = p * drop, dp * drop
-    ds = p * (dp - q_win.read(delta, dtype)[..., 0][..., None])
-    ds = ds * jnp.asarray(scale, dtype)
+    delta_t = q_win.read(delta, dtype)[..., 0]
+    bias = _key_bias(k_win.mask, causal, dtype)
+
+    def gradients(q_t, g_t, k_t, v_t, lse_t, delta_t, heads):
+      p = jnp.exp(_scores(q_t, k_t, bias, scale) - lse_t[..., None])
+      dp = jnp.einsum("shqd,shkd->shqk", g_t, v_t)
+      weights = p
+      if rng is not None:
+        drop = _dropout(q_win, rng, heads, rate, dtype)
+        weights, dp = p * drop, dp * drop
+      ds = p * (dp - delta_t[..., None]) * jnp.asarray(scale, dtype)
+      return (
+        jnp.einsum("shqk,shkd->shqd", ds, k_t),
+        jnp.einsum("shqk,shqd->shkd", ds, q_t),
+        jnp.einsum("shqk,shqd->shkd", weights, g_t),
+      )
+
+    groups = _groups(plan, q_win, k_win, q.shape[1])
+    dq, dk, dv = _by_heads(gradients, groups, q_t, g_t, k_t, v_t, lse_t, delta_t)
     gq, gk, gv = grads
-    return (
-      q_win.write(gq, jnp.einsum("shqk,shkd->shqd", ds, k_t)),
-      k_win.write(gk, jnp.einsum("shqk,shqd->shkd", ds, q_t)),
-      k_win.write(gv, jnp.einsum("shqk,shqd->shkd", weights, g_t)),
-    )
+    return q_win.write(gq, dq), k_win.write(gk, dk), k_win.write(gv, dv)
 
   q_rows, k_rows = q.shape[0] + q_side.spare, k.shape[0] + k_side.spare
   shapes = [(n, *q.shape[1:]) for n in (q_rows, k_rows, k_rows)]
@@ -576,7 +628,7 @@ def sequence_attention(
     k=key.num_sequences(),
   )
   time = max(query.capacity.time[-1], key.capacity.time[-1])
-  static = (plan.tiles(time), causal, scale, plan.kernel, rate)
+  static = (plan.tiles(time), causal, scale, plan, rate)
   arrays = (query.values, key.values, value.values, query.offsets[-1], key.offsets[-1])
   out = _attention(*map(jnp.asarray, arrays), rng, static)
   ok = same if count is True else count if same is True else same & count

@@ -47,6 +47,8 @@ PLANS = {
   "default": AttentionPlan(),
   "tiles-of-1": AttentionPlan(tile_tokens=1, minimum=1, multiple=1, ratio=1.5),
   "tiles-of-3": AttentionPlan(tile_tokens=3, minimum=1, multiple=1, ratio=1.5),
+  # Tiles run their heads one at a time (a tile of one cell, both at once).
+  "heads-in-groups": AttentionPlan(weights=2),
 }
 FUSED = AttentionPlan(kernel="dot_product_attention")
 
@@ -567,6 +569,7 @@ def test_errors(query, key, value, kwargs, error, match):
     ({"tile_tokens": 2.0}, TypeError, "Expected `tile_tokens` to be a static int"),
     ({"minimum": 0}, ValueError, "Expected `minimum` >= 1, got 0"),
     ({"multiple": -1}, ValueError, "Expected `multiple` >= 1, got -1"),
+    ({"weights": 0}, ValueError, "Expected `weights` >= 1, got 0"),
     ({"kernel": "flash"}, ValueError, r"`kernel` to be one of \['dot_product_att"),
   ],
 )
@@ -632,7 +635,7 @@ def test_default_plans_per_backend():
 def test_plans_are_hashable_and_static():
   plans = [AttentionPlan(), AttentionPlan(tile_tokens=256, ratio=1.25)]
   assert plans[0] == plans[1] and hash(plans[0]) == hash(plans[1])
-  assert len({*plans, FUSED, *PLANS.values()}) == 4
+  assert len({*plans, FUSED, *PLANS.values()}) == 5
   with pytest.raises(AttributeError):
     plans[0].tile_tokens = 3
   traces = []
