@@ -191,7 +191,7 @@ class AdditiveAttention(Attention):
       ``[..., source_capacity, units]``, or a LoDTensor with `memory`'s LoD
       and values ``[src_token_capacity, units]``.
     """
-    return core.map_rows(self.key, memory)
+    return core.map_memory(self.key, memory)
 
   def scores(self, query: jax.Array, memory: core.Memory) -> jax.Array:
     """``jaxlod.ops.additive_scores``, computing the keys when the memory

@@ -187,7 +187,7 @@ class MultiHeadAttention(nn.Module):
     rng = None
     if not deterministic and self.dropout_rate > 0:
       rng = self.make_rng("dropout")
-    return attend(
+    return attend_heads(
       (q_in, k_in, v_in), project, out, self.causal, self.plan, self.dropout_rate, rng
     )
 
@@ -265,7 +265,7 @@ class TransformerEncoderLayer(nn.Module):
     check_encoder_layer(self)
     (deterministic,) = override(self, deterministic=deterministic)
     check_bools(deterministic=deterministic)
-    x = check_rows(x, "x")
+    x = check_lod_rows(x, "x")
     common = {"dtype": self.dtype, "param_dtype": self.param_dtype}
     dense = {"kernel_init": self.kernel_init, "bias_init": self.bias_init, **common}
     attention = MultiHeadAttention(
@@ -383,7 +383,7 @@ class TransformerEncoder(nn.Module):
     (deterministic,) = override(self, deterministic=deterministic)
     check_bools(deterministic=deterministic)
     check_table(table, optional=True)
-    x = check_rows(x, "x")
+    x = check_lod_rows(x, "x")
     features = x.values.shape[-1]
     if self.positions == "learned":
       check_max_length(self.max_length, x)
@@ -502,7 +502,7 @@ def linen_rows(module: nn.Module, example: jax.Array) -> Callable[[jax.Array], A
   return lambda rows: unbound.apply(variables, rows)
 
 
-def check_rows(x: Any, name: str) -> LoDTensor:
+def check_lod_rows(x: Any, name: str) -> LoDTensor:
   """`x` is a LoDTensor of float rows ``[token_capacity, features]``."""
   x = check_lod(x, name)
   if x.values.ndim != 2:
@@ -521,11 +521,11 @@ def attention_inputs(
   `inputs_q`; `inputs_v`: `inputs_k`), checked: LoDTensors of float rows,
   the values with the keys' LoD, as many key sequences as query sequences
   (capacities at trace time, real counts eagerly or through `checkify`)."""
-  inputs_q = check_rows(inputs_q, "inputs_q")
+  inputs_q = check_lod_rows(inputs_q, "inputs_q")
   if inputs_k is not None:
-    inputs_k = check_rows(inputs_k, "inputs_k")
+    inputs_k = check_lod_rows(inputs_k, "inputs_k")
   if inputs_v is not None:
-    inputs_v = check_rows(inputs_v, "inputs_v")
+    inputs_v = check_lod_rows(inputs_v, "inputs_v")
     if inputs_k is None:
       raise ValueError(
         "Expected `inputs_k` with `inputs_v` (the keys default to the queries "
@@ -585,7 +585,7 @@ def head_dim(qkv_features: int, num_heads: int, given: int | None) -> int:
   return qkv_features // num_heads
 
 
-def attend(
+def attend_heads(
   inputs: tuple[LoDTensor, LoDTensor, LoDTensor],
   project: Sequence[Callable[[jax.Array], jax.Array]],
   out: Callable[[jax.Array], jax.Array],

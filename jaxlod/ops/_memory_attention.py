@@ -208,7 +208,7 @@ def _check_padded_keys(keys: jax.Array | None, values: jax.Array) -> jax.Array |
   return keys
 
 
-def map_rows(
+def map_memory(
   fn: Callable[[jax.Array], jax.Array], memory: LoDTensor | jax.typing.ArrayLike
 ) -> LoDTensor | jax.Array:
   """`fn` over the rows of a memory: a LoDTensor's packed values (keeping

@@ -168,7 +168,7 @@ class AdditiveAttention(Attention):
 
   def keys(self, memory: LoDTensor | jax.typing.ArrayLike) -> LoDTensor | jax.Array:
     """The keys ``K m`` (see `jaxlod.nn.AdditiveAttention.keys`)."""
-    return core.map_rows(self._key, memory)
+    return core.map_memory(self._key, memory)
 
   def _key(self, values: jax.Array) -> jax.Array:
     check_width("memory", values.shape[-1], self.key.in_features, "`features`")

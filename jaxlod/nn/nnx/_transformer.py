@@ -21,13 +21,13 @@ from jaxlod.nn._recurrent import override
 from jaxlod.nn._transformer import (
   EPSILON,
   QKV,
-  attend,
+  attend_heads,
   attention_inputs,
   check_attention,
   check_encoder,
   check_encoder_layer,
+  check_lod_rows,
   check_max_length,
-  check_rows,
   default_bias_init,
   default_kernel_init,
   encode,
@@ -177,7 +177,7 @@ class MultiHeadAttention(nnx.Module):
     rng = None
     if not deterministic and self.dropout_rate > 0:
       rng = self.rngs()
-    return attend(
+    return attend_heads(
       inputs, project, self.out, self.causal, self.plan, self.dropout_rate, rng
     )
 
@@ -274,7 +274,7 @@ class TransformerEncoderLayer(nnx.Module):
     `jaxlod.nn.TransformerEncoderLayer.__call__`."""
     (deterministic,) = override(self, deterministic=deterministic)
     check_bools(deterministic=deterministic)
-    x = check_rows(x, "x")
+    x = check_lod_rows(x, "x")
     check_width("x", x.values.shape[-1], self.in_features, "`in_features`")
     return encoder_layer(
       x,
@@ -397,7 +397,7 @@ class TransformerEncoder(nnx.Module):
     (deterministic,) = override(self, deterministic=deterministic)
     check_bools(deterministic=deterministic)
     check_table(table, optional=True)
-    x = check_rows(x, "x")
+    x = check_lod_rows(x, "x")
     check_width("x", x.values.shape[-1], self.in_features, "`in_features`")
     position = self.position_embedding
     if position is None:
