@@ -10,6 +10,7 @@ tiles and the work they do."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -250,10 +251,13 @@ def test_self_attention_of_one_tensor(float64):
   _check(x, x, x, g, False, PLANS["default"])
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["together", "in-groups"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_fused_kernel_in_float32(causal):
+def test_the_fused_kernel_in_float32(causal, grouped):
   """`jax.nn.dot_product_attention` computes its softmax in float32:
-  float32 operands, against the float64 reference at float32's tolerances."""
+  float32 operands, against the float64 reference at float32's tolerances,
+  with every tile's heads together or one at a time."""
+  plan = dataclasses.replace(FUSED, weights=2) if grouped else FUSED
 
   @settings(max_examples=8, deadline=None)
   @_with_empty
@@ -263,7 +267,7 @@ def test_the_fused_kernel_in_float32(causal):
     q, k, v, g = _case([q_lengths], [k_lengths], seed)
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
     tol = {"rtol": RTOL, "atol": ATOL}
-    _check(q, k, v, g.astype(np.float32), causal, FUSED, tol=tol)
+    _check(q, k, v, g.astype(np.float32), causal, plan, tol=tol)
 
   check()
 
