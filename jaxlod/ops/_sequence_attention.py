@@ -83,11 +83,11 @@ class AttentionPlan:
     multiple: tile lengths below the longest are multiples of it.
     weights: the most attention weights (cells, all heads together) a
       tile computes at once, at least 1: a tile with more runs its heads in
-      groups, one group after another, each of the fewest heads' weights
-      above it (one head at least). It bounds the temporaries of the
-      longest tiles (one sequence of 1,024 rows and 8 heads is 8,388,608
-      weights, 32 MiB in float32, for each of the weights, their gradient
-      and the products between).
+      the fewest equal groups whose weights each stay within it (one head
+      a group where even one head's pass it), one group after another.
+      It bounds the temporaries of the longest tiles (one sequence of
+      1,024 rows and 8 heads is 8,388,608 weights, 32 MiB in float32, for
+      each of the weights, their gradient and the products between).
     kernel: the attention of one tile. ``"xla"``: products and a masked
       softmax written in `jax.numpy`. ``"dot_product_attention"``:
       `jax.nn.dot_product_attention` with a mask (XLA's or cuDNN's fused
