@@ -14,17 +14,17 @@ A tile of phase ``k`` starts at the first sequence (in rank order) that no
 earlier tile took, and takes the next ``sequences`` of them: the last tile
 of a phase fills its free slots with the next phase's (shorter) sequences
 rather than leaving them empty. Each tile gathers its sequences' rows,
-padded to the tile's length, computes a masked softmax attention and writes
-its rows to a buffer in rank order, where a tile's sequences are one
-contiguous window (`lax.dynamic_update_slice`: a scatter into the packed
-rows would cost XLA:CPU the whole buffer at every tile); the buffer goes
-back to the packed order once, at the end. Nothing of size ``[tokens,
-tokens]`` or ``[B, heads, L_max, L_max]`` is ever formed.
+padded to the tile's length, computes a masked softmax attention and
+scatters its rows back to their packed rows, in place in the loop's
+buffer. Nothing of size ``[tokens, tokens]`` or ``[B, heads, L_max,
+L_max]`` is ever formed.
 
 The gradient is a `jax.custom_vjp` over the same tiles, which recomputes
-each tile's probabilities from the saved inputs (the rows of a sequence are
-written by its own tile only, so every gradient is a scatter, never a
-sum). Padding positions are selected away (`jnp.where`), never multiplied
+each tile's probabilities from the saved inputs. The rows of a sequence
+are read and written by its own tile only, so every gradient is a scatter,
+never a sum, and it goes over the saved rows it replaces: the gradients
+take the place of the saved query, key and value, with no buffers of their
+own. Padding positions are selected away (`jnp.where`), never multiplied
 by zero, so nothing of another sequence, not even an inf or a NaN, reaches
 a sequence's values or gradients. Dropout drops weights inside the tiles,
 from bits that a weight's sequence, head, row and column give (the backward
@@ -154,57 +154,30 @@ def default_attention_plan(backend: str | None = None) -> AttentionPlan:
   return AttentionPlan() if backend == "cpu" else AttentionPlan(tile_tokens=1024)
 
 
-# -- the rows in rank order ---------------------------------------------------------
+# -- the rows of a tile ---------------------------------------------------------------
 
 
 class _Side(typing.NamedTuple):
   """One side's sequences (the query's, or the key's and value's) in rank
-  order, longest first (by the longer of a pair's query and key). Tiles
-  read their rows from the packed rows and write their results to
-  rank-ordered rows, sequence after sequence, where a tile's sequences are
-  one contiguous run.
+  order, longest first (by the longer of a pair's query and key). A tile
+  takes a run of ranks; its rows are read from the packed rows and its
+  results written back to them.
 
   Attributes:
     packed: ``[count]`` where each rank's rows start in the packed rows.
-    starts: ``[count + 1]`` where each rank's rows start in rank order;
-      ``starts[-1]`` is the number of real rows.
     lengths: ``[count]`` each rank's length.
-    back: ``[rows]`` the rank-ordered row of each packed row.
     sequence: ``[count]`` the batch's sequence at each rank.
-    spare: zero rows after the rank-ordered ones, so that a tile's window
-      never runs past the end (static).
   """
 
   packed: jax.Array
-  starts: jax.Array
   lengths: jax.Array
-  back: jax.Array
   sequence: jax.Array
-  spare: int
 
 
-def _side(offsets, order, ranks, rows: int, spare: int) -> _Side:
-  """The `_Side` of last-level `offsets` ``[count + 1]`` with `rows` packed
-  rows, `order` the sequence at each rank and `ranks` its inverse."""
-  lengths = jnp.diff(offsets)[order]
-  starts = jnp.concatenate([jnp.zeros(1, offsets.dtype), jnp.cumsum(lengths)])
-  count = order.shape[0]
-  index = jnp.arange(rows, dtype=offsets.dtype)
-  seq = jnp.clip(jnp.searchsorted(offsets, index, side="right") - 1, 0, count - 1)
-  rank = jnp.where(index < offsets[-1], ranks[seq], count)
-  # Sorts, not index arithmetic: XLA materializes a sort's result, where it
-  # would fuse arithmetic into the gather of the rows and repeat it for
-  # every element of a row.
-  back = jnp.argsort(jnp.argsort(rank, stable=True))
-  return _Side(offsets[order], starts, lengths, back, order, spare)
-
-
-def _unranked(x: jax.Array, side: _Side, dtype: Any) -> jax.Array:
-  """Rank-ordered rows `x` back in the packed order, as `dtype` (padding
-  rows zero)."""
-  rows = side.back.shape[0]
-  real = jnp.arange(rows) < side.starts[-1]
-  return jnp.where(_rows(real, x), x[side.back].astype(dtype), 0)
+def _side(offsets, order) -> _Side:
+  """The `_Side` of last-level `offsets` ``[count + 1]``, `order` the
+  sequence at each rank."""
+  return _Side(offsets[order], jnp.diff(offsets)[order], order)
 
 
 def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
@@ -212,67 +185,59 @@ def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
   return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
 
 
+def _real_rows(x: jax.Array, real: jax.Array) -> jax.Array:
+  """`x` with its rows from row `real` on zero."""
+  return jnp.where(_rows(jnp.arange(x.shape[0]) < real, x), x, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Window:
   """The rows of one tile on one side: from rank `first`, `sequences`
-  sequences padded to `length`; read from the packed rows, written to the
-  window of ``sequences * length`` rank-ordered rows that starts at the
-  tile's first row."""
+  sequences padded to `length`."""
 
   side: _Side
   first: jax.Array
   length: int
   sequences: int
 
-  def _slots(self):
-    """Each slot's row in the window ``[s, l]``, whether it is real, each
-    sequence's offset in the window and length ``[s]``, and its rank."""
+  def _slots(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each slot's packed row ``[s, l]`` (meaningful where the slot holds a
+    row), whether it holds a row of a sequence ``[s, l]``, and each
+    sequence's rank ``[s]`` (the last rank for a slot past the last)."""
     count = self.side.lengths.shape[0]
     rank = self.first + jnp.arange(self.sequences)
     live = rank < count
     rank = jnp.minimum(rank, count - 1)
-    size = self.sequences * self.length
-    offset = self.side.starts[rank] - self.side.starts[self.first]
-    offset = jnp.where(live, offset, size)  # past every row of the window
     n = jnp.where(live, self.side.lengths[rank], 0)
     steps = jnp.arange(self.length)
-    return offset[:, None] + steps, steps < n[:, None], offset, n, rank
+    return self.side.packed[rank][:, None] + steps, steps < n[:, None], rank
 
   @property
   def mask(self) -> jax.Array:
     """Which slots ``[s, l]`` hold a row of a sequence."""
     return self._slots()[1]
 
+  @property
+  def ranks(self) -> jax.Array:
+    """Each of the tile's sequences' rank ``[s]``."""
+    return self._slots()[2]
+
   def read(self, x: jax.Array, dtype: Any) -> jax.Array:
     """The tile's rows of the packed rows `x` as `dtype`, ``[s, heads, l,
     dim]``, zero at an empty slot (selected, never multiplied: another
     sequence's inf or NaN stays out)."""
-    _, mask, _, _, rank = self._slots()
-    index = self.side.packed[rank][:, None] + jnp.arange(self.length)
+    index, mask, _ = self._slots()
     rows = x[jnp.clip(index, 0, x.shape[0] - 1)].astype(dtype)
     return jnp.where(mask[..., None, None], rows, 0).transpose(0, 2, 1, 3)
 
-  def read_ranked(self, x: jax.Array) -> jax.Array:
-    """The tile's rows of rank-ordered `x`, as `read` gives them."""
-    size = self.sequences * self.length
-    window = lax.dynamic_slice_in_dim(x, self.side.starts[self.first], size)
-    slot, mask, _, _, _ = self._slots()
-    rows = jnp.where(mask[..., None, None], window[jnp.minimum(slot, size - 1)], 0)
-    return rows.transpose(0, 2, 1, 3)
-
   def write(self, x: jax.Array, tile: jax.Array) -> jax.Array:
-    """Rank-ordered `x` with the tile's rows `tile` ``[s, heads, l, dim]``
-    written. The whole window is written: its rows past the tile's belong
-    to later tiles, which write them after this one."""
-    size = self.sequences * self.length
-    _, _, offset, n, _ = self._slots()
-    row = jnp.arange(size)
-    seq = jnp.sum(offset[None, :] <= row[:, None], axis=1) - 1
-    step = row - offset[seq]
-    keep = step < n[seq]
-    rows = tile.transpose(0, 2, 1, 3)[seq, jnp.minimum(step, self.length - 1)]
-    rows = jnp.where(keep[:, None, None], rows.astype(x.dtype), 0)
-    return lax.dynamic_update_slice_in_dim(x, rows, self.side.starts[self.first], 0)
+    """Packed rows `x` with the tile's rows `tile` ``[s, heads, l, dim]``
+    written to the rows they came from (a scatter, in place in a loop's
+    buffer); no other row of `x` changes."""
+    index, mask, _ = self._slots()
+    index = jnp.where(mask, index, x.shape[0]).reshape(-1)
+    rows = tile.transpose(0, 2, 1, 3).reshape(-1, *x.shape[1:]).astype(x.dtype)
+    return x.at[index].set(rows, mode="drop")
 
 
 def _key_bias(k_mask, causal: bool, dtype: Any) -> jax.Array:
@@ -298,7 +263,7 @@ def _dropout(q_win: _Window, rng: Any, heads: jax.Array, rate: float, dtype: Any
   shape = (q_win.sequences, heads.shape[0], length, length)
   if rate >= 1:
     return jnp.zeros(shape, dtype)
-  sequence = q_win.side.sequence[q_win._slots()[4]]
+  sequence = q_win.side.sequence[q_win.ranks]
 
   def row(n, h, i):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, n), h), i)
@@ -363,19 +328,16 @@ _KERNELS = {"xla": _xla_tile, "dot_product_attention": _fused_tile}
 # -- the loops over tiles ------------------------------------------------------------
 
 
-def _schedule(q_offsets, k_offsets, q_rows: int, k_rows: int, tiles):
+def _schedule(q_offsets, k_offsets, tiles):
   """The rank order of the sequences (longest of query and key first, a
   stable sort), each side's `_Side`, and ``ends`` ``[phases]``: the ranks a
   phase's tiles cover up to (the sequences longer than the next phase's
   tiles)."""
   longest = jnp.maximum(jnp.diff(q_offsets), jnp.diff(k_offsets))
   order = jnp.argsort(-longest, stable=True)
-  ranks = jnp.argsort(order)
   below = jnp.asarray([n for n, _ in tiles[1:]] + [0], longest.dtype)
   ends = jnp.sum(longest[None, :] > below[:, None], axis=1)
-  spare = max(n * s for n, s in tiles)
-  q_side = _side(q_offsets, order, ranks, q_rows, spare)
-  return q_side, _side(k_offsets, order, ranks, k_rows, spare), ends
+  return _side(q_offsets, order), _side(k_offsets, order), ends
 
 
 def _over_tiles(sides, ends, tiles, body, carry):
@@ -441,9 +403,9 @@ def _attention(q, k, v, q_offsets, k_offsets, rng, static):
 
 def _attention_fwd(q, k, v, q_offsets, k_offsets, rng, static):
   """`_attention` and its residuals: the inputs, the output and each row's
-  log-sum-exp ``[rows + spare, heads, 1]`` in rank order."""
+  log-sum-exp ``[q_rows, heads, 1]``."""
   tiles, causal, scale, plan, rate = static
-  q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
+  q_side, k_side, ends = _schedule(q_offsets, k_offsets, tiles)
   dtype = _compute_dtype(q.dtype)
   operand = dtype if plan.kernel == "xla" else q.dtype
 
@@ -464,11 +426,9 @@ def _attention_fwd(q, k, v, q_offsets, k_offsets, rng, static):
     o_t, lse_t = _by_heads(attend, groups, q_t, k_t, v_t)
     return q_win.write(out, o_t), q_win.write(lse, lse_t[..., None])
 
-  ranked = q.shape[0] + q_side.spare
-  out = jnp.zeros((ranked, *q.shape[1:]), q.dtype)
-  lse = jnp.zeros((ranked, q.shape[1], 1), dtype)
+  out = jnp.zeros(q.shape, q.dtype)
+  lse = jnp.zeros((q.shape[0], q.shape[1], 1), dtype)
   out, lse = _over_tiles((q_side, k_side), ends, tiles, body, (out, lse))
-  out = _unranked(out, q_side, q.dtype)
   return out, (q, k, v, out, lse, q_offsets, k_offsets, rng)
 
 
@@ -476,21 +436,25 @@ def _attention_bwd(static, residuals, g):
   """The gradients of `_attention` for `g` ``[q_rows, heads, head_dim]``:
   each tile's weights recomputed from the saved log-sum-exp, then the
   products of the softmax's gradient (``ds = p * (dp - delta)``, with
-  ``delta`` a row's ``<g, out>``), written to the tile's own rows."""
+  ``delta`` a row's ``<g, out>``). A tile writes its rows' gradients over
+  the rows of the saved query, key and value that it has read: no other
+  tile reads them, so the gradients need no buffers of their own. Padding
+  rows are zeroed at the end."""
   tiles, causal, scale, plan, rate = static
   q, k, v, out, lse, q_offsets, k_offsets, rng = residuals
-  q_side, k_side, ends = _schedule(q_offsets, k_offsets, q.shape[0], k.shape[0], tiles)
+  q_side, k_side, ends = _schedule(q_offsets, k_offsets, tiles)
   dtype = _compute_dtype(q.dtype)
   g = jnp.asarray(g)
   # delta_i = sum_j p_ij dp_ij = <g_i, out_i>, per row and head.
   delta = jnp.sum(g.astype(dtype) * out.astype(dtype), axis=-1, keepdims=True)
 
-  def body(q_win, k_win, grads):
-    """One tile's gradients, added to the running ``(gq, gk, gv)``."""
+  def body(q_win, k_win, rows):
+    """One tile's gradients, written over its own rows of ``(q, k, v)``."""
+    q, k, v = rows
     q_t, g_t = q_win.read(q, dtype), q_win.read(g, dtype)
     k_t, v_t = k_win.read(k, dtype), k_win.read(v, dtype)
     # A row with no key has lse -inf and p 0 (exp(-inf - 0) with lse 0).
-    lse_t = q_win.read_ranked(lse)[..., 0]
+    lse_t = q_win.read(lse, dtype)[..., 0]
     lse_t = jnp.where(jnp.isfinite(lse_t), lse_t, 0)
     delta_t = q_win.read(delta, dtype)[..., 0]
     bias = _key_bias(k_win.mask, causal, dtype)
@@ -511,18 +475,18 @@ def _attention_bwd(static, residuals, g):
 
     groups = _groups(plan, q_win, k_win, q.shape[1])
     dq, dk, dv = _by_heads(gradients, groups, q_t, g_t, k_t, v_t, lse_t, delta_t)
-    gq, gk, gv = grads
-    return q_win.write(gq, dq), k_win.write(gk, dk), k_win.write(gv, dv)
+    return q_win.write(q, dq), k_win.write(k, dk), k_win.write(v, dv)
 
-  q_rows, k_rows = q.shape[0] + q_side.spare, k.shape[0] + k_side.spare
-  shapes = [(n, *q.shape[1:]) for n in (q_rows, k_rows, k_rows)]
-  zeros = tuple(jnp.zeros(shape, dtype) for shape in shapes)
-  gq, gk, gv = _over_tiles((q_side, k_side), ends, tiles, body, zeros)
-  grads = (
-    _unranked(gq, q_side, q.dtype),
-    *(_unranked(x, k_side, q.dtype) for x in (gk, gv)),
+  gq, gk, gv = _over_tiles((q_side, k_side), ends, tiles, body, (q, k, v))
+  gq = _real_rows(gq, q_offsets[-1])
+  return (
+    gq,
+    _real_rows(gk, k_offsets[-1]),
+    _real_rows(gv, k_offsets[-1]),
+    None,
+    None,
+    None,
   )
-  return (*grads, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
