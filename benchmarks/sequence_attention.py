@@ -146,7 +146,7 @@ def jaxlod_cells(lengths: np.ndarray, time_capacity: int) -> int:
   return cells
 
 
-def _mask_loss(y: jax.Array, mask: jax.Array) -> jax.Array:
+def mask_loss(y: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(mask[..., None], y, 0) ** 2) / jnp.sum(mask)
 
 
@@ -157,20 +157,20 @@ def steps(flax_layer: nn.Module, layer: MultiHeadAttention) -> dict[str, Any]:
     return layer.apply(params, x).values
 
   def lod_loss(params, x):
-    return _mask_loss(lod_forward(params, x), x.row_mask())
+    return mask_loss(lod_forward(params, x), x.row_mask())
 
   def padded_forward(params, x, mask):
     return flax_layer.apply(params, x, x, mask=nn.make_attention_mask(mask, mask))
 
   def padded_loss(params, x, mask):
-    return _mask_loss(padded_forward(params, x, mask), mask)
+    return mask_loss(padded_forward(params, x, mask), mask)
 
   def packed_forward(params, x, segments):
     mask = nn.make_attention_mask(segments, segments, jnp.equal)[None]
     return flax_layer.apply(params, x, x, mask=mask)
 
   def packed_loss(params, x, segments):
-    return _mask_loss(packed_forward(params, x, segments)[0], segments < x.shape[1])
+    return mask_loss(packed_forward(params, x, segments)[0], segments < x.shape[1])
 
   def core_lod(values, x):
     q = x.with_values(values)

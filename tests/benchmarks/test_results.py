@@ -241,18 +241,21 @@ def test_sequence_attention_results():
 
 def test_attention_revisions_results():
   """benchmarks/attention_revisions.py's run: each revision's ratio is its
-  median over the first's, and its outputs and gradients equal the
-  first's to float32's rounding."""
+  median over the first's, its outputs and gradients equal the first's to
+  float32's rounding, and each step's temporaries are recorded, for the
+  attention alone and for the layer."""
   report = _load("attention_revisions")
   first, *_ = report["revisions"]
   assert set(report["workloads"]) == {"W1", "W2", "long"}
   for workload in report["workloads"].values():
-    for mode in ("forward", "train"):
+    for mode in ("forward", "train", "layer_train"):
       medians = workload[mode]["median_s"]
       assert set(medians) == set(report["revisions"])
       for rev, ratio in workload[mode]["ratio"].items():
         assert ratio == pytest.approx(medians[rev] / medians[first])
       assert max(workload[mode]["max_abs_diff"].values()) < 1e-4
+      temps = workload[mode]["temp_bytes"]
+      assert set(temps) == set(report["revisions"]) and min(temps.values()) > 0
 
 
 def test_sweep_results():
