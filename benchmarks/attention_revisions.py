@@ -9,12 +9,13 @@ git revision and loaded beside the rest of the working tree's jaxlod
 (`benchmarks.revisions`), so that every revision runs on the same batch
 and machine load. The training step is the gradient of the sum of the
 squared outputs with respect to the rows (query, key and value are the
-same rows, as in the ``core_jaxlod`` arm); the layer's is the gradient of
-`benchmarks.sequence_attention`'s loss with respect to its parameters, its
-op swapped in while it is traced (in this process only). ``ratio`` is
-each revision's median over the first's; ``max_abs_diff`` compares each
-revision's outputs and gradients with the first's; ``temp_bytes`` is each
-compiled step's temporaries (XLA's memory analysis).
+same rows, as in the ``core_jaxlod`` arm). The layer's is the gradient of
+`benchmarks.sequence_attention`'s loss with respect to its parameters; the
+layer's module is loaded as a module of its own, with the revision's op
+in it. ``ratio`` is each revision's median over the first's;
+``max_abs_diff`` compares each revision's outputs and gradients with the
+first's; ``temp_bytes`` is each compiled step's temporaries (XLA's memory
+analysis).
 
 Usage: ``python -m benchmarks.attention_revisions --revisions REV1,REV2
 [--workloads W1,W2,long] [--repeats N] [--json PATH]``.
@@ -22,11 +23,9 @@ Usage: ``python -m benchmarks.attention_revisions --revisions REV1,REV2
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxlod.nn._transformer as transformer
 from benchmarks.revisions import load_module
 from benchmarks.revisions import parse_args as revisions_args
 from benchmarks.sequence_attention import (
@@ -46,9 +44,9 @@ from benchmarks.sequence_attention import (
   mask_loss,
 )
 from benchmarks.timing import machine_info, measure_interleaved, write_report
-from jaxlod.nn import MultiHeadAttention
 
 SOURCE = "jaxlod/ops/_sequence_attention.py"
+LAYER_SOURCE = "jaxlod/nn/_transformer.py"
 
 
 def steps(attention: Any, lod: Any) -> dict[str, Any]:
@@ -64,21 +62,14 @@ def steps(attention: Any, lod: Any) -> dict[str, Any]:
   }
 
 
-@contextlib.contextmanager
-def _layer_op(attention: Any) -> Iterator[None]:
-  """`jaxlod.nn.MultiHeadAttention` calling `attention`, while it is traced."""
-  kept = transformer.sequence_attention
-  transformer.sequence_attention = attention
-  try:
-    yield
-  finally:
-    transformer.sequence_attention = kept
-
-
-def layer_step(attention: Any, lod: Any) -> Any:
+def layer_step(attention: Any, lod: Any, folder: Path) -> Any:
   """The layer's training step with `attention`, compiled for `lod` (rows
-  ``[tokens, features]``): a function of the layer's parameters."""
-  layer = MultiHeadAttention(
+  ``[tokens, features]``): a function of the layer's parameters. The
+  layer's module (``jaxlod/nn/_transformer.py`` at ``HEAD``) is loaded as
+  a module of its own, whose `sequence_attention` is `attention`."""
+  module = load_module("HEAD", LAYER_SOURCE, folder)
+  module.sequence_attention = attention
+  layer = module.MultiHeadAttention(
     num_heads=HEADS, qkv_features=FEATURES, out_features=FEATURES
   )
   params = layer.init(jax.random.key(0), lod)
@@ -86,12 +77,13 @@ def layer_step(attention: Any, lod: Any) -> Any:
   def loss(params, x):
     return mask_loss(layer.apply(params, x).values, x.row_mask())
 
-  with _layer_op(attention):
-    compiled = jax.jit(jax.grad(loss)).lower(params, lod).compile()
+  compiled = jax.jit(jax.grad(loss)).lower(params, lod).compile()
   return lambda: compiled(params, lod), compiled
 
 
-def workload(name: str, ops: dict[str, Any], repeats: int) -> dict[str, Any]:
+def workload(
+  name: str, ops: dict[str, Any], repeats: int, folder: Path
+) -> dict[str, Any]:
   """One workload's medians, ratios, differences and temporaries per
   revision and mode."""
   data = make_batch(WORKLOADS[name], np.random.default_rng(0))
@@ -99,7 +91,7 @@ def workload(name: str, ops: dict[str, Any], repeats: int) -> dict[str, Any]:
   values = jnp.asarray(rows.values).reshape(-1, HEADS, HEAD_DIM)
   lod = rows.with_values(values)
   fns = {rev: steps(op, lod) for rev, op in ops.items()}
-  layers = {rev: layer_step(op, rows) for rev, op in ops.items()}
+  layers = {rev: layer_step(op, rows, folder) for rev, op in ops.items()}
   calls = {
     (rev, mode): (lambda f=f: f(values), jax.block_until_ready)
     for rev, modes in fns.items()
@@ -143,7 +135,7 @@ def run(revisions: list[str], names: list[str], repeats: int) -> dict[str, Any]:
       rev: load_module(rev, SOURCE, Path(folder)).sequence_attention
       for rev in revisions
     }
-    report = {name: workload(name, ops, repeats) for name in names}
+    report = {name: workload(name, ops, repeats, Path(folder)) for name in names}
   return {
     "revisions": revisions,
     "workloads": report,
