@@ -1,12 +1,14 @@
 """The core of jaxlod's argument and value checks; it imports nothing from jaxlod.
 
 `require` and `require_each`, dtype and integer tests, static ints and
-floats, how a value is printed, and the checks of pytrees of arrays and of
-step functions. Every other check lives beside the concept it guards and
-builds on these: `jaxlod._host` (host values as arrays), `jaxlod._lod_checks`
-(LoD offsets and levels), the ops' checks in their modules, `jaxlod.nn._layer_checks`
-(the layers'), `jaxlod.data._batch_checks` (batches and shards) and the
-converters' in `jaxlod.interop`. Checks of static things (types, ranks, dtypes,
+floats, how a value is printed, the checks of pytrees of arrays and of
+step functions, and the selections by row that a failed check or a padding
+row needs (`nan_where`, `where_rows`, `expand_rows`). Every other check
+lives beside the concept it guards and builds on these: `jaxlod._host`
+(host values as arrays), `jaxlod._lod_checks` (LoD offsets and levels),
+the ops' checks in their modules, `jaxlod.nn._layer_checks` (the layers'),
+`jaxlod.data._batch_checks` (batches and shards) and the converters' in
+`jaxlod.interop`. Checks of static things (types, ranks, dtypes,
 capacities, pytree structures) raise at trace time and name the argument,
 the expected and the actual value. Checks of values go through `require` or
 `require_each`: eagerly they raise `ValueError`, under `jit` they become
@@ -71,6 +73,39 @@ def all_hold(*outcomes: Any) -> Any:
   return held
 
 
+def expand_rows(x: Any, ndim: int) -> jax.Array:
+  """`x` with size-1 axes appended up to `ndim` axes, so that its axes meet
+  the leading axes of an array of `ndim` axes when they broadcast (NumPy
+  aligns the trailing ones): a row mask ``[rows]`` as ``[rows, 1, ...]``.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod._checks import expand_rows
+    >>> expand_rows(np.array([True, False]), 3).shape
+    (2, 1, 1)
+  """
+  x = jnp.asarray(x)
+  return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def where_rows(mask: Any, new: Any, old: Any) -> jax.Array:
+  """`new` at the rows where the bool `mask` holds and `old` elsewhere:
+  `mask` covers the leading axes of `new` (``[rows]`` for ``new [rows,
+  ...]``); `old` is an array of `new`'s shape or a scalar (a Python scalar
+  takes `new`'s dtype). A row not taken is selected away, never multiplied
+  by zero, so an inf or a NaN in it stays out.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlod._checks import where_rows
+    >>> new = np.array([[1.0, 2.0], [np.nan, 4.0]])
+    >>> where_rows(np.array([True, False]), new, 0).tolist()
+    [[1.0, 2.0], [0.0, 0.0]]
+  """
+  new = jnp.asarray(new)
+  return jnp.where(expand_rows(mask, new.ndim), new, old)
+
+
 def nan_where(bad: Any, leaf: Any) -> Any:
   """A float array `leaf` NaN where the bool `bad` is True, `bad` covering
   its leading axes (a scalar: all of it); other dtypes are returned as they
@@ -78,9 +113,8 @@ def nan_where(bad: Any, leaf: Any) -> Any:
   check touched is loud in any loss rather than finite and wrong."""
   if not is_float_dtype(jnp.result_type(leaf)):
     return leaf
-  leaf, bad = jnp.asarray(leaf), jnp.asarray(bad)
-  bad = bad.reshape(bad.shape + (1,) * (leaf.ndim - bad.ndim))
-  return jnp.where(bad, jnp.asarray(jnp.nan, leaf.dtype), leaf)
+  leaf = jnp.asarray(leaf)
+  return jnp.where(expand_rows(bad, leaf.ndim), jnp.asarray(jnp.nan, leaf.dtype), leaf)
 
 
 def require(ok: Any, message: str, *, traced: str | None = None, **fields: Any):

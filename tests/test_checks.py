@@ -345,3 +345,45 @@ def test_cosine_eps_is_refused_or_gives_finite_scores_and_gradients(eps):
 def test_finite_float32_names_the_argument(value):
   with pytest.raises(ValueError, match=r"Expected `alpha` to be finite in float32"):
     _checks.finite_float32(value, "alpha")
+
+
+# -- expand_rows and where_rows: a mask over the leading axes ----------------------
+
+
+@pytest.mark.parametrize(
+  ("shape", "ndim", "expected"),
+  [((3,), 3, (3, 1, 1)), ((2, 3), 4, (2, 3, 1, 1)), ((4,), 1, (4,)), ((), 2, (1, 1))],
+)
+def test_expand_rows_appends_unit_axes(shape, ndim, expected):
+  assert _checks.expand_rows(np.ones(shape, bool), ndim).shape == expected
+
+
+def test_where_rows_takes_whole_rows_and_keeps_nan_of_dropped_rows_out():
+  new = jnp.array([[1.0, 2.0], [jnp.nan, jnp.inf], [5.0, 6.0]])
+  old = jnp.array([[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]])
+  mask = jnp.array([True, False, True])
+  assert _checks.where_rows(mask, new, old).tolist() == [[1, 2], [-3, -4], [5, 6]]
+  assert _checks.where_rows(mask, new, 0).tolist() == [[1, 2], [0, 0], [5, 6]]
+
+  def loss(new):
+    return jnp.sum(_checks.where_rows(mask, new, old) * 2.0)
+
+  # The gradient of a dropped row is zero, not NaN, though its value is.
+  assert jax.grad(loss)(new).tolist() == [[2, 2], [0, 0], [2, 2]]
+
+
+def test_where_rows_masks_leading_axes_of_time_major_outputs():
+  new = jnp.arange(24.0).reshape(3, 2, 4)  # [time, batch, features]
+  mask = jnp.arange(3)[:, None] < jnp.array([1, 3])[None]  # [time, batch]
+  out = _checks.where_rows(mask, new, 0)
+  expected = np.where(np.asarray(mask)[..., None], np.asarray(new), 0)
+  np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32, jnp.float64])
+def test_where_rows_keeps_the_dtype_of_new_for_a_python_scalar(dtype):
+  with jax.enable_x64(True):
+    new = jnp.ones((2, 3), dtype)
+    out = _checks.where_rows(jnp.array([True, False]), new, 0)
+    assert out.dtype == dtype
+    assert out.tolist() == [[1, 1, 1], [0, 0, 0]]

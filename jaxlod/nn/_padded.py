@@ -33,6 +33,7 @@ from jaxlod._checks import (
   nan_where,
   require,
   static_int,
+  where_rows,
 )
 from jaxlod._faults import Fault
 from jaxlod._host import as_array, check_leaves
@@ -383,8 +384,7 @@ def zero_past(outputs: Any, seq_lengths: Any, time_major: bool) -> Any:
     # A negative length is NaN in its RNNs' outputs (`nan_where_unsound`);
     # zeros would hide it.
     mask = mask | ((lengths[None] if time_major else lengths[..., None]) < 0)
-    mask = mask.reshape(mask.shape + (1,) * (out.ndim - mask.ndim))
-    return jnp.where(mask, out, jnp.zeros((), out.dtype))
+    return where_rows(mask, out, 0)
 
   return jax.tree.map(zero, outputs)
 

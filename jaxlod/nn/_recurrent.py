@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlod import _checks
-from jaxlod._checks import check_rate
+from jaxlod._checks import check_rate, where_rows
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod, is_lod
 from jaxlod.nn._layer_checks import check_rnn_layer, split_pair
@@ -35,8 +35,7 @@ from jaxlod.ops._scan import linear_scan
 
 def zero_padding(x: LoDTensor, values: jax.Array) -> LoDTensor:
   """`x`'s LoD over `values` ``[token_capacity, ...]``, padding rows set to 0."""
-  real = x.row_mask().reshape((-1,) + (1,) * (jnp.ndim(values) - 1))
-  return x.with_values(jnp.where(real, values, jnp.zeros((), values.dtype)))
+  return x.with_values(where_rows(x.row_mask(), values, 0))
 
 
 def example_row(tree: Any) -> Any:

@@ -13,7 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlod._checks import check_bool, is_concrete, is_float_dtype, require, static_int
+from jaxlod._checks import (
+  check_bool,
+  is_concrete,
+  is_float_dtype,
+  require,
+  static_int,
+  where_rows,
+)
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array, check_rows, index_scalar
 from jaxlod._lod import LoDTensor, check_lod, owners
@@ -46,8 +53,7 @@ def masked_take(src: jax.Array, index: jax.Array, valid: jax.Array | None) -> ja
   out = jnp.take(src, index, axis=0, mode="clip", unique_indices=valid is None)
   if valid is None:
     return out
-  mask = valid.reshape(valid.shape + (1,) * (src.ndim - 1))
-  return jnp.where(mask, out, jnp.zeros((), src.dtype))
+  return where_rows(valid, out, 0)
 
 
 @jax.custom_vjp

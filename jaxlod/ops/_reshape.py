@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod import _checks
-from jaxlod._checks import is_concrete
+from jaxlod._checks import is_concrete, where_rows
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod
@@ -329,7 +329,7 @@ def lod_reset(
     # rows `x` has and rows past them zeroed, so that the LoD stays valid.
     offsets = (*offsets[:-1], jnp.minimum(offsets[-1], tokens))
     kept = jnp.arange(tokens) < offsets[-1][-1]
-    values = jnp.where(kept.reshape((-1,) + (1,) * (values.ndim - 1)), values, 0)
+    values = where_rows(kept, values, 0)
   out = LoDTensor(values, offsets, jnp.asarray(num_outer, jnp.int32), time)
   inputs = [a for a in (x, y) if isinstance(a, LoDTensor)]
   return with_faults(out, *inputs, fault_unless(same, Fault.INPUT))

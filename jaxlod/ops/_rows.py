@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlod._checks import check_callable, static_int
+from jaxlod._checks import check_callable, static_int, where_rows
 from jaxlod._lod import LoDTensor, check_lod
 from jaxlod.ops._loop._plan import plan_backend
 
@@ -81,11 +81,6 @@ class _Static(NamedTuple):
   chunk: int
 
 
-def _column(mask: jax.Array, y: jax.Array) -> jax.Array:
-  """A row mask ``[rows]`` shaped to broadcast over `y`'s rows."""
-  return mask.reshape((-1,) + (1,) * (y.ndim - 1))
-
-
 def _over_chunks(static: _Static, values, real, body, carry):
   """`carry` through ``body(start, rows, mine, carry)`` for each chunk of
   the first `real` rows of `values`: ``rows [chunk, ...]`` from row
@@ -100,7 +95,7 @@ def _over_chunks(static: _Static, values, real, body, carry):
     start = jnp.minimum(i * chunk, capacity - chunk)
     row = start + jnp.arange(chunk)
     rows = lax.dynamic_slice_in_dim(values, start, chunk)
-    rows = jnp.where(_column(row < real, rows), rows, jnp.zeros((), rows.dtype))
+    rows = where_rows(row < real, rows, 0)
     mine = (row >= i * chunk) & (row < real)
     return body(start, rows, mine, inner)
 
@@ -114,7 +109,7 @@ def _over_chunks(static: _Static, values, real, body, carry):
 def _put(buffer: jax.Array, start, y: jax.Array, mine: jax.Array) -> jax.Array:
   """`buffer` with the rows `mine` of `y` written from row `start`."""
   old = lax.dynamic_slice_in_dim(buffer, start, y.shape[0])
-  y = jnp.where(_column(mine, y), y.astype(buffer.dtype), old)
+  y = where_rows(mine, y.astype(buffer.dtype), old)
   return lax.dynamic_update_slice_in_dim(buffer, y, start, 0)
 
 
@@ -149,7 +144,7 @@ def _map_bwd(static, residuals, g):
 
     def cotangent(c):
       c = lax.dynamic_slice_in_dim(c, start, chunk.shape[0])
-      return jnp.where(_column(mine, c), c, jnp.zeros((), c.dtype))
+      return where_rows(mine, c, 0)
 
     g_chunk, *g_mine = vjp(jax.tree.map(cotangent, g))
     if g_rows is not None:

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlod._checks import check_bool, is_float_dtype
+from jaxlod._checks import check_bool, expand_rows, is_float_dtype
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor, check_lod
@@ -82,14 +82,9 @@ def _scan(restart: jax.Array, a: jax.Array, b: jax.Array, reverse: bool) -> jax.
     segment = lax.cumsum(flags.astype(jnp.int32), axis=0, reverse=reverse) - 1
     bad = ~jnp.isfinite(h).reshape(h.shape[0], -1).all(axis=1)
     bad = jax.ops.segment_max(bad, segment, num_segments=h.shape[0])[segment]
-    return jnp.where(_expand(bad, h.ndim), _sequential(restart, a, b, reverse), h)
+    return jnp.where(expand_rows(bad, h.ndim), _sequential(restart, a, b, reverse), h)
 
   return lax.cond(jnp.isfinite(h).all(), lambda: h, recompute)
-
-
-def _expand(x: jax.Array, ndim: int) -> jax.Array:
-  """``[rows]`` as ``[rows, 1, ...]`` with `ndim` axes."""
-  return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -103,7 +98,7 @@ def _segmented(a, b, init_rows, starts, real, reverse):
 def _restarts(starts, real, ndim):
   """Each segment's first row and every padding row (a segment of its own),
   as ``[rows, 1, ...]``; and the rows of the data, the same shape."""
-  start, live = _expand(starts, ndim), _expand(real, ndim)
+  start, live = expand_rows(starts, ndim), expand_rows(real, ndim)
   return start | ~live, start, live
 
 
@@ -254,7 +249,7 @@ def _scan_decay(a: LoDTensor | jax.typing.ArrayLike, b: LoDTensor) -> tuple:
     raise TypeError(f"Expected `a` to have a float dtype, got {a_values.dtype}.")
   rows = values.shape[0]
   if a_values.ndim == 1 and values.ndim > 1:
-    a_values = _expand(a_values, values.ndim)
+    a_values = expand_rows(a_values, values.ndim)
   try:
     shape = jnp.broadcast_shapes(a_values.shape, values.shape)
   except ValueError:

@@ -32,6 +32,7 @@ from jaxlod._checks import (
   finite_float32,
   is_concrete,
   require_each,
+  where_rows,
 )
 from jaxlod._host import as_array
 from jaxlod._vma import vary, varying_axes
@@ -380,13 +381,9 @@ Update = Callable[
 Step = Callable[[Any, jax.Array, Any, jax.Array], tuple[Any, jax.Array]]
 
 
-def _rows(size: int, active: jax.Array, new: Any, old: Any) -> Any:
-  """Sources where `active` take `new`; the others keep `old`."""
-
-  def pick(a, b):
-    return jnp.where(active.reshape((size,) + (1,) * (a.ndim - 1)), a, b)
-
-  return jax.tree.map(pick, new, old)
+def _rows(active: jax.Array, new: Any, old: Any) -> Any:
+  """Sources where ``active [sources]`` take `new`; the others keep `old`."""
+  return jax.tree.map(lambda a, b: where_rows(active, a, b), new, old)
 
 
 def advance_sources(
@@ -421,8 +418,8 @@ def advance_sources(
   if parent is not None:
     carry = jax.tree.map(lambda a: _gather(a, parent), carry)
   return state._replace(
-    slots=_rows(size, active, slots, old),
-    carry=_rows(size, active, carry, state.carry),
+    slots=_rows(active, slots, old),
+    carry=_rows(active, carry, state.carry),
     done=state.done | (done & active),
   )
 

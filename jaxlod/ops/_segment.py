@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlod._buckets import Buckets, Capacity, check_fits
-from jaxlod._checks import INT32, is_concrete, static_int
+from jaxlod._checks import INT32, is_concrete, static_int, where_rows
 from jaxlod._faults import Fault, fault_unless
 from jaxlod._lod import LoDTensor, owners
 
@@ -230,7 +230,7 @@ def build(
     )
   if not is_concrete(over):  # eagerly, `output_capacity` has raised already
     kept = jnp.arange(tokens) < real
-    values = jnp.where(kept.reshape((-1,) + (1,) * (values.ndim - 1)), values, 0)
+    values = where_rows(kept, values, 0)
   faults = fault_unless(~over, Fault.CAPACITY)
   return LoDTensor(
     values,

@@ -52,6 +52,7 @@ from jaxlod._checks import (
   require,
   static_float,
   static_int,
+  where_rows,
 )
 from jaxlod._faults import Fault, fault_unless, with_faults
 from jaxlod._lod import LoDTensor, check_lod
@@ -180,14 +181,9 @@ def _side(offsets, order) -> _Side:
   return _Side(offsets[order], jnp.diff(offsets)[order], order)
 
 
-def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
-  """A row mask ``[rows]`` shaped to broadcast over `x`'s rows."""
-  return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
-
-
 def _real_rows(x: jax.Array, real: jax.Array) -> jax.Array:
   """`x` with its rows from row `real` on zero."""
-  return jnp.where(_rows(jnp.arange(x.shape[0]) < real, x), x, 0)
+  return where_rows(jnp.arange(x.shape[0]) < real, x, 0)
 
 
 @dataclasses.dataclass(frozen=True)

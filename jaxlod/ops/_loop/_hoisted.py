@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlod._checks import check_callable, static_int
+from jaxlod._checks import check_callable, expand_rows, static_int, where_rows
 from jaxlod._host import as_array
 from jaxlod._lod import LoDTensor
 from jaxlod.ops._loop._phased_rnn import phased_rnn
@@ -208,9 +208,8 @@ def previous_hidden(
     first, neighbour = offsets[seq + 1] - 1, jnp.concatenate([y[1:], edge])
   else:
     first, neighbour = offsets[seq], jnp.concatenate([edge, y[:-1]])
-  shape = (tokens,) + (1,) * (y.ndim - 1)
-  prev = jnp.where((rows == first).reshape(shape), init_h[seq], neighbour)
-  return jnp.where((rows < offsets[-1]).reshape(shape), prev, jnp.zeros((), y.dtype))
+  prev = jnp.where(expand_rows(rows == first, y.ndim), init_h[seq], neighbour)
+  return where_rows(rows < offsets[-1], prev, 0)
 
 
 def recurrent_step(cell: Separable, w_rec: jax.Array, b_rec: jax.Array | None):

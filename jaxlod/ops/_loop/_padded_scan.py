@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxlod._checks import expand_rows, where_rows
 from jaxlod.ops._loop._hoisted import (
   Separable,
   hoisted_inputs,
@@ -47,14 +48,8 @@ def flip_real(padded: jax.Array, lengths: jax.Array) -> jax.Array:
     return padded
   steps = jnp.arange(time - 1, -1, -1)[None, :]
   index = (steps + lengths[:, None]) % time
-  index = index.reshape(index.shape + (1,) * (padded.ndim - 2))
+  index = expand_rows(index, padded.ndim)
   return jnp.take_along_axis(padded, index, axis=1)
-
-
-def _where_rows(live: jax.Array, new: jax.Array, old: Any) -> jax.Array:
-  """`new` at the rows where ``live [count]`` holds, `old` elsewhere."""
-  live = live.reshape(live.shape + (1,) * (jnp.ndim(new) - 1))
-  return jnp.where(live, new, jnp.asarray(old, new.dtype))
 
 
 def _scan(
@@ -73,8 +68,8 @@ def _scan(
     t, x_t = inputs
     new, y_t = step_fn(carry, x_t, None)
     live = t < lengths
-    new = jax.tree.map(lambda n, o: _where_rows(live, n, o), new, carry)
-    return new, jax.tree.map(lambda y: _where_rows(live, y, 0), y_t)
+    new = jax.tree.map(lambda n, o: where_rows(live, n, o), new, carry)
+    return new, jax.tree.map(lambda y: where_rows(live, y, 0), y_t)
 
   if remat:
     body = jax.checkpoint(body)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from jaxlod._checks import where_rows
 from jaxlod._vma import vary, varying_axes
 from jaxlod.ops._loop._spec import (
   Leaves,
@@ -58,12 +59,6 @@ from jaxlod.ops._loop._spec import (
 Bounds = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 # -- helpers -------------------------------------------------------------------------
-
-
-def _mask(active: jax.Array, new: jax.Array, old: jax.typing.ArrayLike) -> jax.Array:
-  """Rows where `active` take `new`; the others keep `old`."""
-  shape = active.shape + (1,) * (new.ndim - 1)
-  return jnp.where(active.reshape(shape), new, old)
 
 
 def _slab(buffer: jax.Array, offset: jax.typing.ArrayLike, size: int) -> jax.Array:
@@ -331,7 +326,7 @@ def _forward_phase(
       inv = merge(data.diff_inv, data.nodiff_inv, spec.inv_float(phase))
       new_c, y = phase.fn(c, x, inv)
     buffers = _store(where, buffers, t, saved_at, stored)
-    c = [_mask(active, n, o) for n, o in zip(new_c, c, strict=True)]
+    c = [where_rows(active, n, o) for n, o in zip(new_c, c, strict=True)]
     if spec.return_sequences:
       # Rows past the active batch land in the next step's slab, which that
       # step then overwrites.
@@ -414,14 +409,14 @@ def _backward_phase(
       _, vjp = _step_vjp(spec, phase, data, stored, x)
     else:
       vjp = jax.tree.unflatten(plan.tree, plan.residuals(stored, invariants, x))
-    g_out = [_mask(active, g, jnp.zeros_like(g)) for g in g_c]
-    g_out += [_mask(active, _slab(g, offset, b), jnp.zeros((), g.dtype)) for g in g_ys]
+    g_out = [where_rows(active, g, 0) for g in g_c]
+    g_out += [where_rows(active, _slab(g, offset, b), 0) for g in g_ys]
     g_step, g_inv = vjp(g_out + y_zeros)
     g_new_c, g_x = g_step[: len(g_c)], g_step[len(g_c) :]
-    g_c = [_mask(active, new, old) for new, old in zip(g_new_c, g_c, strict=True)]
+    g_c = [where_rows(active, new, old) for new, old in zip(g_new_c, g_c, strict=True)]
     # Going backward, the next step's slab is already written: keep its rows.
     g_values = [
-      _write_rows(buf, offset, _mask(active, g, _slab(buf, offset, b)))
+      _write_rows(buf, offset, where_rows(active, g, _slab(buf, offset, b)))
       for buf, g in zip(g_values, g_x, strict=True)
     ]
     g_statics, g_consts = _accumulate(g_statics, g_consts, g_inv, const_slots)
