@@ -434,8 +434,13 @@ def _attention_bwd(static, residuals, g):
   products of the softmax's gradient (``ds = p * (dp - delta)``, with
   ``delta`` a row's ``<g, out>``). A tile writes its rows' gradients over
   the rows of the saved query, key and value that it has read: no other
-  tile reads them, so the gradients need no buffers of their own. Padding
-  rows are zeroed at the end."""
+  tile reads them, so the gradients need no buffers of their own. Each
+  gradient goes over rows it is computed from, which orders the write
+  after the read (XLA copies a buffer that it cannot prove read before it
+  is written, on every tile): the query's over the query, the key's over
+  the value (through ``dp``) and the value's over the key (through ``p``),
+  the key and the value having one shape and one LoD. Padding rows are
+  zeroed at the end."""
   tiles, causal, scale, plan, rate = static
   q, k, v, out, lse, q_offsets, k_offsets, rng = residuals
   q_side, k_side, ends = _schedule(q_offsets, k_offsets, tiles)
@@ -445,7 +450,8 @@ def _attention_bwd(static, residuals, g):
   delta = jnp.sum(g.astype(dtype) * out.astype(dtype), axis=-1, keepdims=True)
 
   def body(q_win, k_win, rows):
-    """One tile's gradients, written over its own rows of ``(q, k, v)``."""
+    """One tile's gradients, written over its own rows of ``(q, k, v)``
+    (the key's over the value's rows and the value's over the key's)."""
     q, k, v = rows
     q_t, g_t = q_win.read(q, dtype), q_win.read(g, dtype)
     k_t, v_t = k_win.read(k, dtype), k_win.read(v, dtype)
@@ -471,9 +477,9 @@ def _attention_bwd(static, residuals, g):
 
     groups = _groups(plan, q_win, k_win, q.shape[1])
     dq, dk, dv = _by_heads(gradients, groups, q_t, g_t, k_t, v_t, lse_t, delta_t)
-    return q_win.write(q, dq), k_win.write(k, dk), k_win.write(v, dv)
+    return q_win.write(q, dq), k_win.write(k, dv), k_win.write(v, dk)
 
-  gq, gk, gv = _over_tiles((q_side, k_side), ends, tiles, body, (q, k, v))
+  gq, gv, gk = _over_tiles((q_side, k_side), ends, tiles, body, (q, k, v))
   gq = _real_rows(gq, q_offsets[-1])
   return (
     gq,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -494,6 +495,42 @@ def test_one_compilation_per_capacity():
     loss, grad = step(w, x, k)
     assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
   assert len(traces) == 1
+
+
+# -- in place --------------------------------------------------------------------
+
+
+def _copies_in_loops(hlo: str, shapes: tuple[str, ...]) -> list[str]:
+  """The copies of arrays of `shapes` (HLO shapes, ``"f32[20,2,3]"``) in
+  the bodies of a compiled program's while loops."""
+  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+  copies, name = [], None
+  for line in hlo.splitlines():
+    if line and not line[0].isspace():  # a computation's header (or its end)
+      name = line.split()[0].lstrip("%")
+    elif name in bodies and " copy(" in line and any(s in line for s in shapes):
+      copies.append(line.strip())
+  return copies
+
+
+@pytest.mark.parametrize("plan", ["default", "heads-in-groups"])
+def test_the_backward_pass_writes_in_place(plan):
+  """Each tile writes its gradients over saved rows that it has read: XLA
+  copies no query, key or value buffer in the loops (a copy there is one
+  per tile, of every row)."""
+  q, k, v, g = _case([[3, 0, 4, 2]], [[2, 5, 0, 3]], seed=10)
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  w = np.random.default_rng(11).normal(size=(DIM, DIM)).astype(np.float32)
+
+  def loss(w):
+    rows = [x.with_values(x.values @ w) for x in (q, k, v)]
+    out = sequence_attention(*rows, causal=True, plan=PLANS[plan])
+    return jnp.sum(out.values * g)
+
+  hlo = jax.jit(jax.grad(loss)).lower(w).compile().as_text()
+  shapes = tuple(f"f32[{n},{HEADS},{DIM}]" for n in (20, K_TOKENS))
+  assert re.search(r"body=%", hlo)
+  assert _copies_in_loops(hlo, shapes) == []
 
 
 # -- errors ------------------------------------------------------------------------
