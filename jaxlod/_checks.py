@@ -76,14 +76,7 @@ def all_hold(*outcomes: Any) -> Any:
 def expand_rows(x: Any, ndim: int) -> jax.Array:
   """`x` with size-1 axes appended up to `ndim` axes, so that its axes meet
   the leading axes of an array of `ndim` axes when they broadcast (NumPy
-  aligns the trailing ones): a row mask ``[rows]`` as ``[rows, 1, ...]``.
-
-  Example:
-    >>> import numpy as np
-    >>> from jaxlod._checks import expand_rows
-    >>> expand_rows(np.array([True, False]), 3).shape
-    (2, 1, 1)
-  """
+  aligns the trailing ones): a row mask ``[rows]`` as ``[rows, 1, ...]``."""
   x = jnp.asarray(x)
   return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
@@ -91,18 +84,12 @@ def expand_rows(x: Any, ndim: int) -> jax.Array:
 def where_rows(mask: Any, new: Any, old: Any) -> jax.Array:
   """`new` at the rows where the bool `mask` holds and `old` elsewhere:
   `mask` covers the leading axes of `new` (``[rows]`` for ``new [rows,
-  ...]``); `old` is an array of `new`'s shape or a scalar (a Python scalar
-  takes `new`'s dtype). A row not taken is selected away, never multiplied
-  by zero, so an inf or a NaN in it stays out.
-
-  Example:
-    >>> import numpy as np
-    >>> from jaxlod._checks import where_rows
-    >>> new = np.array([[1.0, 2.0], [np.nan, 4.0]])
-    >>> where_rows(np.array([True, False]), new, 0).tolist()
-    [[1.0, 2.0], [0.0, 0.0]]
-  """
+  ...]``); `old` is an array of `new`'s shape or a Python scalar (as
+  `new`'s dtype). A row not taken is selected away, never multiplied by
+  zero, so an inf or a NaN in it stays out."""
   new = jnp.asarray(new)
+  if isinstance(old, bool | int | float):
+    old = jnp.asarray(old, new.dtype)
   return jnp.where(expand_rows(mask, new.ndim), new, old)
 
 

@@ -380,7 +380,7 @@ def test_where_rows_masks_leading_axes_of_time_major_outputs():
   np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32, jnp.float64, jnp.bool_])
 def test_where_rows_keeps_the_dtype_of_new_for_a_python_scalar(dtype):
   with jax.enable_x64(True):
     new = jnp.ones((2, 3), dtype)
