@@ -29,6 +29,7 @@ from jaxlod._checks import (
   INT32,
   check_float,
   check_integer,
+  expand_rows,
   finite_float32,
   is_concrete,
   require_each,
@@ -261,7 +262,7 @@ def scores(slots: Slots, alpha: float) -> jax.Array:
 
 def _gather(a: jax.Array, parent: jax.Array) -> jax.Array:
   """``a[s, parent[s, j]]`` for arrays ``[S, k, ...]``."""
-  index = parent.reshape(parent.shape + (1,) * (a.ndim - 2))
+  index = expand_rows(parent, a.ndim)
   return jnp.take_along_axis(a, index, axis=1)
 
 
