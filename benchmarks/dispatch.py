@@ -1,29 +1,25 @@
 """What a jitted call costs besides its work: the drop-in `jaxlod.nn.RNN`'s
-training step with and without its value check, timed call by call and
-back to back, beside `flax.linen.RNN`'s (issue 66).
+training step timed call by call and back to back, beside
+`flax.linen.RNN`'s (issue 66), and whether each traced step has an effect.
 
-Under `jit`, the drop-in checks its lengths with `checkify.debug_check`
-(`jaxlod._checks.require`). A check is an effect of the traced program,
-and JAX dispatches a program with an effect on its Python path rather
-than its C++ fast path. In the sweep's smallest cells (`sweep.py`: a few
-milliseconds a step) that fixed cost is a share of the step. Here, on
+A `checkify` check is an effect of the traced program, and JAX dispatches
+a program with an effect on its Python path rather than its C++ fast
+path: a fixed cost per call, a share of the sweep's smallest cells
+(`sweep.py`: a few milliseconds a step). The drop-in checks its lengths
+under `jit` by making bad sequences NaN, with no such check, so that its
+steps dispatch as Flax's do; ``effects`` records it for every arm. Here, on
 cells of the sweep's grid (`sweep.cell_inputs`), in one process and the
 same interleaved rounds:
 
   * ``flax``: ``flax.linen.RNN`` on the padded batch;
   * ``dropin``: `jaxlod.nn.RNN` under the plan it picks for the shape;
   * ``padded``: `jaxlod.nn.RNN` under ``LoopPlan(padded=True)``, Flax's
-    own loop;
-  * ``dropin_unchecked`` and ``padded_unchecked``: the same two, traced
-    with ``checkify.debug_check`` replaced by nothing in this process
-    only: the programs without the check's effect (their values are the
-    checked ones', which the report compares).
+    own loop.
 
 Each arm runs ``sync`` (one call, then wait for its result: what the
 sweep times) and ``pipelined`` (``--calls`` calls dispatched back to
 back, then one wait: a training loop that does not read its loss each
-step), reported per call. ``effects`` records whether each traced step has
-an effect.
+step), reported per call.
 
 Usage: ``python -m benchmarks.dispatch [--cells B8_T8_H64_even,...]
 [--repeats N] [--calls K] [--json PATH]``.
@@ -32,16 +28,13 @@ Usage: ``python -m benchmarks.dispatch [--cells B8_T8_H64_even,...]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.experimental import checkify
 
 import jaxlod.nn
 import jaxlod.ops
@@ -51,25 +44,14 @@ from benchmarks.timing import machine_info, measure_interleaved, write_report
 CELLS = ("B8_T8_H64_even", "B32_T16_H64_even", "B8_T64_H256_full")
 
 
-@contextlib.contextmanager
-def _without_checks() -> Iterator[None]:
-  """``checkify.debug_check`` as nothing, while functions are traced."""
-  kept = checkify.debug_check
-  checkify.debug_check = lambda *args, **kwargs: None
-  try:
-    yield
-  finally:
-    checkify.debug_check = kept
-
-
 def _parse_cell(name: str) -> tuple[int, int, int, str]:
   batch, time_, hidden, profile = name.split("_")
   return int(batch[1:]), int(time_[1:]), int(hidden[1:]), profile
 
 
 def _arms(cell, x, lengths, params) -> tuple[dict, dict]:
-  """The arms, each traced and compiled (the unchecked ones without the
-  check), and whether each traced step has an effect."""
+  """The arms, each traced and compiled, and whether each traced step has
+  an effect."""
   padded = jaxlod.ops.LoopPlan(padded=True)
   layers = {
     "flax": nn.RNN(cell, return_carry=True),
@@ -77,17 +59,11 @@ def _arms(cell, x, lengths, params) -> tuple[dict, dict]:
     "padded": jaxlod.nn.RNN(cell, return_carry=True, plan=padded),
   }
   arms, effects = {}, {}
-  for unchecked in (False, True):
-    for name, layer in layers.items():
-      if unchecked and name == "flax":
-        continue
-      label = f"{name}_unchecked" if unchecked else name
-      with _without_checks() if unchecked else contextlib.nullcontext():
-        arm = dropin.layer_arm(layer, cell, x, lengths)
-        traced = arm.train.trace(params, *arm.inputs)
-        effects[label] = bool(traced.jaxpr.effects)
-        arm.sync(arm.train(params, *arm.inputs))  # compiled with the patch on
-      arms[label] = arm
+  for name, layer in layers.items():
+    arm = dropin.layer_arm(layer, cell, x, lengths)
+    effects[name] = bool(arm.train.trace(params, *arm.inputs).jaxpr.effects)
+    arm.sync(arm.train(params, *arm.inputs))
+    arms[name] = arm
   return arms, effects
 
 
@@ -111,13 +87,13 @@ def _calls(arms: dict, params: Any, calls: int) -> dict:
 
 
 def _difference(arms: dict, params: Any) -> float:
-  """The largest difference of an unchecked arm's loss and gradients from
-  its checked twin's."""
+  """The largest difference of a jaxlod arm's loss and gradients from
+  Flax's."""
+  want = arms["flax"].train(params, *arms["flax"].inputs)
   worst = 0.0
   for name in ("dropin", "padded"):
-    a = arms[name].train(params, *arms[name].inputs)
-    b = arms[f"{name}_unchecked"].train(params, *arms[name].inputs)
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    got = arms[name].train(params, *arms[name].inputs)
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       worst = max(worst, float(np.max(np.abs(np.asarray(u) - np.asarray(v)))))
   return worst
 
@@ -136,13 +112,10 @@ def run_cell(name: str, repeats: int, calls: int) -> dict[str, Any]:
   for mode in ("sync", "pipelined"):
     for arm in ("dropin", "padded"):
       ms = per_call[arm][f"{mode}_ms"]
-      ratios[f"{arm}_{mode}_over_unchecked"] = (
-        ms / per_call[f"{arm}_unchecked"][f"{mode}_ms"]
-      )
       ratios[f"flax_{mode}_speedup_of_{arm}"] = per_call["flax"][f"{mode}_ms"] / ms
   for arm, t in per_call.items():
     print(
-      f"  {name} {arm:18s} {t['sync_ms']:.3f} {t['pipelined_ms']:.3f} ms",
+      f"  {name} {arm:8s} {t['sync_ms']:.3f} {t['pipelined_ms']:.3f} ms",
       file=sys.stderr,
     )
   return {
@@ -150,7 +123,7 @@ def run_cell(name: str, repeats: int, calls: int) -> dict[str, Any]:
     "effects": effects,
     "per_call_ms": per_call,
     "ratios": ratios,
-    "max_abs_diff_unchecked": _difference(arms, params),
+    "max_abs_diff_vs_flax": _difference(arms, params),
   }
 
 

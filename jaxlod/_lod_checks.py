@@ -70,11 +70,10 @@ def check_lengths_fit(
 
 
 def check_same_lod(x: Any, y: Any, x_name: str, y_name: str, where: str) -> Any:
-  """`y` has the LoD of `x` (LoDTensors an op reads row by row together):
-  the same token and sequence capacities (static; a `ValueError`) and the
-  same offsets at every level (`require`). `x_name` and `y_name` are the
-  arguments, `where` the op. Returns `require`'s outcome, for the op to
-  poison its result and record `jaxlod.Fault.INPUT`."""
+  """`y` has the LoD of `x`, as an op reading both row by row needs: the same
+  capacities (static; a `ValueError`) and offsets (`require`; not for one
+  array, as `with_values` keeps: a check is an effect under `jit`). Returns
+  the outcome, for the op to poison its result and record `Fault.INPUT`."""
   sizes = [(t.capacity.tokens, t.capacity.sequences) for t in (x, y)]
   if sizes[0] != sizes[1]:
     raise ValueError(
@@ -84,7 +83,8 @@ def check_same_lod(x: Any, y: Any, x_name: str, y_name: str, where: str) -> Any:
     )
   return all_hold(
     *(
-      require(
+      a is b
+      or require(
         jnp.array_equal(a, b),
         f"Expected `{y_name}` to have the LoD of `{x_name}`; at level {level} "
         f"`{y_name}` has offsets {{b}}, `{x_name}` {{a}}.",

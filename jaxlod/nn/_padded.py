@@ -31,7 +31,6 @@ from jaxlod._checks import (
   is_concrete,
   leaf_name,
   nan_where,
-  require,
   static_int,
   where_rows,
 )
@@ -43,7 +42,7 @@ from jaxlod.nn._layer_checks import check_rnn_layer, split_pair
 from jaxlod.nn._recurrent import override, run_directions
 from jaxlod.ops._loop._padded_scan import PaddedBatch, flip_real
 from jaxlod.ops._loop._plan import LoopPlan, default_plan, plan_with_ladder
-from jaxlod.ops._pad import sequence_pad, sequence_unpad
+from jaxlod.ops._pad import sequence_pad, sequence_unpad, unpad_unchecked
 
 
 class LoopSettings(NamedTuple):
@@ -134,8 +133,8 @@ def layout(inputs: jax.Array, seq_lengths: Any, time_major: bool, axes: int) -> 
     TypeError: for non-integer `seq_lengths`.
     ValueError: for an `inputs` of rank below ``1 + axes``, `seq_lengths`
       whose shape is not the batch shape (time is not where `time_major`
-      says), or eagerly a length outside ``[0, time]`` (under `jit` a
-      `jax.experimental.checkify` check naming the length).
+      says), or eagerly a length outside ``[0, time]`` (under `jit` such a
+      sequence's results are NaN: `nan_where_unsound`).
   """
   if inputs.ndim < 1 + axes:
     raise ValueError(
@@ -158,17 +157,7 @@ def layout(inputs: jax.Array, seq_lengths: Any, time_major: bool, axes: int) -> 
       f"Expected `seq_lengths` to have the batch shape {batch} (time is {where}), "
       f"got shape {seq_lengths.shape}."
     )
-  if not is_concrete(seq_lengths):  # `require` is a `checkify` check under `jit`
-    flat = seq_lengths.reshape(-1)
-    high, low = jnp.max(flat, initial=0), jnp.min(flat, initial=0)
-    worst = jnp.where(high > time, high, low)
-    require(
-      (worst >= 0) & (worst <= time),
-      f"Expected `seq_lengths` in [0, {time}] (the time axis, {where}), got a "
-      "length of {length}.",
-      length=worst,
-    )
-  else:
+  if is_concrete(seq_lengths):  # under `jit`, `nan_where_unsound`
     host = np.asarray(seq_lengths)
     bad = np.argwhere((host < 0) | (host > time))
     if bad.size:
@@ -213,11 +202,16 @@ def pack_padded(inputs: jax.Array, shape: Layout, buckets: Buckets | None) -> Lo
 
   The capacities are `buckets`' for the padded shape; `None` is
   ``Buckets.fixed(tokens=count * time, sequences=count, time=time)``, one
-  compilation per padded shape whatever the lengths. Under `jit`, lengths
-  outside ``[0, time]`` are checked as `jaxlod.ops.sequence_unpad` checks
-  them (through `jax.experimental.checkify`).
+  compilation per padded shape whatever the lengths. Eagerly, the errors
+  of `jaxlod.ops.sequence_unpad`. Under `jit`, no `checkify` check (an
+  effect, which JAX dispatches on its slower path, a fixed cost per call
+  that a small step feels): lengths outside ``[0, time]`` and a batch over
+  `buckets` make the layer's results NaN instead (`nan_where_unsound`).
   """
-  return sequence_unpad(batch_rows(inputs, shape), shape.lengths, capacity=buckets)
+  rows = batch_rows(inputs, shape)
+  if is_concrete(shape.lengths):
+    return sequence_unpad(rows, shape.lengths, capacity=buckets)
+  return unpad_unchecked(rows, shape.lengths, buckets)
 
 
 def batch_carry(carry: Any, shape: Layout, count_capacity: int) -> Any:
@@ -351,9 +345,11 @@ def nan_where_unsound(tree: Any, faults: Any, shape: Layout, time: bool = True) 
   is outside ``[0, time]``, and everywhere when the packing overflowed its
   capacities (`jaxlod.Fault.CAPACITY` in its `faults`).
 
-  Eagerly and under `jax.experimental.checkify` such inputs raise; under
-  plain `jit` this makes them loud instead of finite and wrong: the layer
-  returns plain arrays, which carry no fault record. Leaves are ``[*batch,
+  Eagerly such inputs raise; under `jit` this makes them loud instead of
+  finite and wrong: the layer returns plain arrays, which carry no fault
+  record, and checks nothing through `jax.experimental.checkify` (an
+  effect: JAX would dispatch every call of a jitted step on its slower
+  path). Leaves are ``[*batch,
   time, ...]`` (``[time, *batch, ...]`` with `time_major`) with `time`, and
   ``[*batch, ...]`` without.
   """

@@ -310,9 +310,10 @@ class RNN(nn.Module):
       ValueError: for `seq_lengths` with a LoDTensor, `seq_lengths` whose
         shape is not the batch shape (time is not where `time_major` says),
         an `initial_carry` leaf whose leading dimensions are not the batch
-        shape, or eagerly a length outside ``[0, time]`` (under `jit`
-        checked through `jax.experimental.checkify`, as
-        `jaxlod.ops.sequence_unpad` does).
+        shape, or eagerly a length outside ``[0, time]`` (under `jit`,
+        that sequence's outputs and carry are NaN; the layer adds no
+        `jax.experimental.checkify` check, an effect that would make JAX
+        dispatch every call of a jitted step on its slower path).
     """
     flags = dict(
       return_carry=return_carry,

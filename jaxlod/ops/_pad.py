@@ -37,6 +37,7 @@ from jaxlod.ops._array import gather, permutation_gather
 from jaxlod.ops._segment import (
   Rows,
   build,
+  chosen_capacity,
   longest,
   offsets_from_lengths,
   output_capacity,
@@ -239,13 +240,37 @@ def sequence_unpad(
   real = Capacity(total(lengths), (num,), (longest(lengths),))
   bound = Capacity(count * time, (count,), (time,))
   cap = output_capacity(capacity, bound=bound, real=real, where="sequence_unpad")
-  lengths = jnp.clip(lengths, 0, time)  # a no-op unless a check above failed
+  return with_faults(_pack(padded, lengths, num, cap), fault_unless(ok, Fault.INPUT))
+
+
+def unpad_unchecked(
+  padded: jax.Array, lengths: jax.Array, capacity: Buckets | None
+) -> LoDTensor:
+  """`sequence_unpad` of ``padded [count, time, ...]`` by int ``lengths
+  [count]`` without its value checks, for a caller that makes bad lengths
+  loud itself (the drop-in RNN makes their sequences NaN): a `checkify`
+  check is an effect, and JAX dispatches a jitted function with an effect
+  on its slower path. Lengths are clipped to ``[0, time]``, and data over
+  `capacity` records `Fault.CAPACITY` in the result (`build`)."""
+  count, time = padded.shape[:2]
+  lengths = jnp.clip(lengths, 0, time)
+  real = Capacity(total(lengths), (count,), (longest(lengths),))
+  bound = Capacity(count * time, (count,), (time,))
+  cap = chosen_capacity(capacity, bound=bound, real=real, where="sequence_unpad")
+  return _pack(padded, lengths, count, cap)
+
+
+def _pack(padded: jax.Array, lengths: jax.Array, num: Any, cap: Capacity) -> LoDTensor:
+  """The first ``lengths[i]`` rows of each ``padded[i]`` (lengths clipped to
+  ``[0, time]``) as a LoDTensor of capacity `cap`."""
+  time = padded.shape[1]
+  lengths = jnp.clip(lengths, 0, time)  # a no-op unless a check failed
   offsets = offsets_from_lengths(lengths)
   row_cell, row_valid = _padded_cells(rows_of(offsets, cap.tokens), time)
   cell_row, cell_valid = _padded_rows(offsets, time, cap.tokens)
-  flat = padded.reshape(count * time, *padded.shape[2:])
+  flat = padded.reshape(-1, *padded.shape[2:])
   values = gather(flat, row_cell, row_valid, cell_row, cell_valid)
-  return with_faults(build(values, [lengths], num, cap), fault_unless(ok, Fault.INPUT))
+  return build(values, [lengths], num, cap)
 
 
 # -- mask and reverse ----------------------------------------------------------------

@@ -98,6 +98,20 @@ def output_capacity(
     `ValueError`, under `jit` through `jax.experimental.checkify`; data is
     never truncated.
   """
+  chosen = chosen_capacity(capacity, bound=bound, real=real, where=where)
+  check_fits(real, chosen, where)
+  return chosen
+
+
+def chosen_capacity(
+  capacity: int | Buckets | None,
+  *,
+  bound: Capacity,
+  real: Capacity,
+  where: str,
+) -> Capacity:
+  """`output_capacity` without the check of the real sizes, for a caller
+  that makes an overflow loud itself (`build` records `Fault.CAPACITY`)."""
   if capacity is None:
     chosen = bound
   elif isinstance(capacity, Buckets):
@@ -112,7 +126,6 @@ def output_capacity(
       f"{capacity!r}."
     )
   _check_int32(chosen, where)
-  check_fits(real, chosen, where)
   return chosen
 
 

@@ -6,6 +6,8 @@ per padded shape; NNX cells drawing from broadcast RNG streams; the errors."""
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -439,19 +441,26 @@ def test_lengths_longer_than_time(api):
     LAYERS[api]()(x, seq_lengths=jnp.array([2, 7]))
 
 
-def test_lengths_longer_than_time_under_jit():
-  rnn = linen.RNN(nn.GRUCell(HIDDEN))
-  x = jnp.ones((2, TIME, FEATURES))
+@pytest.mark.parametrize("plan", ["default", "padded"])
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_a_jitted_call_has_no_effect(kind, plan):
+  """Under `jit` the layer checks lengths by making bad sequences NaN
+  (below), not through `checkify`: a check is an effect, and JAX
+  dispatches a jitted function with an effect on its slower path. Neither
+  the calls (RNN and Bidirectional) nor a training step has one, and a
+  `checkify` around them finds no check to fail: the NaN is the signal."""
+  x = jnp.ones((2, 5, 3))
+  for call in _bad_calls(kind, PLANS[plan], pure=True):
+    assert not jax.make_jaxpr(call)(x, jnp.array([2, 5])).effects
+    err, (_, out) = checkify.checkify(call)(x, jnp.array([2, 7]))
+    assert err.get() is None and np.isnan(np.asarray(out[1])).all()
+  rnn = linen.RNN(nn.GRUCell(HIDDEN), plan=PLANS[plan])
   params = rnn.init(jax.random.key(0), x)
-  run = checkify.checkify(jax.jit(lambda x, n: rnn.apply(params, x, seq_lengths=n)))
-  err, _ = run(x, jnp.array([2, 7]))
-  with pytest.raises(
-    checkify.JaxRuntimeError,
-    match=r"Expected `seq_lengths` in \[0, 5\] .*got a length of 7\.",
-  ):
-    err.throw()
-  err, _ = run(x, jnp.array([2, 5]))
-  err.throw()
+
+  def loss(params, x, n):
+    return jnp.sum(rnn.apply(params, x, seq_lengths=n) ** 2)
+
+  assert not jax.make_jaxpr(jax.grad(loss))(params, x, jnp.array([2, 5])).effects
 
 
 @pytest.mark.parametrize("api", LAYERS)
@@ -525,9 +534,10 @@ def test_a_batch_of_no_sequences_gives_empty_results_as_flax_does(kind, plan):
     assert out.shape == want_out.shape == (0, 5, 4)
 
 
-def _bad_calls(kind, plan=None):
+def _bad_calls(kind, plan=None, pure=False):
   """The drop-in RNN and Bidirectional of `kind` under `plan`, each as
-  ``call(x, lengths) -> (carry, outputs)`` under plain `jit`."""
+  ``call(x, lengths) -> (carry, outputs)`` under plain `jit` (with `pure`,
+  NNX modules split, and merged inside the call, for tracing)."""
   x = jnp.ones((2, 5, 3))
   if kind == "linen":
     rnn = linen.RNN(nn.GRUCell(4), return_carry=True, plan=plan)
@@ -549,6 +559,13 @@ def _bad_calls(kind, plan=None):
     twin.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(2)), plan=plan),
     return_carry=True,
   )
+  if pure:
+    calls = []
+    for layer in (rnn, pair):
+      graph, state = nnx.split(layer)
+      call = jax.jit(lambda s, x, n, g=graph: nnx.merge(g, s)(x, seq_lengths=n))
+      calls.append(functools.partial(call, state))
+    return calls
   jitted = nnx.jit(lambda layer, x, n: layer(x, seq_lengths=n))
   return [lambda x, n, layer=layer: jitted(layer, x, n) for layer in (rnn, pair)]
 

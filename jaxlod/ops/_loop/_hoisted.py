@@ -336,14 +336,18 @@ def hoisted_rnn(
     ``(outputs, final_carry)`` as `jaxlod.ops.dynamic_rnn` returns them:
     outputs ``values [token_capacity, *batch, hidden]``.
   """
-  xs = tuple(x.with_values(v) for v in hoisted_inputs(cell, x.values, init_carry))
+  first, *rest = hoisted_inputs(cell, x.values, init_carry)
   settings = dict(reverse=reverse, ladder=ladder, remat=remat, plan=plan)
 
   def run(w_rec, b_rec, xs, init, table):
+    # One LoDTensor crosses the custom VJP and lends its LoD to the other
+    # inputs inside it, so that they share one offsets array and the loop
+    # needs no check that their LoDs agree.
+    lod, *rest = xs
     step = recurrent_step(cell, w_rec, b_rec)
     return phased_rnn(
       step,
-      xs,
+      (lod, *(lod.with_values(v) for v in rest)),
       init_carry=init,
       static_inputs=None,
       table=table,
@@ -356,4 +360,4 @@ def hoisted_rnn(
     return previous_hidden(y.values, y.offsets[-1], cell.hidden(init), reverse)
 
   loop = hoisted_loop(cell, run, previous)
-  return loop(cell.w_rec, cell.b_rec, xs, init_carry, table)
+  return loop(cell.w_rec, cell.b_rec, (x.with_values(first), *rest), init_carry, table)
