@@ -349,9 +349,8 @@ def nan_where_unsound(tree: Any, faults: Any, shape: Layout, time: bool = True) 
   finite and wrong: the layer returns plain arrays, which carry no fault
   record, and checks nothing through `jax.experimental.checkify` (an
   effect: JAX would dispatch every call of a jitted step on its slower
-  path). Leaves are ``[*batch,
-  time, ...]`` (``[time, *batch, ...]`` with `time_major`) with `time`, and
-  ``[*batch, ...]`` without.
+  path). Leaves are ``[*batch, time, ...]`` (``[time, *batch, ...]`` with
+  `time_major`) with `time`, and ``[*batch, ...]`` without.
   """
   lengths = shape.lengths
   bad = (lengths < 0) | (lengths > shape.time)

@@ -240,6 +240,7 @@ def sequence_unpad(
   real = Capacity(total(lengths), (num,), (longest(lengths),))
   bound = Capacity(count * time, (count,), (time,))
   cap = output_capacity(capacity, bound=bound, real=real, where="sequence_unpad")
+  lengths = jnp.clip(lengths, 0, time)  # a no-op unless a check above failed
   return with_faults(_pack(padded, lengths, num, cap), fault_unless(ok, Fault.INPUT))
 
 
@@ -261,10 +262,9 @@ def unpad_unchecked(
 
 
 def _pack(padded: jax.Array, lengths: jax.Array, num: Any, cap: Capacity) -> LoDTensor:
-  """The first ``lengths[i]`` rows of each ``padded[i]`` (lengths clipped to
-  ``[0, time]``) as a LoDTensor of capacity `cap`."""
+  """The first ``lengths[i]`` rows of each ``padded[i]`` (lengths in ``[0,
+  time]``) as a LoDTensor of capacity `cap`."""
   time = padded.shape[1]
-  lengths = jnp.clip(lengths, 0, time)  # a no-op unless a check failed
   offsets = offsets_from_lengths(lengths)
   row_cell, row_valid = _padded_cells(rows_of(offsets, cap.tokens), time)
   cell_row, cell_valid = _padded_rows(offsets, time, cap.tokens)

@@ -343,11 +343,11 @@ def hoisted_rnn(
     # One LoDTensor crosses the custom VJP and lends its LoD to the other
     # inputs inside it, so that they share one offsets array and the loop
     # needs no check that their LoDs agree.
-    lod, *rest = xs
+    lod, *others = xs
     step = recurrent_step(cell, w_rec, b_rec)
     return phased_rnn(
       step,
-      (lod, *(lod.with_values(v) for v in rest)),
+      (lod, *(lod.with_values(v) for v in others)),
       init_carry=init,
       static_inputs=None,
       table=table,
