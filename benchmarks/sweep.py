@@ -31,14 +31,7 @@ state) and, with ``--modes train,forward``, the forward pass of:
     step's: the time is what counts here);
   * ``torch_packed``: ``pack_padded_sequence`` (inside the step, as the
     drop-in packs inside its own) and ``nn.LSTM`` over the packed batch,
-    where batch x time is at most ``TORCH_PACKED_MAX_CELLS``;
-  * ``floor``: what skipping every padded cell could cost in XLA, timed
-    and not compared: one bare `jax.lax.scan` of the same LSTM over
-    ``ceil(sum(lengths) / batch)`` steps at the full batch (the real cells
-    and no more), its input projection one product before the loop, no
-    masks, no packing and no ranking. Where the floor is slower than a
-    padded arm, no loop plan can beat that arm on this backend: the cost
-    of a step is XLA's, not the plan's.
+    where batch x time is at most ``TORCH_PACKED_MAX_CELLS``.
 
 The torch arms run when torch is installed. ``ideal`` is the padding's
 cost, padded cells over real ones: the speed-up skipping every padded cell
@@ -46,11 +39,9 @@ would give at the same cost per cell. Per cell the report gives each
 arm's median, ``speedup_vs_best_padded`` (the fastest of ``flax`` and
 ``torch_padded`` over ``dropin``), ``fraction_of_ideal`` (``flax`` over
 ``dropin``, divided by ``ideal``), the fastest plan and the differences
-of the drop-in's and each plan's results from Flax's, and
-``floor_speedup_vs_best_padded`` (the fastest padded arm over the floor).
-The summary gives the worst cell and the median fraction of the ideal over
-the cells where the ideal is at least 1.5, against the issue's goals, and
-the cells below 1.0x where the floor is below 1.0x too.
+of the drop-in's and each plan's results from Flax's. The summary gives
+the worst cell and the median fraction of the ideal over the cells where
+the ideal is at least 1.5, against the issue's goals.
 
 Run:
   python -m benchmarks.sweep [--batches 8,32,128] [--times 8,16,64,256,1024]
@@ -189,42 +180,6 @@ def torch_arm(params: Any, x: np.ndarray, lengths: np.ndarray, packed: bool):
   return rnn.Arm(forward, train, (), None, {}, sync)
 
 
-def lstm_floor(params: Any, x: jax.Array) -> tuple[Any, jax.Array]:
-  """``(carry, outputs)`` of ``flax.linen.OptimizedLSTMCell``'s recurrence
-  with parameters `params` over every step of ``x [batch, steps, features]``
-  from a zero carry, as one bare `jax.lax.scan`: the input projection of
-  all rows one product before the loop, the recurrent product per step."""
-  gates = "ifgo"
-  w_in = jnp.concatenate([params[f"i{g}"]["kernel"] for g in gates], 1)
-  w_rec = jnp.concatenate([params[f"h{g}"]["kernel"] for g in gates], 1)
-  bias = jnp.concatenate([params[f"h{g}"]["bias"] for g in gates])
-  projected = jnp.einsum("btf,fg->tbg", x, w_in) + bias
-
-  def step(carry, z):
-    c, h = carry
-    i, f, g, o = jnp.split(z + h @ w_rec, 4, axis=-1)
-    c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
-    h = jax.nn.sigmoid(o) * jnp.tanh(c)
-    return (c, h), h
-
-  zeros = jnp.zeros((x.shape[0], w_rec.shape[0]), x.dtype)
-  carry, ys = jax.lax.scan(step, (zeros, zeros), projected)
-  return carry, jnp.moveaxis(ys, 0, 1)
-
-
-def floor_arm(x: np.ndarray, lengths: np.ndarray) -> rnn.Arm:
-  """`lstm_floor` over ``ceil(sum(lengths) / batch)`` steps of `x`."""
-
-  def loss(params, x):
-    carry, y = lstm_floor(params, x)
-    return jnp.sum(jnp.square(y)) + jnp.sum(rnn.final_hidden(carry))
-
-  steps = -(-int(lengths.sum()) // x.shape[0])
-  traces = {"train": 0}
-  train = rnn._train_step(loss, traces)
-  return rnn.Arm(jax.jit(lstm_floor), train, (jnp.asarray(x[:, :steps]),), None, traces)
-
-
 def _lstm_workload(hidden: int) -> rnn.Workload:
   """The `rnn.Workload` fields the weight converter reads (cell, hidden)."""
   return rnn.Workload("sweep", "lstm", 0, hidden, hidden, 0, 0, None)
@@ -245,7 +200,6 @@ def build_arms(cell, params, x, lengths, plans: list[str]) -> dict[str, rnn.Arm]
     arms["torch_padded"] = torch_arm(params, x, lengths, packed=False)
     if x.shape[0] * x.shape[1] <= TORCH_PACKED_MAX_CELLS:
       arms["torch_packed"] = torch_arm(params, x, lengths, packed=True)
-  arms["floor"] = floor_arm(x, lengths)
   return arms
 
 
@@ -256,7 +210,7 @@ def differences(arms: dict[str, rnn.Arm], params: Any) -> dict[str, float]:
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
   out = {}
   for name, arm in arms.items():
-    if name in ("flax", "floor") or name.startswith("torch"):
+    if name == "flax" or name.startswith("torch"):
       continue
     loss, grads = arm.train(params, *arm.inputs)
     diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, ref_grads)
@@ -282,7 +236,6 @@ def mode_summary(medians: dict[str, float], ideal: float) -> dict[str, Any]:
     "speedup_vs_torch_packed": rnn._ratio(medians.get("torch_packed"), dropin),
     "fastest_plan": fastest and fastest.removeprefix("plan_"),
     "fastest_plan_speedup_vs_best_padded": fastest and padded[best] / plans[fastest],
-    "floor_speedup_vs_best_padded": rnn._ratio(padded[best], medians.get("floor")),
   }
 
 
@@ -349,12 +302,6 @@ def summarize(cells: list[dict], mode: str = "train") -> dict[str, Any]:
     "worst_cell": key(worst),
     "cells_below_1": sorted(
       key(c) for c in done if c[mode]["speedup_vs_best_padded"] < 1.0
-    ),
-    "cells_below_1_with_floor_below_1": sorted(
-      key(c)
-      for c in done
-      if c[mode]["speedup_vs_best_padded"] < 1.0
-      and (c[mode]["floor_speedup_vs_best_padded"] or 1.0) < 1.0
     ),
     "cells_with_ideal_at_least_1_5": len(padded),
     "median_fraction_of_ideal": statistics.median(fractions) if fractions else None,
