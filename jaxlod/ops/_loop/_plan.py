@@ -147,15 +147,15 @@ class LoopPlan:
 _ACCELERATOR = LoopPlan(bodies=1, chunk=8)
 
 
-# The CPU's rule per padded shape, from benchmarks/results/sweep.json (the
-# drop-in LSTM's training step): at 8 sequences the hoisted ladder was a
-# median 1.30 times as fast as the ladder whatever the steps; at 32
-# sequences up to 64 steps a median 1.02 times (a draw); the plain ladder
-# won where lengths vary at 32 sequences over 256 steps and more (all but
-# one cell) and at 128 (every cell).
+# The CPU's rule per padded shape, from the sweep committed in 552d165
+# (the drop-in LSTM's training step, each plan's time over its cell's
+# fastest plan, geometric mean over the hidden sizes and length profiles):
+# at 8 sequences up to 256 steps the hoisted ladder 1.00 to 1.04, the
+# ladder 1.14 to 1.24; at 8 sequences of 1,024 steps the ladder 1.01, the
+# hoisted ladder 1.12; at 32 sequences the ladder 1.01 to 1.06 at every
+# time, the hoisted ladder 1.12 to 1.42; at 128 the ladder 1.00 to 1.02.
 _HOIST_SEQUENCES = 8
-_HOIST_FEW_SEQUENCES = 32
-_HOIST_FEW_STEPS = 64
+_HOIST_STEPS = 256
 
 
 def plan_backend(backend: str | None) -> str:
@@ -181,10 +181,10 @@ def default_plan(
   * ``"cpu"``: `LoopPlan()`, the ladder and one step per iteration. Given
     the batch's `sequences` and `time` (the drop-in RNNs pass their padded
     shape), the rule measured by ``benchmarks/sweep.py``:
-    ``LoopPlan(hoist=True)`` for at most 8 sequences, or at most 32 over
-    at most 64 steps, where the input projection as one product over all
-    rows beats a product per step; the ladder otherwise, where its
-    shrinking batches pay most (see "Plans per shape" in the guide).
+    ``LoopPlan(hoist=True)`` for at most 8 sequences over at most 256
+    steps, where the input projection as one product over all rows beats
+    a product per step; the ladder otherwise, where its shrinking batches
+    pay most (see "Plans per shape" in the guide).
   * ``"gpu"``, ``"tpu"`` and any other: ``LoopPlan(bodies=1, chunk=8)``:
     one body at the full batch (rows are nearly free there; a TPU pads
     rows to tiles) and 8 steps per host wait, whatever the shape.
@@ -211,9 +211,7 @@ def default_plan(
     return _ACCELERATOR
   if sequences is None:
     return LoopPlan()
-  if sequences <= _HOIST_SEQUENCES or (
-    sequences <= _HOIST_FEW_SEQUENCES and time <= _HOIST_FEW_STEPS
-  ):
+  if sequences <= _HOIST_SEQUENCES and time <= _HOIST_STEPS:
     return LoopPlan(hoist=True)
   return LoopPlan()
 
