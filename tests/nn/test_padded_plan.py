@@ -191,7 +191,7 @@ def _trace(layer, batch, time, **call):
 
 @pytest.mark.parametrize(
   ("batch", "time", "hoist"),
-  [(4, 16, True), (8, 256, True), (8, 257, False), (32, 8, False), (64, 8, False)],
+  [(4, 16, True), (8, 256, True), (8, 1024, True), (9, 8, False), (32, 8, False)],
 )
 def test_the_drop_in_picks_its_plan_per_shape(hoisted_calls, batch, time, hoist):
   _trace(linen.RNN(nn.LSTMCell(HIDDEN)), batch, time)

@@ -186,9 +186,10 @@ def test_default_plan_per_shape():
   """On a CPU the padded shape picks the plan (benchmarks/sweep.py); on an
   accelerator, and without a shape, the backend alone."""
   hoisted, ladder = LoopPlan(hoist=True), LoopPlan()
-  for sequences, time in [(1, 1), (8, 8), (8, 256), (1, 256), (0, 0)]:
+  hoisted_shapes = [(1, 1), (8, 8), (8, 256), (8, 257), (8, 1024), (1, 4096), (0, 0)]
+  for sequences, time in hoisted_shapes:
     assert default_plan("cpu", sequences=sequences, time=time) == hoisted
-  ladder_shapes = [(8, 257), (8, 1024), (9, 8), (32, 8), (32, 64), (128, 1024)]
+  ladder_shapes = [(9, 8), (9, 1024), (32, 8), (32, 64), (128, 1024)]
   for sequences, time in ladder_shapes:
     assert default_plan("cpu", sequences=sequences, time=time) == ladder
   assert default_plan("gpu", sequences=8, time=8) == ACCELERATOR

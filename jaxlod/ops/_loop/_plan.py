@@ -151,13 +151,14 @@ _ACCELERATOR = LoopPlan(bodies=1, chunk=8)
 # (the drop-in LSTM's training step, each plan's time over its cell's
 # fastest plan, geometric mean over the hidden sizes and length profiles):
 # at 8 sequences up to 256 steps the hoisted ladder 1.00 to 1.04, the
-# ladder 1.14 to 1.24; at 8 sequences of 1,024 steps the ladder 1.01, the
-# hoisted ladder 1.12; at 32 sequences the ladder 1.01 to 1.06 at every
+# ladder 1.14 to 1.24; at 32 sequences the ladder 1.01 to 1.06 at every
 # time, the hoisted ladder 1.12 to 1.42; at 128 the ladder 1.00 to 1.02.
-# In the run under this rule (1fe558a) the two were a draw at 8 sequences
-# of 1,024 steps (the ladder 1.05, the hoisted ladder 1.03).
+# At 8 sequences of 1,024 steps the ladder won that run (1.01 against
+# 1.12) and drew the next (1.05 against 1.03); since the hoisted loop's
+# backward multiplies by a transposed copy of the recurrent kernel
+# (a29f540), the hoisted ladder took 0.74 to 0.97 times the ladder's time
+# in all six of those cells (geometric mean 0.84).
 _HOIST_SEQUENCES = 8
-_HOIST_STEPS = 256
 
 
 def plan_backend(backend: str | None) -> str:
@@ -183,10 +184,11 @@ def default_plan(
   * ``"cpu"``: `LoopPlan()`, the ladder and one step per iteration. Given
     the batch's `sequences` and `time` (the drop-in RNNs pass their padded
     shape), the rule measured by ``benchmarks/sweep.py``:
-    ``LoopPlan(hoist=True)`` for at most 8 sequences over at most 256
-    steps, where the input projection as one product over all rows beats
-    a product per step; the ladder otherwise, where its shrinking batches
-    pay most (see "Plans per shape" in the guide).
+    ``LoopPlan(hoist=True)`` for at most 8 sequences, where the input
+    projection as one product over all rows beats a product per step; the
+    ladder otherwise, where its shrinking batches pay most (see "Plans per
+    shape" in the guide). The rule reads `sequences` only; `time` is
+    checked and kept for rules that read it.
   * ``"gpu"``, ``"tpu"`` and any other: ``LoopPlan(bodies=1, chunk=8)``:
     one body at the full batch (rows are nearly free there; a TPU pads
     rows to tiles) and 8 steps per host wait, whatever the shape.
@@ -213,7 +215,7 @@ def default_plan(
     return _ACCELERATOR
   if sequences is None:
     return LoopPlan()
-  if sequences <= _HOIST_SEQUENCES and time <= _HOIST_STEPS:
+  if sequences <= _HOIST_SEQUENCES:
     return LoopPlan(hoist=True)
   return LoopPlan()
 
