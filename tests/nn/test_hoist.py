@@ -244,6 +244,34 @@ def test_hoisted_gradients_against_finite_differences():
     check_grads(loss, args, order=1, modes=("rev",))
 
 
+def _loop_products(jaxpr, inside=False):
+  """The ``dot_general`` equations of `jaxpr` inside a ``while`` loop's body,
+  at any depth."""
+  for eqn in jaxpr.eqns:
+    if inside and eqn.primitive.name == "dot_general":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _loop_products(sub, inside or eqn.primitive.name == "while")
+
+
+@pytest.mark.parametrize("name", ["optimized_lstm", "gru"])
+def test_hoisted_backward_loop_reads_the_recurrent_kernel_row_major(name):
+  # Each step's backward multiplies by a transposed copy of the kernel made
+  # before the loop (``g @ w_t``), never by the kernel's transpose (``g @
+  # w.T``), which XLA's CPU product runs slower with few rows.
+  layer_fn, _, args = _linen_runs(LINEN_CELLS[name], jnp.float32, False)
+  loss = lambda *args: layer_fn(False, HOIST)(*args)[0]  # noqa: E731
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
+  products = list(_loop_products(jaxpr))
+  assert products  # the forward's ``h @ w`` and the backward's ``g @ w_t``
+  for eqn in products:
+    (_, rhs_contracting), _ = eqn.params["dimension_numbers"]
+    assert tuple(rhs_contracting) == (0,), eqn
+
+
 # -- the previous hidden state of each row -------------------------------------------
 
 

@@ -221,10 +221,11 @@ def _recurrent_product(precision: Any) -> Callable:
   VJP gives `h`'s cotangent only, ``g [..., width] @ w_t [width, hidden]``.
 
   `w_t` is `w` transposed once before the loop. Each step's backward then
-  multiplies row-major operands: XLA's CPU product ``g @ w.T`` takes up to
-  twice as long as ``g @ w_t`` (8 rows of an LSTM of hidden size 256). The
-  kernel's own gradient is not computed here: `hoisted_loop` computes it in
-  one product after the loop, so the loop differentiates `h` alone.
+  multiplies row-major operands: with few rows, XLA's CPU product
+  ``g @ w.T`` is slower than ``g @ w_t`` (``benchmarks/sweep.py``'s cells
+  of 8 sequences). The kernel's own gradient is not computed here:
+  `hoisted_loop` computes it in one product after the loop, so the loop
+  differentiates `h` alone.
   """
 
   @jax.custom_vjp
