@@ -157,7 +157,8 @@ _ACCELERATOR = LoopPlan(bodies=1, chunk=8)
 # 1.12) and drew the next (1.05 against 1.03); since the hoisted loop's
 # backward multiplies by a transposed copy of the recurrent kernel
 # (a29f540), the hoisted ladder took 0.74 to 0.97 times the ladder's time
-# in all six of those cells (geometric mean 0.84).
+# in all six of those cells (geometric mean 0.84,
+# benchmarks/results/sweep_b8_t1024.json).
 _HOIST_SEQUENCES = 8
 
 
